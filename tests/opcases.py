@@ -1,0 +1,98 @@
+"""Inputs for the op tests and the comparison against the float64 reference."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from timm_flashwin.reference import window_attention_reference
+
+#: Relative error bound (||x - ref|| / ||ref||) against the float64 reference, for the
+#: output and every gradient. These are the numbers the README states.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+#: Logit scales below and above the clamp at ln(100), per head.
+LOGIT_SCALES = [math.log(5.0), math.log(200.0), math.log(30.0), math.log(100.0), 0.0, math.log(60.0)]
+
+
+def shift_mask(num_windows: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """A mask like timm's shifted-window mask: 0 within a region, -100 across regions."""
+    regions = torch.randint(0, 3, (num_windows, n), generator=generator)
+    same = regions[:, :, None] == regions[:, None, :]
+    return torch.where(same, 0.0, -100.0)
+
+
+@dataclass
+class Case:
+    qkv: torch.Tensor
+    num_heads: int
+    bias: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+    scale: Optional[float]
+    logit_scale: Optional[torch.Tensor]
+    grad_out: torch.Tensor
+
+    def kwargs(self, **override) -> Dict:
+        kw = dict(bias=self.bias, mask=self.mask, scale=self.scale, logit_scale=self.logit_scale)
+        kw.update(override)
+        return kw
+
+    def leaves(self) -> List[torch.Tensor]:
+        return [t for t in (self.qkv, self.bias, self.logit_scale) if t is not None]
+
+
+def make_case(windows: int, num_windows: int, heads: int, n: int, head_dim: int, *, cosine: bool, masked: bool,
+              dtype: torch.dtype, device, param_dtype: torch.dtype = torch.float32, seed: int = 0,
+              with_bias: bool = True) -> Case:
+    """Random inputs in the dtypes a patched model passes: qkv (and grad) in ``dtype``,
+    bias and logit scale in ``param_dtype`` (float32 under autocast)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(windows, n, 3 * heads * head_dim, generator=g).to(dtype)
+    bias = (2 * torch.randn(heads, n, n, generator=g)).to(param_dtype) if with_bias else None
+    mask = shift_mask(num_windows, n, g) if masked else None
+    logit_scale = None
+    scale = None
+    if cosine:
+        logit_scale = torch.tensor([LOGIT_SCALES[h % len(LOGIT_SCALES)] for h in range(heads)]).to(param_dtype)
+    else:
+        scale = head_dim ** -0.5
+    grad_out = torch.randn(windows, n, heads * head_dim, generator=g).to(dtype)
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return Case(move(qkv), heads, move(bias), move(mask), scale, move(logit_scale), move(grad_out))
+
+
+def forward_backward(fn, case: Case, dtype: Optional[torch.dtype] = None) -> List[torch.Tensor]:
+    """[out, d qkv, d bias, d logit_scale] (those that exist), inputs cast to ``dtype``."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in case.leaves()]
+    it = iter(leaves)
+    qkv = next(it)
+    bias = next(it) if case.bias is not None else None
+    logit_scale = next(it) if case.logit_scale is not None else None
+    mask = case.mask.to(dtype) if (case.mask is not None and dtype is not None) else case.mask
+    out = fn(qkv, case.num_heads, bias=bias, mask=mask, scale=case.scale, logit_scale=logit_scale)
+    out.backward(case.grad_out.to(out.dtype))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def reference_forward_backward(case: Case) -> List[torch.Tensor]:
+    return forward_backward(window_attention_reference, case, torch.float64)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def assert_matches_reference(results, reference, tol: float, names=("out", "d_qkv", "d_bias", "d_logit_scale")):
+    """Every result within ``tol`` relative error of the reference; on failure the
+    element-wise report of torch.testing.assert_close says where."""
+    assert len(results) == len(reference)
+    for name, actual, expected in zip(names, results, reference):
+        assert actual is not None, f"{name}: no gradient"
+        assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        err = relative_error(actual, expected)
+        if not err <= tol:  # also catches NaN
+            torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=0,
+                                       msg=lambda m: f"{name}: relative error {err:.2e} > {tol:.0e}\n{m}")

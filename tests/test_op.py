@@ -1,0 +1,326 @@
+"""The op against the float64 reference: forward and every gradient.
+
+Runs the real Triton kernels: on the GPU when there is one, otherwise under the Triton
+interpreter on CPU tensors (set up by conftest.py).
+"""
+import math
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, KERNEL_DEVICE
+from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
+                     relative_error)
+from timm_flashwin import window_attention
+from timm_flashwin.op import uses_kernels, window_attention_fwd
+from timm_flashwin.reference import LOGIT_SCALE_MAX, window_attention_reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (N, head_dim) from the issue's grid; N=42 is a 6x7 window, 144 runs the multi-block path.
+TOKENS = [1, 9, 16, 42, 49, 64, 144]
+HEAD_DIMS = [16, 32, 48]
+
+
+def test_kernels_are_what_runs():
+    case = make_case(2, 1, 2, 4, 8, cosine=False, masked=False, dtype=torch.float32, device=KERNEL_DEVICE)
+    assert uses_kernels(case.qkv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("n", TOKENS)
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_matches_float64_reference(cosine, masked, n, head_dim, dtype):
+    # nW = 2 windows per image, B_ = 2 * nW; 3 heads, whose logit scales sit below, above
+    # and at the clamp (see opcases.LOGIT_SCALES).
+    case = make_case(4, 2, 3, n, head_dim, cosine=cosine, masked=masked, dtype=dtype, device=KERNEL_DEVICE,
+                     seed=n * 1000 + head_dim)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
+                             TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_parameters_in_input_dtype(cosine):
+    """model.half(): bias and logit scale in the activations' dtype."""
+    case = make_case(4, 2, 3, 49, 32, cosine=cosine, masked=True, dtype=torch.float16, device=KERNEL_DEVICE,
+                     param_dtype=torch.float16)
+    results = forward_backward(window_attention, case)
+    assert [r.dtype for r in results[2:]] == [torch.float16] * len(results[2:])
+    assert_matches_reference(results, reference_forward_backward(case), TOLERANCE[torch.float16])
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_no_bias(cosine):
+    case = make_case(4, 2, 3, 49, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE,
+                     with_bias=False)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case), 1e-4,
+                             names=("out", "d_qkv", "d_logit_scale"))
+
+
+def test_many_windows_per_program():
+    """More windows than programs: each program loops over several windows and sums
+    the bias gradient over them."""
+    case = make_case(48, 4, 2, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case), 1e-4)
+
+
+def test_strided_qkv_is_read_without_copy():
+    """qkv as a view with padded token and channel strides gives the same result."""
+    case = make_case(4, 2, 3, 49, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    wide = torch.zeros(4, 49 * 2, case.qkv.shape[-1] + 8, device=KERNEL_DEVICE)
+    view = wide[:, ::2, 4:-4]
+    view.copy_(case.qkv)
+    assert not view.is_contiguous()
+    out = window_attention(view, 3, **case.kwargs())
+    torch.testing.assert_close(out, window_attention(case.qkv, 3, **case.kwargs()), rtol=0, atol=0)
+
+
+def test_logit_scale_gradient_stops_at_the_clamp():
+    case = make_case(4, 2, 3, 16, 16, cosine=True, masked=False, dtype=torch.float32, device=KERNEL_DEVICE)
+    case.logit_scale = torch.tensor([1.0, LOGIT_SCALE_MAX - 1e-3, LOGIT_SCALE_MAX + 0.5], device=KERNEL_DEVICE)
+    results = forward_backward(window_attention, case)
+    d_logit = results[3]
+    assert d_logit[0] != 0 and d_logit[1] != 0
+    assert d_logit[2] == 0  # clamped: no gradient, as torch.clamp gives
+    assert_matches_reference(results, reference_forward_backward(case), 1e-4)
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_fully_masked_row_is_nan_like_the_reference(cosine):
+    case = make_case(4, 2, 3, 16, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    mask = case.mask.clone()
+    mask[1, 5, :] = float("-inf")  # window 1, query 5: nothing to attend to
+    mask[0, 3, ::2] = float("-inf")  # partly masked: still finite
+    case.mask = mask
+    results = forward_backward(window_attention, case)
+    reference = reference_forward_backward(case)
+    for got, ref in zip(results, reference):
+        assert torch.equal(got.isnan(), ref.isnan())
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert results[0][1::2, 5].isnan().all() and not results[0][0::2].isnan().any()
+
+
+def test_nan_input_propagates_like_the_reference():
+    case = make_case(4, 2, 3, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    case.qkv = case.qkv.clone()
+    case.qkv[2, 7, 0] = float("nan")  # a query element of head 0 in window 2
+    out = window_attention(case.qkv, 3, **case.kwargs())
+    ref = window_attention_reference(case.qkv.double(), 3, **case.kwargs())
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
+
+
+def test_lse_output_is_not_differentiable_and_op_is_registered():
+    assert hasattr(torch.ops.timm_flashwin, "window_attention_fwd")
+    assert hasattr(torch.ops.timm_flashwin, "window_attention_bwd")
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_opcheck(cosine):
+    """Schema, fake tensor, autograd registration and AOT dispatch of the operator."""
+    case = make_case(2, 2, 2, 9, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    head_scale = None
+    if cosine:
+        head_scale = torch.clamp(case.logit_scale, max=LOGIT_SCALE_MAX).exp().requires_grad_()
+    args = (case.qkv.requires_grad_(), 2, case.bias.requires_grad_(), case.mask, head_scale,
+            case.scale or 1.0, cosine)
+    torch.library.opcheck(window_attention_fwd, args)
+
+
+def test_compiles_without_graph_break():
+    """dynamo traces a function calling the op in one graph (fullgraph) and autograd
+    goes through the registered backward."""
+    case = make_case(4, 2, 3, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    fn = torch.compile(window_attention, fullgraph=True, backend="aot_eager")
+    results = forward_backward(fn, case)
+    assert_matches_reference(results, reference_forward_backward(case), 1e-4)
+
+
+def test_plain_cpu_path_matches_reference(monkeypatch):
+    """Without the interpreter, CPU tensors go through PyTorch with the same result."""
+    from timm_flashwin import op
+    monkeypatch.setattr(op, "uses_kernels", lambda qkv: False)
+    case = make_case(4, 2, 3, 49, 16, cosine=True, masked=True, dtype=torch.float32, device="cpu")
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case), 1e-5)
+
+
+def test_float64_runs_in_pytorch():
+    case = make_case(4, 2, 3, 9, 16, cosine=False, masked=True, dtype=torch.float64, device=KERNEL_DEVICE,
+                     param_dtype=torch.float64)
+    assert not uses_kernels(case.qkv)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case), 1e-12)
+
+
+# ----------------------------------------------------------------------------- bad input
+def _ok(**override):
+    case = make_case(4, 2, 2, 9, 8, cosine=False, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    args = dict(qkv=case.qkv, num_heads=2, bias=case.bias, mask=case.mask, scale=case.scale, logit_scale=None)
+    args.update(override)
+    return args
+
+
+def _call(args):
+    args = dict(args)
+    return window_attention(args.pop("qkv"), args.pop("num_heads"), **args)
+
+
+BAD_INPUTS = [
+    ("qkv", TypeError, lambda: _ok(qkv=[[1.0]])),
+    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 9))),
+    ("qkv", TypeError, lambda: _ok(qkv=torch.zeros(4, 9, 48, dtype=torch.int32))),
+    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 9, 50))),  # not divisible by 3 * H
+    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 9, 3 * 2 * 12))),  # head_dim 12
+    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 9, 3 * 2 * 264))),  # head_dim 264 > 256
+    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 1025, 48), bias=None, mask=None)),  # N > 1024
+    ("num_heads", ValueError, lambda: _ok(num_heads=0)),
+    ("num_heads", ValueError, lambda: _ok(num_heads=2.0)),
+    ("bias", ValueError, lambda: _ok(bias=torch.zeros(2, 9, 8))),
+    ("bias", ValueError, lambda: _ok(bias=torch.zeros(3, 9, 9))),
+    ("bias", ValueError, lambda: _ok(bias=torch.zeros(2, 2, 9, 9))),
+    ("bias", TypeError, lambda: _ok(bias=torch.zeros(2, 9, 9, dtype=torch.float64))),
+    ("bias", TypeError, lambda: _ok(bias="table")),
+    ("mask", ValueError, lambda: _ok(mask=torch.zeros(3, 9, 9))),  # 3 does not divide B_ = 4
+    ("mask", ValueError, lambda: _ok(mask=torch.zeros(2, 9, 8))),
+    ("mask", ValueError, lambda: _ok(mask=torch.zeros(2, 1, 9, 9))),
+    ("mask", TypeError, lambda: _ok(mask=torch.zeros(2, 9, 9, dtype=torch.bool))),
+    ("scale", TypeError, lambda: _ok(scale="0.1")),
+    ("scale", TypeError, lambda: _ok(scale=None)),  # neither scale nor logit_scale
+    ("logit_scale", TypeError, lambda: _ok(logit_scale=torch.zeros(2))),  # both given
+    ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=torch.zeros(3))),
+    ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=torch.zeros(2, 2))),
+]
+if HAS_CUDA:
+    BAD_INPUTS.append(("bias", ValueError, lambda: _ok(bias=torch.zeros(2, 9, 9, device="cpu"))))
+else:
+    BAD_INPUTS.append(("bias", ValueError, lambda: _ok(bias=torch.zeros(2, 9, 9, device="meta"))))
+
+
+@pytest.mark.parametrize("argument,error,make_args", BAD_INPUTS, ids=[f"{a}-{i}" for i, (a, _, _) in
+                                                                      enumerate(BAD_INPUTS)])
+def test_bad_input_names_the_argument(argument, error, make_args):
+    with pytest.raises(error, match=f"`{argument}`"):
+        _call(make_args())
+
+
+def test_bad_input_message_says_expected_and_got():
+    with pytest.raises(ValueError) as info:
+        _call(_ok(mask=torch.zeros(3, 9, 9)))
+    assert "nW dividing B_ = 4" in str(info.value) and "nW = 3" in str(info.value)
+
+
+# ----------------------------------------------------------------------------- GPU only
+GPU_SHAPES = [  # (B_, nW, H, N, D)
+    (64, 16, 3, 49, 32), (32, 4, 4, 64, 32), (16, 4, 4, 144, 32), (8, 2, 2, 256, 64),
+    (4, 2, 2, 576, 32), (2, 1, 2, 1024, 32), (8, 2, 2, 64, 128), (4, 2, 2, 49, 256), (2, 1, 1, 576, 256),
+    (8, 2, 3, 100, 24),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_gpu_large_shapes(cosine, shape, dtype):
+    windows, num_windows, heads, n, head_dim = shape
+    case = make_case(windows, num_windows, heads, n, head_dim, cosine=cosine, masked=True, dtype=dtype,
+                     device="cuda", seed=n + head_dim)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
+                             TOLERANCE[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_gpu_autocast_fp32_parameters(cosine, dtype):
+    """The qkv linear under autocast gives bf16/fp16 activations; bias and logit scale
+    stay float32 parameters, and their gradients come back float32."""
+    heads, n, head_dim, dim = 3, 49, 32, 96
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(32, n, dim, device="cuda", generator=g)
+    linear = torch.nn.Linear(dim, 3 * heads * head_dim, device="cuda")
+    case = make_case(32, 8, heads, n, head_dim, cosine=cosine, masked=True, dtype=torch.float32, device="cuda")
+    bias = case.bias.clone().requires_grad_()
+    logit_scale = case.logit_scale.clone().requires_grad_() if cosine else None
+    with torch.autocast("cuda", dtype=dtype):
+        qkv = linear(x)
+        assert qkv.dtype == dtype
+        out = window_attention(qkv, heads, bias=bias, mask=case.mask, scale=case.scale, logit_scale=logit_scale)
+    out.float().square().mean().backward()
+    assert bias.grad.dtype == torch.float32
+    qkv_ref = qkv.detach().double().requires_grad_()
+    bias_ref = bias.detach().double().requires_grad_()
+    ls_ref = logit_scale.detach().double().requires_grad_() if cosine else None
+    ref = window_attention_reference(qkv_ref, heads, bias=bias_ref, mask=case.mask.double(), scale=case.scale,
+                                     logit_scale=ls_ref)
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+    ref.float().square().mean().backward()
+    assert relative_error(bias.grad, bias_ref.grad) < TOLERANCE[dtype]
+    if cosine:
+        assert relative_error(logit_scale.grad, ls_ref.grad) < TOLERANCE[dtype]
+
+
+def _compiled_kernel_count() -> int:
+    """Compiled variants of our kernels across Triton versions."""
+    from timm_flashwin.kernels import backward, forward
+    kernels = [forward.window_attention_fwd_kernel, backward.window_attention_bwd_fused_kernel]
+    total = 0
+    for kernel in kernels:
+        caches = getattr(kernel, "device_caches", None)
+        if caches is not None:
+            total += sum(len(entry[0]) for entry in caches.values())
+        else:
+            total += sum(len(c) for c in kernel.cache.values())
+    return total
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_gpu_no_recompile_for_new_batch_windows_or_scale(cosine):
+    def step(windows, num_windows, seed, scale_shift):
+        case = make_case(windows, num_windows, 3, 49, 32, cosine=cosine, masked=True, dtype=torch.bfloat16,
+                         device="cuda", seed=seed)
+        if cosine:
+            case.logit_scale = case.logit_scale + scale_shift
+        else:
+            case.scale = case.scale + scale_shift
+        forward_backward(window_attention, case)
+
+    step(64, 16, 0, 0.0)
+    torch.cuda.synchronize()
+    before = _compiled_kernel_count()
+    for windows, num_windows, seed, shift in [(48, 16, 1, 0.1), (17, 17, 2, -0.2), (130, 65, 3, 0.3), (4, 1, 4, 1.0)]:
+        step(windows, num_windows, seed, shift)
+    torch.cuda.synchronize()
+    assert _compiled_kernel_count() == before
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [49, 144])
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_gpu_torch_compile_fullgraph(cosine, n):
+    """Inductor with the op inside: one graph, forward and backward match eager."""
+    torch._dynamo.reset()
+    case = make_case(16, 4, 3, n, 32, cosine=cosine, masked=True, dtype=torch.bfloat16, device="cuda")
+
+    def block(qkv, bias, mask, logit_scale):
+        out = window_attention(qkv * 1.5, 3, bias=bias * 2, mask=mask, scale=case.scale, logit_scale=logit_scale)
+        return torch.nn.functional.gelu(out)
+
+    compiled = torch.compile(block, fullgraph=True)
+    results = []
+    for fn in (block, compiled):
+        leaves = [t.detach().clone().requires_grad_() for t in case.leaves()]
+        logit_scale = leaves[2] if cosine else None
+        out = fn(leaves[0], leaves[1], case.mask, logit_scale)
+        out.backward(case.grad_out)
+        results.append([out] + [t.grad for t in leaves])
+    for eager, comp in zip(*results):
+        assert relative_error(comp, eager) < 1e-2
+
+
+@pytest.mark.cuda
+def test_gpu_opcheck():
+    case = make_case(8, 4, 2, 49, 32, cosine=True, masked=True, dtype=torch.bfloat16, device="cuda")
+    head_scale = torch.clamp(case.logit_scale, max=math.log(100)).exp().requires_grad_()
+    torch.library.opcheck(window_attention_fwd, (case.qkv.requires_grad_(), 2, case.bias.requires_grad_(),
+                                                 case.mask, head_scale, 1.0, True))

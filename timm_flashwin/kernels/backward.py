@@ -1,0 +1,342 @@
+"""Backward kernels. They recompute the probabilities from q, k, bias, mask and the
+row log-sum-exp saved by the forward; nothing of size N x N is kept between passes.
+
+With logits Z = S + B + M and P = softmax(Z):
+    dV = P^T dO,   dP = dO V^T,   dZ = P * (dP - rowsum(P * dP)),
+    dB[h] = sum over windows of dZ,                      (bias gradient)
+    dQ^ = s dZ K^,   dK^ = s dZ^T Q^,   ds = sum dZ * R  with R = Q^ K^^T,
+    where s is ``scale`` (V1, Q^ = Q) or the cosine head scale; for cosine attention
+    dQ and dK then pass through the normalization (tiles.normalize_backward).
+rowsum(P * dP) equals rowsum(dO * O), which is what the multi-block path precomputes.
+
+Two paths, picked by the launcher:
+
+* N fits one tile: ``window_attention_bwd_fused_kernel`` does everything for a run of
+  windows sharing (head, mask window); it sums dZ over those windows in registers and
+  writes one partial bias gradient per program, summed afterwards by the launcher.
+* Larger N: ``delta`` (rowsum(dO * O)), then ``dkdv``, ``dq`` and ``dbias`` kernels, each
+  over its own output tiles. The bias kernel again loops over windows sharing a tile of
+  B + M and writes partials.
+
+Neither path uses atomics: the gradients are bit-for-bit reproducible.
+"""
+import triton
+import triton.language as tl
+
+from .tiles import LOG2E, head_scale, load_bias_mask, load_qk, load_rows, mma, normalize_backward, store_rows
+
+
+@triton.jit
+def softmax_backward_tile(q, k, v, do, row_max, row_inv_sum, delta, bias_mask, logit_scale2,
+                          FP32_DOT: tl.constexpr, ROW_COMPLETE: tl.constexpr):
+    """Recompute one (query block, key block) tile; returns (P, dZ, R), fp32.
+
+    q, k are the score operands (``load_qk``), R = q k^T the raw product. P comes from
+    the forward's row statistics (row max, 1 / row sum), or, with ROW_COMPLETE (the tile
+    holds whole rows), from a softmax over the tile itself, which also gives
+    rowsum(P * dP); the statistics and ``delta`` are then ignored.
+    """
+    raw = mma(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), FP32_DOT)
+    logits = raw * logit_scale2 + bias_mask
+    if ROW_COMPLETE:
+        # A fully masked row: max -inf, shifted by 0, sum 0, P = 0/0 = NaN as in the reference.
+        row_max = tl.max(logits, 1)
+        p = tl.exp2(logits - tl.where(row_max == float("-inf"), 0.0, row_max)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+    else:
+        p = tl.exp2(logits - row_max[:, None]) * row_inv_sum[:, None]
+    dp = mma(do, tl.trans(v), tl.zeros(p.shape, tl.float32), FP32_DOT)
+    if ROW_COMPLETE:
+        delta = tl.sum(p * dp, 1)
+    ds = p * (dp - delta[:, None])
+    return p, ds, raw
+
+
+@triton.jit
+def load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N: tl.constexpr):
+    """(row max, 1 / row sum, rowsum(dO * O)) of the rows of (window, head) ``bh``.
+    Padded rows read (0, 0, 0), which makes their P and dZ exactly 0."""
+    offs = bh * N + rows
+    row_max = tl.load(stats_ptr + offs, mask=rows < N, other=0.0)
+    row_inv_sum = tl.load(stats_ptr + stats_stride + offs, mask=rows < N, other=0.0)
+    delta = tl.load(delta_ptr + offs, mask=rows < N, other=0.0)
+    return row_max, row_inv_sum, delta
+
+
+@triton.jit
+def input_grad(dx_acc, s, x_hat, x_inv, x_norm, COSINE: tl.constexpr):
+    """dQ or dK from dx_acc = dZ K^ (or dZ^T Q^), fp32: times s, then through the
+    normalization for cosine attention."""
+    dx = dx_acc * s
+    if COSINE:
+        dx = normalize_backward(dx, x_hat, x_inv, x_norm)
+    return dx
+
+
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
+def window_attention_bwd_fused_kernel(
+    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, head_scale_ptr,
+    dqkv_ptr, dbias_partial_ptr, dscale_partial_ptr,
+    scale,
+    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_dout_b, stride_dout_n, stride_dout_c,
+    stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
+    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_mask_w, stride_mask_i, stride_mask_j,
+    num_periods, windows_per_period, windows_per_program,
+    H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr,
+):
+    """Grid: (H * nW * window chunks,). One whole window per tile."""
+    pid = tl.program_id(0)
+    h = pid % H
+    group = (pid // H).to(tl.int64)  # = chunk * num_periods + w
+    w = group % num_periods
+    first = (group // num_periods) * windows_per_program
+    last = tl.minimum(first + windows_per_program, windows_per_period)
+
+    idx = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    s = head_scale(head_scale_ptr, h, scale, COSINE)
+    bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, idx, idx,
+                               stride_bias_h, stride_bias_i, stride_bias_j,
+                               stride_mask_w, stride_mask_i, stride_mask_j,
+                               N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N)
+    dbias_acc = tl.zeros((BLOCK_N, BLOCK_N), tl.float32)
+    dscale_acc = tl.zeros((BLOCK_N, BLOCK_N), tl.float32)
+
+    for window in range(first, last):
+        b = (w + window * num_periods).to(tl.int64)
+        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+        k_base = q_base + (H * D) * stride_qkv_c
+        v_base = k_base + (H * D) * stride_qkv_c
+        q, q_lowp, q_hat, q_inv, q_norm = load_qk(q_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        k, k_lowp, k_hat, k_inv, k_norm = load_qk(k_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        v = load_rows(v_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D)
+        do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, idx, dims,
+                       stride_dout_n, stride_dout_c, N, D)
+        p, ds, raw = softmax_backward_tile(q, k, v, do, s, s, s, bias_mask, s * LOG2E, FP32_DOT, True)
+        ds_lowp = ds.to(q_lowp.dtype)
+        dv = mma(tl.trans(p.to(do.dtype)), do, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
+        dq_acc = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
+        dk_acc = mma(tl.trans(ds_lowp), q_lowp, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
+        dq = input_grad(dq_acc, s, q_hat, q_inv, q_norm, COSINE)
+        dk = input_grad(dk_acc, s, k_hat, k_inv, k_norm, COSINE)
+
+        dq_base = dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c
+        store_rows(dq_base, dq, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+        store_rows(dq_base + (H * D) * stride_dqkv_c, dk, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+        store_rows(dq_base + (2 * H * D) * stride_dqkv_c, dv, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+        if BIAS_GRAD:
+            dbias_acc += ds
+        if SCALE_GRAD:
+            dscale_acc += ds * raw
+
+    if BIAS_GRAD:
+        ptrs = dbias_partial_ptr + ((group * H + h) * N + idx[:, None]) * N + idx[None, :]
+        tl.store(ptrs, dbias_acc, mask=(idx[:, None] < N) & (idx[None, :] < N))
+    if SCALE_GRAD:
+        tl.store(dscale_partial_ptr + group * H + h, tl.sum(tl.sum(dscale_acc, 1), 0))
+
+
+@triton.jit
+def window_attention_bwd_delta_kernel(
+    out_ptr, dout_ptr, delta_ptr,
+    stride_out_b, stride_out_n, stride_out_c,
+    stride_dout_b, stride_dout_n, stride_dout_c,
+    H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO * O (fp32), for the multi-block path."""
+    NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
+    pid = tl.program_id(0)
+    m_block = pid % NUM_M_BLOCKS
+    bh = (pid // NUM_M_BLOCKS).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    o = load_rows(out_ptr + b * stride_out_b + (h * D) * stride_out_c, rows, dims,
+                  stride_out_n, stride_out_c, N, D).to(tl.float32)
+    do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
+                   stride_dout_n, stride_dout_c, N, D).to(tl.float32)
+    tl.store(delta_ptr + bh * N + rows, tl.sum(o * do, 1), mask=rows < N)
+
+
+@triton.jit
+def window_attention_bwd_dkdv_kernel(
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, dqkv_ptr,
+    scale, num_periods, stats_stride,
+    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_dout_b, stride_dout_n, stride_dout_c,
+    stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
+    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_mask_w, stride_mask_i, stride_mask_j,
+    H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks."""
+    NUM_N_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    n_block = pid % NUM_N_BLOCKS
+    bh = (pid // NUM_N_BLOCKS).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    w = b % num_periods
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    s = head_scale(head_scale_ptr, h, scale, COSINE)
+
+    q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+    k_base = q_base + (H * D) * stride_qkv_c
+    v_base = k_base + (H * D) * stride_qkv_c
+    do_base = dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c
+    k, k_lowp, k_hat, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+    dk_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    for start_m in range(0, N, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q, q_lowp, _, _, _ = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
+        row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
+        bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
+                                   stride_bias_h, stride_bias_i, stride_bias_j,
+                                   stride_mask_w, stride_mask_i, stride_mask_j,
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+        p, ds, _ = softmax_backward_tile(q, k, v, do, row_max, row_inv_sum, delta, bias_mask, s * LOG2E, FP32_DOT, False)
+        dv_acc = mma(tl.trans(p.to(do.dtype)), do, dv_acc, FP32_DOT)
+        dk_acc = mma(tl.trans(ds.to(q_lowp.dtype)), q_lowp, dk_acc, FP32_DOT)
+
+    dk = input_grad(dk_acc, s, k_hat, k_inv, k_norm, COSINE)
+    dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
+    store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+    store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+
+
+@triton.jit
+def window_attention_bwd_dq_kernel(
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, dqkv_ptr, dscale_partial_ptr,
+    scale, num_periods, stats_stride,
+    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_dout_b, stride_dout_n, stride_dout_c,
+    stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
+    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_mask_w, stride_mask_i, stride_mask_j,
+    H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+    SCALE_GRAD: tl.constexpr,
+):
+    """Grid: (B_ * H * query blocks,). dQ of one query block, looping over key blocks;
+    also the block's share of d(head scale), written to dscale_partial[b, h, block]."""
+    NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
+    pid = tl.program_id(0)
+    m_block = pid % NUM_M_BLOCKS
+    bh = (pid // NUM_M_BLOCKS).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    w = b % num_periods
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    s = head_scale(head_scale_ptr, h, scale, COSINE)
+
+    q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+    k_base = q_base + (H * D) * stride_qkv_c
+    v_base = k_base + (H * D) * stride_qkv_c
+    q, _, q_hat, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
+                   stride_dout_n, stride_dout_c, N, D)
+    row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
+    dq_acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    # Row sums for d(head scale) = sum_j dZ_ij (R_ij - rbar_i), rbar_i = sum_j P R / sum_j P.
+    # Equal to sum dZ R since sum_j dZ_ij = 0, but insensitive to the rounding of delta
+    # (rowsum(dO * O) is not bit-equal to rowsum(P * dP)), which the cancelling sum of
+    # a large logit scale would otherwise amplify.
+    ds_r = tl.zeros((BLOCK_M,), tl.float32)
+    ds_sum = tl.zeros((BLOCK_M,), tl.float32)
+    p_r = tl.zeros((BLOCK_M,), tl.float32)
+    p_sum = tl.zeros((BLOCK_M,), tl.float32)
+    for start_n in range(0, N, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k, k_lowp, _, _, _ = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+        bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
+                                   stride_bias_h, stride_bias_i, stride_bias_j,
+                                   stride_mask_w, stride_mask_i, stride_mask_j,
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+        p, ds, raw = softmax_backward_tile(q, k, v, do, row_max, row_inv_sum, delta, bias_mask, s * LOG2E,
+                                           FP32_DOT, False)
+        dq_acc = mma(ds.to(k_lowp.dtype), k_lowp, dq_acc, FP32_DOT)
+        if SCALE_GRAD:
+            ds_r += tl.sum(ds * raw, 1)
+            ds_sum += tl.sum(ds, 1)
+            p_r += tl.sum(p * raw, 1)
+            p_sum += tl.sum(p, 1)
+
+    dq = input_grad(dq_acc, s, q_hat, q_inv, q_norm, COSINE)
+    store_rows(dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, dq, rows, dims,
+               stride_dqkv_n, stride_dqkv_c, N, D)
+    if SCALE_GRAD:
+        rbar = p_r / tl.where(p_sum == 0.0, 1.0, p_sum)
+        tl.store(dscale_partial_ptr + pid, tl.sum(tl.where(rows < N, ds_r - ds_sum * rbar, 0.0), 0))
+
+
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
+def window_attention_bwd_dbias_kernel(
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, dbias_partial_ptr,
+    scale, stats_stride,
+    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_dout_b, stride_dout_n, stride_dout_c,
+    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_mask_w, stride_mask_i, stride_mask_j,
+    num_periods, windows_per_period, windows_per_program,
+    H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Grid: (key blocks * query blocks * H * nW * window chunks,). Partial sum of dZ over
+    a run of windows sharing (head, mask window) for one tile:
+    dbias_partial[group, h, rows, cols]."""
+    NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
+    NUM_N_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    n_block = pid % NUM_N_BLOCKS
+    rest = pid // NUM_N_BLOCKS
+    m_block = rest % NUM_M_BLOCKS
+    rest = rest // NUM_M_BLOCKS
+    h = rest % H
+    group = (rest // H).to(tl.int64)
+    w = group % num_periods
+    first = (group // num_periods) * windows_per_program
+    last = tl.minimum(first + windows_per_program, windows_per_period)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
+    bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
+                               stride_bias_h, stride_bias_i, stride_bias_j,
+                               stride_mask_w, stride_mask_i, stride_mask_j,
+                               N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+    dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for window in range(first, last):
+        b = (w + window * num_periods).to(tl.int64)
+        bh = b * H + h
+        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+        k_base = q_base + (H * D) * stride_qkv_c
+        v_base = k_base + (H * D) * stride_qkv_c
+        q, _, _, _, _ = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        k, _, _, _, _ = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+        do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
+                       stride_dout_n, stride_dout_c, N, D)
+        row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
+        _, ds, _ = softmax_backward_tile(q, k, v, do, row_max, row_inv_sum, delta, bias_mask, logit_scale2, FP32_DOT, False)
+        dbias_acc += ds
+
+    ptrs = dbias_partial_ptr + ((group * H + h) * N + rows[:, None]) * N + cols[None, :]
+    tl.store(ptrs, dbias_acc, mask=(rows[:, None] < N) & (cols[None, :] < N))

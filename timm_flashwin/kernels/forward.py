@@ -1,0 +1,95 @@
+"""Forward kernel: O = softmax(S + B[h] + M[b mod nW]) V for every window b and head h.
+
+One program owns one (query block, head h, mask window w) and a run of windows
+b = w, w + nW, w + 2 nW, ... that all share the same bias B[h] and mask M[w]. When the
+whole window fits one key block (N <= BLOCK_N), that bias+mask tile is read once per
+program instead of once per window: what remains per window is reading q, k, v and
+writing o. Larger windows stream key blocks with the online softmax of FlashAttention.
+"""
+import triton
+import triton.language as tl
+
+from .tiles import LOG2E, head_scale, load_bias_mask, load_qk, load_rows, mma, store_rows
+
+
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
+def window_attention_fwd_kernel(
+    qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, head_scale_ptr,
+    scale,
+    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_out_b, stride_out_n, stride_out_c,
+    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_mask_w, stride_mask_i, stride_mask_j,
+    num_periods, windows_per_period, windows_per_program,
+    H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
+    FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr,
+):
+    """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) and, with
+    STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
+    row max of the log2 logits, stats[1] 1 / sum(exp2(logits - max)), each (B_, H, N).
+    Two numbers rather than one log-sum-exp: Z - max is exact where Z - lse would carry
+    the rounding of lse (~1e-5 relative in P at logits ~100), which the cancelling sum
+    of the logit-scale gradient amplifies."""
+    NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
+    SINGLE_KEY_BLOCK: tl.constexpr = N <= BLOCK_N
+
+    pid = tl.program_id(0)
+    m_block = pid % NUM_M_BLOCKS
+    rest = pid // NUM_M_BLOCKS
+    h = rest % H
+    rest = rest // H
+    w = rest % num_periods
+    first = (rest // num_periods) * windows_per_program
+    last = tl.minimum(first + windows_per_program, windows_per_period)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
+    if SINGLE_KEY_BLOCK:
+        bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
+                                   stride_bias_h, stride_bias_i, stride_bias_j,
+                                   stride_mask_w, stride_mask_i, stride_mask_j,
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+
+    for window in range(first, last):
+        b = (w + window * num_periods).to(tl.int64)
+        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+        k_base = q_base + (H * D) * stride_qkv_c
+        v_base = k_base + (H * D) * stride_qkv_c
+        q, _, _, _, _ = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for start_n in range(0, N, BLOCK_N):
+            key_rows = start_n + cols
+            k, _, _, _, _ = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+            v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+            if not SINGLE_KEY_BLOCK:
+                bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, key_rows,
+                                           stride_bias_h, stride_bias_i, stride_bias_j,
+                                           stride_mask_w, stride_mask_i, stride_mask_j,
+                                           N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+            raw = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), FP32_DOT)
+            logits = raw * logit_scale2 + bias_mask
+            # Online softmax. A row whose logits so far are all -inf keeps m = -inf; it is
+            # shifted by 0 instead so that exp2 gives 0, not NaN, until a finite logit comes.
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_shift)
+            p = tl.exp2(logits - m_shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
+            m_i = m_new
+
+        # A fully masked row has l = 0 and yields 0/0 = NaN, as the float64 reference does.
+        out = acc / l_i[:, None]
+        out_base = out_ptr + b * stride_out_b + (h * D) * stride_out_c
+        store_rows(out_base, out, rows, dims, stride_out_n, stride_out_c, N, D)
+        if STORE_STATS:
+            stats = stats_ptr + (b * H + h) * N + rows
+            tl.store(stats, tl.where(m_i == float("-inf"), 0.0, m_i), mask=rows < N)
+            tl.store(stats + num_periods * windows_per_period * H * N, 1.0 / l_i, mask=rows < N)

@@ -1,0 +1,170 @@
+"""Host side of the kernels: allocate outputs, pick tiles, split the windows, launch.
+
+These functions take validated tensors (see ``timm_flashwin.op``) and are written with
+torch operations and ``wrap_triton`` launches only, so that ``torch.library.triton_op``
+can trace them under torch.compile.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import config
+from .backward import (
+    window_attention_bwd_dbias_kernel,
+    window_attention_bwd_delta_kernel,
+    window_attention_bwd_dkdv_kernel,
+    window_attention_bwd_dq_kernel,
+    window_attention_bwd_fused_kernel,
+)
+from .forward import window_attention_fwd_kernel
+
+try:  # torch >= 2.6
+    from torch.library import wrap_triton
+except ImportError:  # pragma: no cover - older torch launches the kernels directly
+    def wrap_triton(kernel):
+        return kernel
+
+if config.INTERPRET:  # interpreted kernels are launched as they are (and run on CPU tensors)
+    def wrap_triton(kernel):  # noqa: F811
+        return kernel
+
+#: Programs per SM that the forward and the fused backward aim for.
+_FWD_PROGRAMS_PER_SM = 8
+_BWD_PROGRAMS_PER_SM = 4
+
+
+def _fp32_dot(dtype: torch.dtype) -> bool:
+    # float32 inputs get exact fp32 products (no tf32); the interpreter's bf16 dot is inexact.
+    return dtype == torch.float32 or config.INTERPRET
+
+
+def _bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], qkv: torch.Tensor):
+    """Pointers and strides of bias (H, N, N) and mask (nW, N, N); a dummy where absent."""
+    bias_ptr = bias if bias is not None else qkv
+    mask_ptr = mask if mask is not None else qkv
+    bias_strides = bias.stride() if bias is not None else (0, 0, 0)
+    mask_strides = mask.stride() if mask is not None else (0, 0, 0)
+    return bias_ptr, mask_ptr, bias_strides, mask_strides
+
+
+def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int) -> Tuple[int, ...]:
+    """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
+    1 / row sum where the backward streams key blocks, nothing where a whole window
+    fits one backward tile (it renormalizes the rows itself)."""
+    if config.backward_tiles(n, head_dim).single_tile(n):
+        return (0,)
+    return (2, num_windows, num_heads, n)
+
+
+def attention_forward(
+    qkv: torch.Tensor,
+    num_heads: int,
+    bias: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],
+    head_scale: Optional[torch.Tensor],
+    scale: float,
+    cosine: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (B_, N, H*D) in qkv's dtype and the softmax statistics (fp32,
+    ``softmax_stats_shape``)."""
+    num_windows, n, channels = qkv.shape
+    head_dim = channels // (3 * num_heads)
+    out = qkv.new_empty((num_windows, n, num_heads * head_dim))
+    stats = qkv.new_empty(softmax_stats_shape(num_windows, num_heads, n, head_dim), dtype=torch.float32)
+    tiles = config.forward_tiles(n, head_dim)
+    periods = mask.shape[0] if mask is not None else 1
+    per_period = num_windows // periods
+    m_blocks = -(-n // tiles.block_m)
+    chunks, per_chunk = config.split_windows(
+        per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, _FWD_PROGRAMS_PER_SM))
+    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
+    wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
+        qkv, out, stats, bias_ptr, mask_ptr, head_scale if head_scale is not None else qkv,
+        scale,
+        *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
+        periods, per_period, per_chunk,
+        H=num_heads, N=n, D=head_dim,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
+        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=cosine,
+        FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out, stats
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    stats: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],
+    head_scale: Optional[torch.Tensor],
+    num_heads: int,
+    scale: float,
+    cosine: bool,
+    bias_grad: bool,
+    scale_grad: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dqkv (qkv's shape, contiguous), dbias (H, N, N) fp32 and d(head_scale)
+    (H,) fp32; the last two are empty when not asked for."""
+    num_windows, n, channels = qkv.shape
+    head_dim = channels // (3 * num_heads)
+    dqkv = qkv.new_empty(qkv.shape)
+    tiles = config.backward_tiles(n, head_dim)
+    periods = mask.shape[0] if mask is not None else 1
+    per_period = num_windows // periods
+    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
+    scale_grad = scale_grad and cosine
+    head_scale_ptr = head_scale if head_scale is not None else qkv
+    flags = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+                 COSINE=cosine, FP32_DOT=_fp32_dot(qkv.dtype))
+    strides = (*qkv.stride(), *dout.stride(), *dqkv.stride(), *bias_strides, *mask_strides)
+    target = config.target_programs(qkv.device, _BWD_PROGRAMS_PER_SM)
+
+    if tiles.single_tile(n):
+        chunks, per_chunk = config.split_windows(per_period, num_heads * periods, target)
+        groups = chunks * periods
+        dbias = qkv.new_empty((groups, num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
+        dscale = qkv.new_empty((groups, num_heads) if scale_grad else (0,), dtype=torch.float32)
+        wrap_triton(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
+            qkv, dout, bias_ptr, mask_ptr, head_scale_ptr, dqkv, dbias, dscale,
+            scale, *strides, periods, per_period, per_chunk,
+            BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **flags,
+        )
+        return dqkv, dbias.sum(0) if bias_grad else dbias, dscale.sum(0) if scale_grad else dscale
+
+    m_blocks = -(-n // tiles.block_m)
+    n_blocks = -(-n // tiles.block_n)
+    blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d)
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    delta = qkv.new_empty((num_windows, num_heads, n), dtype=torch.float32)
+    wrap_triton(window_attention_bwd_delta_kernel)[(num_windows * num_heads * m_blocks,)](
+        out, dout, delta, *out.stride(), *dout.stride(),
+        H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d,
+    )
+    wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
+        qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, dqkv,
+        scale, periods, stats.stride(0), *strides, **blocks, **flags, **launch,
+    )
+    dscale = qkv.new_empty((num_windows, num_heads, m_blocks) if scale_grad else (0,), dtype=torch.float32)
+    wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
+        qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, dqkv, dscale,
+        scale, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
+    )
+    if bias_grad:
+        chunks, per_chunk = config.split_windows(per_period, num_heads * periods * m_blocks * n_blocks, target)
+        groups = chunks * periods
+        dbias = qkv.new_empty((groups, num_heads, n, n), dtype=torch.float32)
+        wrap_triton(window_attention_bwd_dbias_kernel)[(groups * num_heads * m_blocks * n_blocks,)](
+            qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, dbias,
+            scale, stats.stride(0), *qkv.stride(), *dout.stride(), *bias_strides, *mask_strides,
+            periods, per_period, per_chunk, **blocks, **flags, **launch,
+        )
+        dbias = dbias.sum(0)
+    else:
+        dbias = qkv.new_empty((0,), dtype=torch.float32)
+    return dqkv, dbias, dscale.sum((0, 2)) if scale_grad else dscale

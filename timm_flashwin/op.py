@@ -1,0 +1,223 @@
+"""The window-attention operator: validation, torch.library registration, autograd.
+
+``window_attention`` is the one entry point. On CUDA tensors (and on CPU tensors when
+``TRITON_INTERPRET=1``) it calls the ``timm_flashwin::window_attention_fwd`` operator,
+whose autograd formula calls ``timm_flashwin::window_attention_bwd``; both run the
+Triton kernels. Elsewhere (plain CPU, float64) it computes ``reference.py``'s math with
+PyTorch autograd, with the same semantics.
+"""
+from __future__ import annotations
+
+from numbers import Real
+from typing import Optional, Tuple
+
+import torch
+
+from .kernels import config
+from .kernels.launch import attention_backward, attention_forward, softmax_stats_shape
+from .reference import LOGIT_SCALE_MAX, window_attention_reference
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NAMESPACE = "timm_flashwin"
+
+
+# --------------------------------------------------------------------------- operators
+def _forward_impl(
+    qkv: torch.Tensor,
+    num_heads: int,
+    bias: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],
+    head_scale: Optional[torch.Tensor],
+    scale: float,
+    cosine: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    return attention_forward(qkv, num_heads, bias, mask, head_scale, scale, cosine)
+
+
+def _backward_impl(
+    grad_out: torch.Tensor,
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    stats: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],
+    head_scale: Optional[torch.Tensor],
+    num_heads: int,
+    scale: float,
+    cosine: bool,
+    bias_grad: bool,
+    scale_grad: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_backward(grad_out, qkv, out, stats, bias, mask, head_scale, num_heads, scale, cosine,
+                              bias_grad, scale_grad)
+
+
+def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine):
+    num_windows, n, channels = qkv.shape
+    out = qkv.new_empty((num_windows, n, channels // 3))
+    stats_shape = softmax_stats_shape(num_windows, num_heads, n, channels // (3 * num_heads))
+    return out, qkv.new_empty(stats_shape, dtype=torch.float32)
+
+
+def _backward_fake(grad_out, qkv, out, stats, bias, mask, head_scale, num_heads, scale, cosine, bias_grad, scale_grad):
+    n = qkv.shape[1]
+    dbias = qkv.new_empty((num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
+    dscale = qkv.new_empty((num_heads,) if scale_grad and cosine else (0,), dtype=torch.float32)
+    return qkv.new_empty(qkv.shape), dbias, dscale
+
+
+def _register(name: str, impl, fake):
+    """triton_op lets torch.compile see the Triton kernels; the interpreter's kernels are
+    plain Python functions that cannot be traced, so there (and on torch < 2.6) the op
+    is an opaque custom_op with an explicit fake."""
+    qualname = f"{_NAMESPACE}::{name}"
+    if hasattr(torch.library, "triton_op") and not config.INTERPRET:
+        return torch.library.triton_op(qualname, impl, mutates_args=())
+    op = torch.library.custom_op(qualname, impl, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+window_attention_fwd = _register("window_attention_fwd", _forward_impl, _forward_fake)
+window_attention_bwd = _register("window_attention_bwd", _backward_impl, _backward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    qkv, num_heads, bias, mask, head_scale, scale, cosine = inputs
+    out, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.save_for_backward(qkv, out, stats, bias, mask, head_scale)
+    ctx.num_heads, ctx.scale, ctx.cosine = num_heads, scale, cosine
+
+
+def _backward(ctx, grad_out, _grad_stats):
+    qkv, out, stats, bias, mask, head_scale = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[2]
+    scale_grad = head_scale is not None and ctx.needs_input_grad[4]
+    dqkv, dbias, dscale = window_attention_bwd(
+        grad_out, qkv, out, stats, bias, mask, head_scale, ctx.num_heads, ctx.scale, ctx.cosine,
+        bias_grad, scale_grad)
+    return (
+        dqkv,
+        None,
+        dbias.to(bias.dtype) if bias_grad else None,
+        None,  # the mask takes no gradient
+        dscale.to(head_scale.dtype) if scale_grad else None,
+        None,
+        None,
+    )
+
+
+window_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- validation
+def _fail(exc, argument: str, expected: str, got) -> None:
+    raise exc(f"window_attention: `{argument}` must be {expected}, got {got}")
+
+
+def _check_tensor(name: str, t, ndims: Tuple[int, ...], qkv: torch.Tensor, float_dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+    if t.dim() not in ndims:
+        _fail(ValueError, name, f"a tensor of rank {' or '.join(map(str, ndims))}", f"shape {tuple(t.shape)}")
+    if t.dtype not in float_dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in float_dtypes)
+        _fail(TypeError, name, f"of dtype {names}", t.dtype)
+    if t.device != qkv.device:
+        _fail(ValueError, name, f"on qkv's device {qkv.device}", t.device)
+
+
+def _validate(qkv, num_heads, bias, mask, scale, logit_scale) -> Tuple[int, int, int]:
+    if not isinstance(qkv, torch.Tensor):
+        _fail(TypeError, "qkv", "a torch.Tensor", type(qkv).__name__)
+    if qkv.dim() != 3:
+        _fail(ValueError, "qkv", "a 3-D tensor (B_, N, 3*H*D)", f"shape {tuple(qkv.shape)}")
+    if qkv.dtype not in _KERNEL_DTYPES + (torch.float64,):
+        _fail(TypeError, "qkv", "float16, bfloat16, float32 or float64", qkv.dtype)
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        _fail(ValueError, "num_heads", "a positive int", repr(num_heads))
+    num_windows, n, channels = qkv.shape
+    if channels % (3 * num_heads):
+        _fail(ValueError, "qkv", f"a last dim divisible by 3 * num_heads = {3 * num_heads}", channels)
+    head_dim = channels // (3 * num_heads)
+    if head_dim % 8 or not 8 <= head_dim <= config.MAX_HEAD_DIM:
+        _fail(ValueError, "qkv", f"a head_dim (last dim / (3 * num_heads)) that is a multiple of 8 in "
+              f"[8, {config.MAX_HEAD_DIM}]", head_dim)
+    if not 1 <= n <= config.MAX_TOKENS:
+        _fail(ValueError, "qkv", f"a token count N in [1, {config.MAX_TOKENS}]", n)
+    # Parameters may stay float32 under autocast, or match qkv's dtype.
+    param_dtypes = tuple(dict.fromkeys((qkv.dtype, torch.float32)))
+    if bias is not None:
+        _check_tensor("bias", bias, (3, 4), qkv, param_dtypes)
+        if tuple(bias.shape[-3:]) != (num_heads, n, n) or (bias.dim() == 4 and bias.shape[0] != 1):
+            _fail(ValueError, "bias", f"of shape (H, N, N) = {(num_heads, n, n)} or (1, H, N, N)",
+                  f"shape {tuple(bias.shape)}")
+    if mask is not None:
+        _check_tensor("mask", mask, (3,), qkv, (torch.float16, torch.bfloat16, torch.float32, torch.float64))
+        if tuple(mask.shape[1:]) != (n, n) or mask.shape[0] < 1:
+            _fail(ValueError, "mask", f"of shape (nW, N, N) with N = {n}", f"shape {tuple(mask.shape)}")
+        if num_windows % mask.shape[0]:
+            _fail(ValueError, "mask", f"of shape (nW, N, N) with nW dividing B_ = {num_windows}",
+                  f"nW = {mask.shape[0]}")
+    if (scale is None) == (logit_scale is None):
+        raise TypeError("window_attention: give exactly one of `scale` (V1 attention) or "
+                        "`logit_scale` (cosine attention)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
+        _fail(TypeError, "scale", "a Python float", type(scale).__name__)
+    if logit_scale is not None:
+        _check_tensor("logit_scale", logit_scale, (1, 3, 4), qkv, param_dtypes)
+        if logit_scale.numel() != num_heads:
+            _fail(ValueError, "logit_scale", f"a tensor with num_heads = {num_heads} elements",
+                  f"shape {tuple(logit_scale.shape)}")
+    return num_windows, n, head_dim
+
+
+def uses_kernels(qkv: torch.Tensor) -> bool:
+    """Whether ``window_attention`` runs the Triton kernels for this input (else PyTorch)."""
+    if qkv.dtype not in _KERNEL_DTYPES:
+        return False
+    return qkv.device.type == "cuda" or (config.INTERPRET and qkv.device.type == "cpu")
+
+
+# --------------------------------------------------------------------------- public op
+def window_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    logit_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Fused window attention from the qkv linear output to the proj input.
+
+    ``O = softmax(S + bias[h] + mask[b % nW]) @ V`` per window b and head h, with
+    ``S = scale * Q K^T`` (Swin V1) or, when ``logit_scale`` is given,
+    ``S = exp(min(logit_scale[h], ln 100)) * Q^ K^^T`` with L2-normalized rows (SwinV2).
+
+    Args:
+        qkv: (B_, N, 3*H*D) float16/bfloat16/float32 (float64 runs in PyTorch), laid out as
+            timm's qkv linear produces it; any strides.
+        num_heads: H. D must be a multiple of 8 in [8, 256]; N in [1, 1024].
+        bias: (H, N, N) or (1, H, N, N), qkv's dtype or float32; gets a gradient.
+        mask: (nW, N, N) additive float mask (timm's 0/-100, -inf works); B_ % nW == 0.
+            Takes no gradient.
+        scale: V1 score scale (a Python float).
+        logit_scale: tensor with H elements (cosine attention); gets a gradient, zero
+            where the clamp at ln 100 is active, as torch.clamp gives.
+
+    Returns:
+        (B_, N, H*D) in qkv's dtype.
+    """
+    _validate(qkv, num_heads, bias, mask, scale, logit_scale)
+    if not uses_kernels(qkv):
+        return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale)
+    if bias is not None and bias.dim() == 4:
+        bias = bias[0]
+    head_scale = None
+    if logit_scale is not None:
+        head_scale = torch.clamp(logit_scale.reshape(num_heads), max=LOGIT_SCALE_MAX).exp()
+    out, _ = window_attention_fwd(qkv, num_heads, bias, mask, head_scale,
+                                  float(scale) if scale is not None else 1.0, logit_scale is not None)
+    return out

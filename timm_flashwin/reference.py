@@ -1,0 +1,70 @@
+"""timm's window-attention math, written once, in plain PyTorch.
+
+This file is the oracle of the test-suite (run it in float64) and the path the op takes
+where no Triton kernel can run (CPU tensors without ``TRITON_INTERPRET=1``, float64).
+It follows timm 1.0.x line by line:
+
+* ``swin_transformer.WindowAttention``:      S = scale * q @ k^T
+* ``swin_transformer_v2.WindowAttention`` and
+  ``swin_transformer_v2_cr.WindowMultiHeadAttention``:
+                                             S = exp(min(logit_scale, ln 100)) * q^ @ k^^T,
+                                             q^ = F.normalize(q, dim=-1)
+
+    O = softmax(S + B[h] + M[b mod nW]) @ V
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+#: timm clamps the cosine-attention logit scale at ln(1 / 0.01) before ``exp``.
+LOGIT_SCALE_MAX = math.log(1.0 / 0.01)
+
+
+def window_attention_reference(
+    qkv: torch.Tensor,
+    num_heads: int,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    logit_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Window attention from the qkv linear output, with timm's exact operations.
+
+    Args:
+        qkv: (B_, N, 3*H*D), the output of the module's qkv linear.
+        num_heads: H.
+        bias: (H, N, N) relative-position bias, or None.
+        mask: (nW, N, N) additive mask for window ``b % nW``, or None. B_ % nW == 0.
+        scale: the V1 score scale (``head_dim ** -0.5``); exclusive with ``logit_scale``.
+        logit_scale: H values (any shape with H elements); selects cosine attention.
+
+    Returns:
+        (B_, N, H*D) in ``qkv.dtype``. Reduced-precision inputs are computed in float32
+        (as autocast would), float64 inputs in float64.
+    """
+    B_, N, C3 = qkv.shape
+    H = num_heads
+    D = C3 // (3 * H)
+    compute_dtype = torch.float64 if qkv.dtype == torch.float64 else torch.float32
+    q, k, v = qkv.to(compute_dtype).reshape(B_, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+
+    if logit_scale is not None:
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        head_scale = torch.clamp(logit_scale.to(compute_dtype).reshape(1, H, 1, 1), max=LOGIT_SCALE_MAX).exp()
+        attn = attn * head_scale
+    else:
+        attn = (q * scale) @ k.transpose(-2, -1)
+    if bias is not None:
+        attn = attn + bias.to(compute_dtype).reshape(1, H, N, N)
+    if mask is not None:
+        num_win = mask.shape[0]
+        attn = attn.view(-1, num_win, H, N, N) + mask.to(compute_dtype).unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, H, N, N)
+    attn = attn.softmax(dim=-1)
+    out = (attn @ v).transpose(1, 2).reshape(B_, N, H * D)
+    return out.to(qkv.dtype)
