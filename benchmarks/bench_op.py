@@ -1,0 +1,272 @@
+"""Window attention alone, from the qkv linear output to the proj input, side by side.
+
+    python benchmarks/bench_op.py --out results/op.json
+
+For each shape (B_, H, N, D) and attention kind (V1, cosine), with timm's shift mask
+(nW windows per image) and the relative-position bias, in bf16 (autocast: bias and
+logit scale stay float32 parameters), it times:
+
+* eager    timm's own math, as its modules run it under autocast
+* sdpa     timm's SDPA path: bias + mask materialized as a (B_, H, N, N) attn_mask
+* compile  torch.compile of the eager math (inductor rewrites it into SDPA itself)
+* flex     FlexAttention (compiled) with a score_mod adding bias and mask
+* ours     timm_flashwin.window_attention
+
+forward, forward+backward (median of CUDA-event timings, gradients to qkv, bias and
+logit scale) and the peak memory of forward+backward above the inputs. The byte floor
+is q, k, v read once and o written once (forward; backward adds reading q, k, v, dO and
+writing dq, dk, dv) at the copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from timm_flashwin import window_attention  # noqa: E402
+from timm_flashwin.reference import LOGIT_SCALE_MAX  # noqa: E402
+
+# (B_, H, N, D, nW): the issue's shapes. nW is the number of windows per image at the
+# model's native resolution (stage 1 of swin_tiny at 224: 8x8 windows of 7x7, batch 64).
+SHAPES = {
+    "v1_s1_b64": (4096, 3, 49, 32, 64),
+    "v1_s3_b64": (256, 12, 49, 32, 4),
+    "w8_s1_b64": (4096, 3, 64, 32, 64),
+    "w16_s1_b32": (512, 3, 256, 32, 16),
+    "w24_s1_b16": (256, 4, 576, 32, 16),
+}
+IMPLS = ["eager", "sdpa", "compile", "flex", "ours"]
+
+
+def timm_mask(num_windows: int, n: int, device) -> torch.Tensor:
+    """A shift mask with timm's 9-region structure (0 / -100)."""
+    side = int(round(math.sqrt(num_windows)))
+    win = int(round(math.sqrt(n)))
+    assert side * side == num_windows and win * win == n
+    size, shift = side * win, win // 2
+    img = torch.zeros(size, size, device=device)
+    cnt = 0
+    for hs in (slice(0, -win), slice(-win, -shift), slice(-shift, None)):
+        for ws in (slice(0, -win), slice(-win, -shift), slice(-shift, None)):
+            img[hs, ws] = cnt
+            cnt += 1
+    windows = img.view(side, win, side, win).permute(0, 2, 1, 3).reshape(num_windows, n)
+    diff = windows[:, None, :] - windows[:, :, None]
+    return torch.where(diff != 0, -100.0, 0.0)
+
+
+def make_inputs(shape, cosine: bool, device="cuda"):
+    windows, heads, n, head_dim, num_windows = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    qkv = torch.randn(windows, n, 3 * heads * head_dim, device=device, dtype=torch.bfloat16,
+                      generator=g).requires_grad_()
+    bias = torch.randn(heads, n, n, device=device, generator=g).requires_grad_()
+    logit_scale = torch.log(torch.full((heads,), 20.0, device=device)).requires_grad_() if cosine else None
+    mask = timm_mask(num_windows, n, device)
+    grad = torch.randn(windows, n, heads * head_dim, device=device, dtype=torch.bfloat16, generator=g)
+    return dict(qkv=qkv, bias=bias, logit_scale=logit_scale, mask=mask, heads=heads, head_dim=head_dim,
+                scale=head_dim ** -0.5, grad=grad)
+
+
+def _split(qkv, heads):
+    windows, n, c = qkv.shape
+    return qkv.reshape(windows, n, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def eager_math(qkv, bias, mask, logit_scale, heads, scale):
+    """timm's modules, verbatim in substance."""
+    windows, n, _ = qkv.shape
+    q, k, v = _split(qkv, heads)
+    if logit_scale is not None:
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * torch.clamp(logit_scale.reshape(1, heads, 1, 1), max=LOGIT_SCALE_MAX).exp()
+    else:
+        attn = (q * scale) @ k.transpose(-2, -1)
+    attn = attn + bias.unsqueeze(0)
+    nw = mask.shape[0]
+    attn = attn.view(-1, nw, heads, n, n) + mask.unsqueeze(1).unsqueeze(0)
+    attn = attn.view(-1, heads, n, n).softmax(-1)
+    return (attn @ v).transpose(1, 2).reshape(windows, n, -1)
+
+
+def sdpa_math(qkv, bias, mask, logit_scale, heads, scale):
+    """timm V1's fused path (and its cosine analogue): SDPA with a dense attn_mask."""
+    windows, n, _ = qkv.shape
+    q, k, v = _split(qkv, heads)
+    if logit_scale is not None:
+        s = torch.clamp(logit_scale, max=LOGIT_SCALE_MAX).exp().reshape(1, heads, 1, 1)
+        q = F.normalize(q, dim=-1) * s
+        k = F.normalize(k, dim=-1)
+        scale = 1.0
+    nw = mask.shape[0]
+    attn_mask = bias.unsqueeze(0) + mask.view(1, nw, 1, n, n).expand(windows // nw, -1, heads, -1, -1).reshape(
+        -1, heads, n, n)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    return out.transpose(1, 2).reshape(windows, n, -1)
+
+
+_flex = None
+
+
+def flex_math(qkv, bias, mask, logit_scale, heads, scale):
+    global _flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=False)
+    windows, n, _ = qkv.shape
+    q, k, v = _split(qkv, heads)
+    nw = mask.shape[0]
+    if logit_scale is not None:
+        s = torch.clamp(logit_scale, max=LOGIT_SCALE_MAX).exp()
+        q, k, scale = F.normalize(q, dim=-1), F.normalize(k, dim=-1), 1.0
+
+        def score_mod(score, b, h, qi, ki):
+            return score * s[h] + bias[h, qi, ki] + mask[b % nw, qi, ki]
+    else:
+        def score_mod(score, b, h, qi, ki):
+            return score + bias[h, qi, ki] + mask[b % nw, qi, ki]
+    out = _flex(q, k, v, score_mod=score_mod, scale=scale)
+    return out.transpose(1, 2).reshape(windows, n, -1)
+
+
+def ours(qkv, bias, mask, logit_scale, heads, scale):
+    if logit_scale is not None:
+        return window_attention(qkv, heads, bias=bias, mask=mask, logit_scale=logit_scale)
+    return window_attention(qkv, heads, bias=bias, mask=mask, scale=scale)
+
+
+_compiled: Dict[str, Callable] = {}
+
+
+def implementation(name: str) -> Callable:
+    if name == "eager":
+        return eager_math
+    if name == "sdpa":
+        return sdpa_math
+    if name == "flex":
+        return flex_math
+    if name == "ours":
+        return ours
+    if name == "compile":
+        if "compile" not in _compiled:
+            _compiled["compile"] = torch.compile(eager_math, dynamic=False)
+        return _compiled["compile"]
+    raise ValueError(name)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    from triton.testing import do_bench
+    x = torch.empty(2 ** 30 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    return 2 * x.numel() * 2 / (ms * 1e-3)
+
+
+def bench_one(impl: str, shape, cosine: bool, passes: List[str]) -> Dict:
+    from triton.testing import do_bench
+    inp = make_inputs(shape, cosine)
+    fn = implementation(impl)
+    args = (inp["qkv"], inp["bias"], inp["mask"], inp["logit_scale"], inp["heads"], inp["scale"])
+    leaves = [t for t in (inp["qkv"], inp["bias"], inp["logit_scale"]) if t is not None]
+    result: Dict = {}
+
+    def forward():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn(*args)
+
+    def forward_backward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(*args)
+        out.backward(inp["grad"])
+
+    try:
+        t0 = time.perf_counter()
+        forward()
+        forward_backward()
+        torch.cuda.synchronize()
+        result["first_call_s"] = time.perf_counter() - t0
+        if "fwd" in passes:
+            result["fwd_us"] = 1e3 * do_bench(forward, warmup=25, rep=200, return_mode="median")
+        if "fwdbwd" in passes:
+            result["fwdbwd_us"] = 1e3 * do_bench(forward_backward, warmup=25, rep=200, grad_to_none=leaves,
+                                                 return_mode="median")
+            for t in leaves:
+                t.grad = None
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            forward_backward()
+            torch.cuda.synchronize()
+            result["fwdbwd_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    except Exception as exc:  # an alternative that cannot run this case is reported, not fatal
+        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"], choices=["v1", "cosine"])
+    parser.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS)
+    parser.add_argument("--passes", nargs="*", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    bandwidth = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  copy {bandwidth / 1e12:.2f} TB/s",
+          flush=True)
+    rows = []
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        windows, heads, n, head_dim, _ = shape
+        unit = windows * n * heads * head_dim * 2  # one bf16 (B_, N, H*D) tensor
+        floor_fwd_us = 4 * unit / bandwidth * 1e6
+        floor_fwdbwd_us = (4 + 7) * unit / bandwidth * 1e6
+        for kind in args.kinds:
+            for impl in args.impls:
+                torch._dynamo.reset()
+                res = bench_one(impl, shape, kind == "cosine", args.passes)
+                row = dict(shape=shape_name, B_=windows, H=heads, N=n, D=head_dim, kind=kind, impl=impl,
+                           floor_fwd_us=floor_fwd_us, floor_fwdbwd_us=floor_fwdbwd_us, **res)
+                rows.append(row)
+                text = "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in res.items())
+                print(f"{shape_name:11s} {kind:6s} {impl:8s} {text}", flush=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, copy_bandwidth_Bps=bandwidth,
+                date=time.strftime("%Y-%m-%d"))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print_table(rows)
+
+
+def print_table(rows: List[Dict]) -> None:
+    by_case: Dict = {}
+    for r in rows:
+        by_case.setdefault((r["shape"], r["kind"]), {})[r["impl"]] = r
+    print(f"\n{'case':20s} {'floor':>7s} " + " ".join(f"{i:>15s}" for i in IMPLS) + "   (fwd us / fwd+bwd us)")
+    for (shape, kind), impls in by_case.items():
+        first = next(iter(impls.values()))
+        cells = []
+        for i in IMPLS:
+            r = impls.get(i)
+            if r is None or "error" in r:
+                cells.append(f"{'-' if r is None else 'err':>15s}")
+            else:
+                cells.append(f"{r.get('fwd_us', float('nan')):7.0f}/{r.get('fwdbwd_us', float('nan')):<7.0f}")
+        print(f"{shape + ' ' + kind:20s} {first['floor_fwd_us']:7.0f} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
