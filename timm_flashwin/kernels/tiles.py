@@ -13,8 +13,8 @@ Conventions used by every kernel:
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # 1 / ln(2): natural-log logits -> log2 logits
-NORM_EPS = 1e-12  # F.normalize's eps
+LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log logits -> log2 logits
+NORM_EPS = tl.constexpr(1e-12)  # F.normalize's eps
 
 
 @triton.jit
