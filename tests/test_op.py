@@ -86,6 +86,17 @@ def test_logit_scale_gradient_stops_at_the_clamp():
     assert_matches_reference(results, reference_forward_backward(case), 1e-4)
 
 
+def test_logit_scale_at_the_bound_follows_torch_clamp():
+    """At exactly float32(ln 100) the gradient is whatever timm's own float32
+    torch.clamp gives on this device."""
+    case = make_case(4, 2, 3, 16, 16, cosine=True, masked=False, dtype=torch.float32, device=KERNEL_DEVICE)
+    case.logit_scale = torch.full((3,), LOGIT_SCALE_MAX, device=KERNEL_DEVICE)
+    d_logit = forward_backward(window_attention, case)[3]
+    ls = case.logit_scale.clone().requires_grad_()
+    torch.clamp(ls, max=LOGIT_SCALE_MAX).exp().sum().backward()
+    assert torch.equal(d_logit != 0, ls.grad != 0)
+
+
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
 def test_fully_masked_row_is_nan_like_the_reference(cosine):
     case = make_case(4, 2, 3, 16, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
@@ -159,6 +170,11 @@ def _ok(**override):
     return args
 
 
+def z(*shape, dtype=torch.float32, device=KERNEL_DEVICE):
+    """Zeros on the kernel device, so that each bad input fails the check it names."""
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
 def _call(args):
     args = dict(args)
     return window_attention(args.pop("qkv"), args.pop("num_heads"), **args)
@@ -166,33 +182,33 @@ def _call(args):
 
 BAD_INPUTS = [
     ("qkv", TypeError, lambda: _ok(qkv=[[1.0]])),
-    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 9))),
-    ("qkv", TypeError, lambda: _ok(qkv=torch.zeros(4, 9, 48, dtype=torch.int32))),
-    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 9, 50))),  # not divisible by 3 * H
-    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 9, 3 * 2 * 12))),  # head_dim 12
-    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 9, 3 * 2 * 264))),  # head_dim 264 > 256
-    ("qkv", ValueError, lambda: _ok(qkv=torch.zeros(4, 1025, 48), bias=None, mask=None)),  # N > 1024
+    ("qkv", ValueError, lambda: _ok(qkv=z(4, 9))),
+    ("qkv", TypeError, lambda: _ok(qkv=z(4, 9, 48, dtype=torch.int32))),
+    ("qkv", ValueError, lambda: _ok(qkv=z(4, 9, 50))),  # not divisible by 3 * H
+    ("qkv", ValueError, lambda: _ok(qkv=z(4, 9, 3 * 2 * 12))),  # head_dim 12
+    ("qkv", ValueError, lambda: _ok(qkv=z(4, 9, 3 * 2 * 264))),  # head_dim 264 > 256
+    ("qkv", ValueError, lambda: _ok(qkv=z(4, 1025, 48), bias=None, mask=None)),  # N > 1024
     ("num_heads", ValueError, lambda: _ok(num_heads=0)),
     ("num_heads", ValueError, lambda: _ok(num_heads=2.0)),
-    ("bias", ValueError, lambda: _ok(bias=torch.zeros(2, 9, 8))),
-    ("bias", ValueError, lambda: _ok(bias=torch.zeros(3, 9, 9))),
-    ("bias", ValueError, lambda: _ok(bias=torch.zeros(2, 2, 9, 9))),
-    ("bias", TypeError, lambda: _ok(bias=torch.zeros(2, 9, 9, dtype=torch.float64))),
+    ("bias", ValueError, lambda: _ok(bias=z(2, 9, 8))),
+    ("bias", ValueError, lambda: _ok(bias=z(3, 9, 9))),
+    ("bias", ValueError, lambda: _ok(bias=z(2, 2, 9, 9))),
+    ("bias", TypeError, lambda: _ok(bias=z(2, 9, 9, dtype=torch.float64))),
     ("bias", TypeError, lambda: _ok(bias="table")),
-    ("mask", ValueError, lambda: _ok(mask=torch.zeros(3, 9, 9))),  # 3 does not divide B_ = 4
-    ("mask", ValueError, lambda: _ok(mask=torch.zeros(2, 9, 8))),
-    ("mask", ValueError, lambda: _ok(mask=torch.zeros(2, 1, 9, 9))),
-    ("mask", TypeError, lambda: _ok(mask=torch.zeros(2, 9, 9, dtype=torch.bool))),
+    ("mask", ValueError, lambda: _ok(mask=z(3, 9, 9))),  # 3 does not divide B_ = 4
+    ("mask", ValueError, lambda: _ok(mask=z(2, 9, 8))),
+    ("mask", ValueError, lambda: _ok(mask=z(2, 1, 9, 9))),
+    ("mask", TypeError, lambda: _ok(mask=z(2, 9, 9, dtype=torch.bool))),
     ("scale", TypeError, lambda: _ok(scale="0.1")),
     ("scale", TypeError, lambda: _ok(scale=None)),  # neither scale nor logit_scale
-    ("logit_scale", TypeError, lambda: _ok(logit_scale=torch.zeros(2))),  # both given
-    ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=torch.zeros(3))),
-    ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=torch.zeros(2, 2))),
+    ("logit_scale", TypeError, lambda: _ok(logit_scale=z(2))),  # both given
+    ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=z(3))),
+    ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=z(2, 2))),
 ]
 if HAS_CUDA:
-    BAD_INPUTS.append(("bias", ValueError, lambda: _ok(bias=torch.zeros(2, 9, 9, device="cpu"))))
+    BAD_INPUTS.append(("bias", ValueError, lambda: _ok(bias=z(2, 9, 9, device="cpu"))))
 else:
-    BAD_INPUTS.append(("bias", ValueError, lambda: _ok(bias=torch.zeros(2, 9, 9, device="meta"))))
+    BAD_INPUTS.append(("bias", ValueError, lambda: _ok(bias=z(2, 9, 9, device="meta"))))
 
 
 @pytest.mark.parametrize("argument,error,make_args", BAD_INPUTS, ids=[f"{a}-{i}" for i, (a, _, _) in
@@ -204,7 +220,7 @@ def test_bad_input_names_the_argument(argument, error, make_args):
 
 def test_bad_input_message_says_expected_and_got():
     with pytest.raises(ValueError) as info:
-        _call(_ok(mask=torch.zeros(3, 9, 9)))
+        _call(_ok(mask=z(3, 9, 9)))
     assert "nW dividing B_ = 4" in str(info.value) and "nW = 3" in str(info.value)
 
 

@@ -23,20 +23,21 @@ Neither path uses atomics: the gradients are bit-for-bit reproducible.
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E, head_scale, load_bias_mask, load_qk, load_rows, mma, normalize_backward, store_rows
+from .tiles import (LOG2E, head_scale, load_bias_mask, load_qk, load_rows, mma, normalize_backward, scores,
+                    store_rows)
 
 
 @triton.jit
-def softmax_backward_tile(q, k, v, do, row_max, row_inv_sum, delta, bias_mask, logit_scale2,
-                          FP32_DOT: tl.constexpr, ROW_COMPLETE: tl.constexpr):
+def softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta, bias_mask,
+                          logit_scale2, COSINE: tl.constexpr, FP32_DOT: tl.constexpr, ROW_COMPLETE: tl.constexpr):
     """Recompute one (query block, key block) tile; returns (P, dZ, R), fp32.
 
-    q, k are the score operands (``load_qk``), R = q k^T the raw product. P comes from
+    q and k come from ``load_qk``; R = Q^ K^^T is the raw score product. P comes from
     the forward's row statistics (row max, 1 / row sum), or, with ROW_COMPLETE (the tile
     holds whole rows), from a softmax over the tile itself, which also gives
     rowsum(P * dP); the statistics and ``delta`` are then ignored.
     """
-    raw = mma(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), FP32_DOT)
+    raw = scores(q_hat, q_lowp, k_hat, k_lowp, COSINE, FP32_DOT)
     logits = raw * logit_scale2 + bias_mask
     if ROW_COMPLETE:
         # A fully masked row: max -inf, shifted by 0, sum 0, P = 0/0 = NaN as in the reference.
@@ -112,12 +113,13 @@ def window_attention_bwd_fused_kernel(
         q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c
         v_base = k_base + (H * D) * stride_qkv_c
-        q, q_lowp, q_hat, q_inv, q_norm = load_qk(q_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        k, k_lowp, k_hat, k_inv, k_norm = load_qk(k_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         v = load_rows(v_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, idx, dims,
                        stride_dout_n, stride_dout_c, N, D)
-        p, ds, raw = softmax_backward_tile(q, k, v, do, s, s, s, bias_mask, s * LOG2E, FP32_DOT, True)
+        p, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, s, s, s, bias_mask, s * LOG2E,
+                                           COSINE, FP32_DOT, True)
         ds_lowp = ds.to(q_lowp.dtype)
         dv = mma(tl.trans(p.to(do.dtype)), do, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
         dq_acc = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
@@ -194,20 +196,21 @@ def window_attention_bwd_dkdv_kernel(
     k_base = q_base + (H * D) * stride_qkv_c
     v_base = k_base + (H * D) * stride_qkv_c
     do_base = dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c
-    k, k_lowp, k_hat, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
     v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
     dk_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for start_m in range(0, N, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q, q_lowp, _, _, _ = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
         row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
         bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
                                    N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
-        p, ds, _ = softmax_backward_tile(q, k, v, do, row_max, row_inv_sum, delta, bias_mask, s * LOG2E, FP32_DOT, False)
+        p, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
+                                           bias_mask, s * LOG2E, COSINE, FP32_DOT, False)
         dv_acc = mma(tl.trans(p.to(do.dtype)), do, dv_acc, FP32_DOT)
         dk_acc = mma(tl.trans(ds.to(q_lowp.dtype)), q_lowp, dk_acc, FP32_DOT)
 
@@ -247,7 +250,7 @@ def window_attention_bwd_dq_kernel(
     q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
     k_base = q_base + (H * D) * stride_qkv_c
     v_base = k_base + (H * D) * stride_qkv_c
-    q, _, q_hat, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
     do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                    stride_dout_n, stride_dout_c, N, D)
     row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
@@ -262,14 +265,14 @@ def window_attention_bwd_dq_kernel(
     p_sum = tl.zeros((BLOCK_M,), tl.float32)
     for start_n in range(0, N, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k, k_lowp, _, _, _ = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
         bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
                                    N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
-        p, ds, raw = softmax_backward_tile(q, k, v, do, row_max, row_inv_sum, delta, bias_mask, s * LOG2E,
-                                           FP32_DOT, False)
+        p, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
+                                           bias_mask, s * LOG2E, COSINE, FP32_DOT, False)
         dq_acc = mma(ds.to(k_lowp.dtype), k_lowp, dq_acc, FP32_DOT)
         if SCALE_GRAD:
             ds_r += tl.sum(ds * raw, 1)
@@ -329,13 +332,14 @@ def window_attention_bwd_dbias_kernel(
         q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c
         v_base = k_base + (H * D) * stride_qkv_c
-        q, _, _, _, _ = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        k, _, _, _, _ = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                        stride_dout_n, stride_dout_c, N, D)
         row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
-        _, ds, _ = softmax_backward_tile(q, k, v, do, row_max, row_inv_sum, delta, bias_mask, logit_scale2, FP32_DOT, False)
+        p, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
+                                           bias_mask, logit_scale2, COSINE, FP32_DOT, False)
         dbias_acc += ds
 
     ptrs = dbias_partial_ptr + ((group * H + h) * N + rows[:, None]) * N + cols[None, :]

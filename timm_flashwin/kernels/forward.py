@@ -9,7 +9,7 @@ writing o. Larger windows stream key blocks with the online softmax of FlashAtte
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E, head_scale, load_bias_mask, load_qk, load_rows, mma, store_rows
+from .tiles import LOG2E, head_scale, load_bias_mask, load_qk, load_rows, mma, scores, store_rows
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
@@ -59,21 +59,21 @@ def window_attention_fwd_kernel(
         q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c
         v_base = k_base + (H * D) * stride_qkv_c
-        q, _, _, _, _ = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
 
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for start_n in range(0, N, BLOCK_N):
             key_rows = start_n + cols
-            k, _, _, _, _ = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+            k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
             v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if not SINGLE_KEY_BLOCK:
                 bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, key_rows,
                                            stride_bias_h, stride_bias_i, stride_bias_j,
                                            stride_mask_w, stride_mask_i, stride_mask_j,
                                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
-            raw = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), FP32_DOT)
+            raw = scores(q_hat, q_lowp, k_hat, k_lowp, COSINE, FP32_DOT)
             logits = raw * logit_scale2 + bias_mask
             # Online softmax. A row whose logits so far are all -inf keeps m = -inf; it is
             # shifted by 0 instead so that exp2 gives 0, not NaN, until a finite logit comes.

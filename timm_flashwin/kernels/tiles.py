@@ -5,8 +5,8 @@ Conventions used by every kernel:
 * qkv is read in the layout the qkv linear produced, (B_, N, 3, H, D) flattened to
   (B_, N, 3*H*D), through its (batch, token, channel) strides: no permute copy.
 * Logits are kept in the log2 domain, Z2 = (s * R + B + M) * log2(e) with the raw
-  product R = Q^ K^^T, so that the softmax uses ``exp2``. R stays available to the
-  backward, which needs sum(dZ * R) for the gradient of the cosine scale s.
+  product R = Q^ K^^T (``scores``), so that the softmax uses ``exp2``. R stays available
+  to the backward, which needs sum(dZ * R) for the gradient of the cosine scale s.
 * Padded rows/columns (N is not a power of two) load as 0; padded key columns get a
   logit of -inf so they take no probability.
 """
@@ -19,16 +19,44 @@ NORM_EPS = tl.constexpr(1e-12)  # F.normalize's eps
 
 @triton.jit
 def mma(a, b, acc, FP32_DOT: tl.constexpr):
-    """acc + a @ b with fp32 accumulation.
+    """acc + a @ b with fp32 accumulation, bf16/fp16 operands on the tensor cores.
 
-    bf16/fp16 operands use the tensor cores natively, fp32 operands as tf32 (the cosine
-    scores). FP32_DOT computes in full fp32 ("ieee") instead: for float32 inputs (no tf32
+    FP32_DOT computes in full fp32 ("ieee") instead: for float32 inputs (no tf32
     rounding) and under the interpreter, whose bf16 dot is not exact.
     """
     if FP32_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _split_fp16(x):
+    """x (fp32, |x| <= 1) as hi + lo, both fp16: 22 significant bits between them."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def scores(q_hat, q_lowp, k_hat, k_lowp, COSINE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """The raw score product R = Q^ K^^T of one tile, fp32.
+
+    V1 multiplies the input-dtype operands, as timm does. Cosine attention scales R by up
+    to 100, which would turn bf16 (2^-9) or even tf32 (2^-11) operand rounding into
+    logit errors of 0.05 to 0.2; its unit-norm rows are split into fp16 hi + lo pairs and
+    multiplied as hi*hi + hi*lo + lo*hi, three fp16 tensor-core products.
+    """
+    if FP32_DOT:
+        return tl.dot(q_hat, tl.trans(k_hat), input_precision="ieee")
+    elif COSINE:
+        q_hi, q_lo = _split_fp16(q_hat)
+        k_hi, k_lo = _split_fp16(k_hat)
+        k_hi = tl.trans(k_hi)
+        raw = tl.dot(q_hi, k_hi)
+        raw = tl.dot(q_lo, k_hi, raw)
+        return tl.dot(q_hi, tl.trans(k_lo), raw)
+    else:
+        return tl.dot(q_lowp, tl.trans(k_lowp))
 
 
 @triton.jit
@@ -46,14 +74,11 @@ def store_rows(ptr, value, rows, cols, stride_row, stride_col, N: tl.constexpr, 
 
 @triton.jit
 def load_qk(ptr, rows, cols, stride_n, stride_c, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr):
-    """A query or key tile as the kernels use it: (score, lowp, hat, inv, norm).
+    """A query or key tile as the kernels use it: (hat, lowp, inv, norm).
 
     hat is x^ in fp32: x itself (V1) or x / max(||x||, eps) per row (cosine), with
     inv = 1 / max(||x||, eps) and norm = ||x|| (ones and zeros for V1). lowp is x^ in the
-    input dtype, the operand of the gradient products. score is the operand of the score
-    product: the input dtype for V1 (timm's own precision), fp32 for cosine attention,
-    where a logit scale up to 100 would turn bf16 rounding of x^ (2^-9) into logit
-    errors of ~0.2; fp32 operands run as tf32 on the tensor cores.
+    input dtype, the operand of the gradient products (and of V1's scores).
     """
     x_in = load_rows(ptr, rows, cols, stride_n, stride_c, N, D)
     x = x_in.to(tl.float32)
@@ -62,14 +87,12 @@ def load_qk(ptr, rows, cols, stride_n, stride_c, N: tl.constexpr, D: tl.constexp
         inv = 1.0 / tl.maximum(norm, NORM_EPS)
         x_hat = x * inv[:, None]
         x_lowp = x_hat.to(x_in.dtype)
-        x_score = x_hat
     else:
         norm = tl.zeros((x.shape[0],), tl.float32)
         inv = norm + 1.0
         x_hat = x
         x_lowp = x_in
-        x_score = x_in
-    return x_score, x_lowp, x_hat, inv, norm
+    return x_hat, x_lowp, inv, norm
 
 
 @triton.jit
