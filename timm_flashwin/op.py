@@ -55,7 +55,7 @@ def _backward_impl(
 def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine):
     num_windows, n, channels = qkv.shape
     out = qkv.new_empty((num_windows, n, channels // 3))
-    stats_shape = softmax_stats_shape(num_windows, num_heads, n, channels // (3 * num_heads))
+    stats_shape = softmax_stats_shape(num_windows, num_heads, n, channels // (3 * num_heads), qkv.dtype, cosine)
     return out, qkv.new_empty(stats_shape, dtype=torch.float32)
 
 

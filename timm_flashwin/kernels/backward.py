@@ -106,7 +106,7 @@ def window_attention_bwd_fused_kernel(
                                stride_mask_w, stride_mask_i, stride_mask_j,
                                N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N)
     dbias_acc = tl.zeros((BLOCK_N, BLOCK_N), tl.float32)
-    dscale_acc = tl.zeros((BLOCK_N, BLOCK_N), tl.float32)
+    dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
 
     for window in range(first, last):
         b = (w + window * num_periods).to(tl.int64)
@@ -134,13 +134,13 @@ def window_attention_bwd_fused_kernel(
         if BIAS_GRAD:
             dbias_acc += ds
         if SCALE_GRAD:
-            dscale_acc += ds * raw
+            dscale_acc += tl.sum(ds * raw, 1)
 
     if BIAS_GRAD:
         ptrs = dbias_partial_ptr + ((group * H + h) * N + idx[:, None]) * N + idx[None, :]
         tl.store(ptrs, dbias_acc, mask=(idx[:, None] < N) & (idx[None, :] < N))
     if SCALE_GRAD:
-        tl.store(dscale_partial_ptr + group * H + h, tl.sum(tl.sum(dscale_acc, 1), 0))
+        tl.store(dscale_partial_ptr + group * H + h, tl.sum(dscale_acc, 0))
 
 
 @triton.jit

@@ -1,13 +1,15 @@
-"""Tile sizes and work split for the kernels.
+"""Launch configurations: tile sizes, warps, pipeline depth and how the windows are split
+into programs, per pass and (N, head_dim, dtype, cosine).
 
-Everything here depends only on (N, head_dim, dtype, pass) and the device: never on the
-number of windows, so a new batch size never recompiles a kernel.
+Nothing here depends on the number of windows B_, nW or a scale value: a new batch size
+never recompiles a kernel (the window split is a run-time argument).
 """
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Dict, Tuple
 
 import torch
 
@@ -19,44 +21,68 @@ MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
-class Tiles:
-    """Block sizes of one kernel launch. block_n >= N means one key block per window."""
+class LaunchConfig:
+    """How one kernel is launched.
+
+    block_n >= N means a whole window per key block: the forward then reads the bias and
+    mask tile once per program, and the backward runs the fused one-tile kernel.
+    programs_per_sm: the windows sharing a (head, mask window) are split into chunks so
+    that about this many programs run per SM; each program loops over its chunk.
+    """
 
     block_m: int
     block_n: int
     block_d: int
     num_warps: int
     num_stages: int
+    programs_per_sm: int
 
     def single_tile(self, n: int) -> bool:
         return self.block_m >= n and self.block_n >= n
+
+
+#: (pass, N, head_dim, dtype, cosine) -> LaunchConfig, consulted before the defaults.
+#: benchmarks/tune_op.py fills it to compare configurations.
+OVERRIDES: Dict[Tuple[str, int, int, torch.dtype, bool], LaunchConfig] = {}
 
 
 def _pow2(x: int) -> int:
     return max(16, 1 << (x - 1).bit_length())
 
 
-def forward_tiles(n: int, head_dim: int) -> Tiles:
+def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
+    n, head_dim = int(n), int(head_dim)  # compile-time constants of the kernels, even when traced
+    found = OVERRIDES.get(("fwd", n, head_dim, dtype, cosine))
+    if found is not None:
+        return found
     block_d = _pow2(head_dim)
-    if n <= 64:
+    # Tiles shrink as head_dim grows, to stay within registers and shared memory.
+    max_block = 64 if block_d <= 64 else 32
+    stages = 2 if block_d <= 64 else 1
+    if n <= max_block:
         block = _pow2(n)
-        return Tiles(block, block, block_d, 4, 2)
-    if n <= 128 and block_d <= 64:
-        return Tiles(64, 128, block_d, 4, 2)
-    block = 32 if block_d >= 256 else 64
-    return Tiles(block, block, block_d, 4 if block_d <= 64 else 8, 2)
-
-
-def backward_tiles(n: int, head_dim: int) -> Tiles:
-    """The fused one-tile backward runs where a whole window fits one tile."""
-    block_d = _pow2(head_dim)
-    if n <= 64 and block_d <= 128:
-        block = _pow2(n)
-        return Tiles(block, block, block_d, 4, 2)
+        return LaunchConfig(block, block, block_d, 4, stages, 8)
     if n <= 128 and block_d <= 32:
-        return Tiles(128, 128, block_d, 8, 1)
-    block = 32 if block_d >= 128 else 64
-    return Tiles(block, block, block_d, 4, 2)
+        return LaunchConfig(64, 128, block_d, 4, stages, 8)
+    return LaunchConfig(max_block, max_block, block_d, 4, stages, 8)
+
+
+def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
+    """The fused one-tile backward runs where a whole window fits one tile."""
+    n, head_dim = int(n), int(head_dim)
+    found = OVERRIDES.get(("bwd", n, head_dim, dtype, cosine))
+    if found is not None:
+        return found
+    block_d = _pow2(head_dim)
+    if n <= 64 and block_d <= 64:
+        block = _pow2(n)
+        return LaunchConfig(block, block, block_d, 4 if block <= 32 else 8, 1, 4)
+    block = 64 if block_d <= 64 else 32
+    return LaunchConfig(block, block, block_d, 4, 1 if block_d >= 128 else 2, 4)
+
+
+def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:
+    return replace(config, **changes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,7 +101,7 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def split_windows(windows: int, parallel: int, target: int) -> tuple[int, int]:
+def split_windows(windows: int, parallel: int, target: int) -> Tuple[int, int]:
     """Split ``windows`` into chunks so that ``parallel * chunks`` is about ``target``.
 
     Integer arithmetic only, so that a symbolic window count traces under torch.compile.

@@ -30,11 +30,6 @@ if config.INTERPRET:  # interpreted kernels are launched as they are (and run on
     def wrap_triton(kernel):  # noqa: F811
         return kernel
 
-#: Programs per SM that the forward and the fused backward aim for.
-_FWD_PROGRAMS_PER_SM = 8
-_BWD_PROGRAMS_PER_SM = 4
-
-
 def _fp32_dot(dtype: torch.dtype) -> bool:
     # float32 inputs get exact fp32 products (no tf32); the interpreter's bf16 dot is inexact.
     return dtype == torch.float32 or config.INTERPRET
@@ -49,11 +44,12 @@ def _bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], 
     return bias_ptr, mask_ptr, bias_strides, mask_strides
 
 
-def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int) -> Tuple[int, ...]:
+def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
+                        cosine: bool) -> Tuple[int, ...]:
     """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
     1 / row sum where the backward streams key blocks, nothing where a whole window
     fits one backward tile (it renormalizes the rows itself)."""
-    if config.backward_tiles(n, head_dim).single_tile(n):
+    if config.backward_config(n, head_dim, dtype, cosine).single_tile(n):
         return (0,)
     return (2, num_windows, num_heads, n)
 
@@ -72,13 +68,14 @@ def attention_forward(
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, num_heads * head_dim))
-    stats = qkv.new_empty(softmax_stats_shape(num_windows, num_heads, n, head_dim), dtype=torch.float32)
-    tiles = config.forward_tiles(n, head_dim)
+    stats = qkv.new_empty(softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine),
+                          dtype=torch.float32)
+    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine)
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
     m_blocks = -(-n // tiles.block_m)
     chunks, per_chunk = config.split_windows(
-        per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, _FWD_PROGRAMS_PER_SM))
+        per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
     wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
         qkv, out, stats, bias_ptr, mask_ptr, head_scale if head_scale is not None else qkv,
@@ -113,7 +110,7 @@ def attention_backward(
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     dqkv = qkv.new_empty(qkv.shape)
-    tiles = config.backward_tiles(n, head_dim)
+    tiles = config.backward_config(n, head_dim, qkv.dtype, cosine)
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
@@ -122,7 +119,7 @@ def attention_backward(
     flags = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
                  COSINE=cosine, FP32_DOT=_fp32_dot(qkv.dtype))
     strides = (*qkv.stride(), *dout.stride(), *dqkv.stride(), *bias_strides, *mask_strides)
-    target = config.target_programs(qkv.device, _BWD_PROGRAMS_PER_SM)
+    target = config.target_programs(qkv.device, tiles.programs_per_sm)
 
     if tiles.single_tile(n):
         chunks, per_chunk = config.split_windows(per_period, num_heads * periods, target)

@@ -112,7 +112,7 @@ def head_scale(head_scale_ptr, h, scale, COSINE: tl.constexpr):
     if COSINE:
         return tl.load(head_scale_ptr + h).to(tl.float32)
     else:
-        return scale
+        return tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
 
 
 @triton.jit

@@ -1,0 +1,124 @@
+"""Sweep launch configurations of the kernels on the benchmark shapes.
+
+    python benchmarks/tune_op.py --out results/tune.json
+
+Times the forward and the backward launchers alone (CUDA-graph replays, so host
+overhead is out), for each candidate LaunchConfig, and prints registers, spills and
+shared memory of each compiled variant. The winners become the defaults in
+timm_flashwin/kernels/config.py.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_op import SHAPES, make_inputs  # noqa: E402
+from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
+from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
+from timm_flashwin.kernels.launch import attention_backward, attention_forward  # noqa: E402
+from timm_flashwin.reference import LOGIT_SCALE_MAX  # noqa: E402
+
+
+def _compiled(kernel) -> Dict:
+    caches = getattr(kernel, "device_caches", None)
+    out = {}
+    if caches is not None:
+        for entry in caches.values():
+            out.update(entry[0])
+    return out
+
+
+def _stats(kernels, before: Dict) -> List[str]:
+    text = []
+    for kernel in kernels:
+        for key, compiled in _compiled(kernel).items():
+            if key in before.get(id(kernel), {}):
+                continue
+            name = kernel.fn.__name__.replace("window_attention_", "")
+            text.append(f"{name}:regs={compiled.n_regs},spills={compiled.n_spills},"
+                        f"smem={compiled.metadata.shared}")
+    return text
+
+
+def candidates(n: int, head_dim: int, base: config.LaunchConfig, which: str):
+    blocks = [(base.block_m, base.block_n)]
+    if n > 64:
+        blocks += [(64, 64), (128, 64), (64, 128), (32, 64)] if which == "fwd" else [(64, 64), (32, 64), (64, 32),
+                                                                                       (128, 64)]
+    seen = set()
+    for (bm, bn), warps, stages, pps in itertools.product(blocks, (4, 8), (1, 2, 3), (1, 2, 4, 8, 32, 1024)):
+        if which == "bwd" and base.single_tile(n) and (bm, bn) != (base.block_m, base.block_n):
+            continue
+        cfg = config.with_changes(base, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                                  programs_per_sm=pps)
+        if cfg not in seen:
+            seen.add(cfg)
+            yield cfg
+
+
+def main() -> None:
+    from triton.testing import do_bench_cudagraph
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"])
+    parser.add_argument("--passes", nargs="*", default=["fwd", "bwd"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = []
+    for shape_name, kind, which in itertools.product(args.shapes, args.kinds, args.passes):
+        windows, heads, n, head_dim, _ = SHAPES[shape_name]
+        cosine = kind == "cosine"
+        inp = make_inputs(SHAPES[shape_name], cosine)
+        qkv, bias, mask = inp["qkv"].detach(), inp["bias"].detach(), inp["mask"]
+        head_scale = torch.clamp(inp["logit_scale"].detach(), max=LOGIT_SCALE_MAX).exp() if cosine else None
+        key = (which, n, head_dim, torch.bfloat16, cosine)
+        base = (config.forward_config if which == "fwd" else config.backward_config)(n, head_dim, torch.bfloat16,
+                                                                                   cosine)
+        kernels = [fwd_kernels.window_attention_fwd_kernel] if which == "fwd" else [
+            bwd_kernels.window_attention_bwd_fused_kernel, bwd_kernels.window_attention_bwd_dkdv_kernel,
+            bwd_kernels.window_attention_bwd_dq_kernel, bwd_kernels.window_attention_bwd_dbias_kernel]
+        out, stats = attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)
+        best = None
+        for cfg in candidates(n, head_dim, base, which):
+            config.OVERRIDES[key] = cfg
+            before = {id(k): dict(_compiled(k)) for k in kernels}
+            try:
+                if which == "fwd":
+                    fn = lambda: attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)  # noqa
+                else:
+                    fn = lambda: attention_backward(inp["grad"], qkv, out, stats, bias, mask, head_scale,  # noqa
+                                                    heads, inp["scale"], cosine, True, cosine)
+                fn()
+                torch.cuda.synchronize()
+                us = 1e3 * do_bench_cudagraph(fn, rep=50, return_mode="median")
+            except Exception as exc:
+                print(f"{shape_name} {kind} {which} {cfg} FAILED {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                continue
+            finally:
+                config.OVERRIDES.pop(key, None)
+            info = _stats(kernels, before)
+            row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=cfg == base, **cfg.__dict__)
+            results.append(row)
+            mark = "*" if cfg == base else " "
+            print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
+                  f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} {' '.join(info)}", flush=True)
+            if best is None or us < best[0]:
+                best = (us, cfg)
+        default_us = next((r["us"] for r in results if r["is_default"] and r["shape"] == shape_name
+                           and r["kind"] == kind and r["which"] == which), float("nan"))
+        print(f"BEST {shape_name} {kind} {which}: {best[0]:.1f} us (default {default_us:.1f}) {best[1]}", flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
