@@ -1,7 +1,28 @@
-"""timm_flashwin: fused Triton window attention for timm's Swin family."""
+"""timm_flashwin: fused Triton window attention for timm's Swin, SwinV2 and SwinV2-CR.
+
+    import timm, timm_flashwin
+    model = timm.create_model("swinv2_tiny_window8_256").cuda()
+    timm_flashwin.patch_model(model)           # in place, one line
+    with timm_flashwin.patched(other_model):   # temporary
+        ...
+"""
 from .op import window_attention
+from .patching import (ModuleStatus, PatchError, PatchReport, is_patched, patch_model, patch_report, patched,
+                       unpatch_model)
 from .reference import window_attention_reference
 
 __version__ = "0.1.0"
 
-__all__ = ["window_attention", "window_attention_reference", "__version__"]
+__all__ = [
+    "ModuleStatus",
+    "PatchError",
+    "PatchReport",
+    "is_patched",
+    "patch_model",
+    "patch_report",
+    "patched",
+    "unpatch_model",
+    "window_attention",
+    "window_attention_reference",
+    "__version__",
+]

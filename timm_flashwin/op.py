@@ -141,9 +141,8 @@ def _validate(qkv, num_heads, bias, mask, scale, logit_scale) -> Tuple[int, int,
     if channels % (3 * num_heads):
         _fail(ValueError, "qkv", f"a last dim divisible by 3 * num_heads = {3 * num_heads}", channels)
     head_dim = channels // (3 * num_heads)
-    if head_dim % 8 or not 8 <= head_dim <= config.MAX_HEAD_DIM:
-        _fail(ValueError, "qkv", f"a head_dim (last dim / (3 * num_heads)) that is a multiple of 8 in "
-              f"[8, {config.MAX_HEAD_DIM}]", head_dim)
+    if not 1 <= head_dim <= config.MAX_HEAD_DIM:
+        _fail(ValueError, "qkv", f"a head_dim (last dim / (3 * num_heads)) in [1, {config.MAX_HEAD_DIM}]", head_dim)
     if not 1 <= n <= config.MAX_TOKENS:
         _fail(ValueError, "qkv", f"a token count N in [1, {config.MAX_TOKENS}]", n)
     # Parameters may stay float32 under autocast, or match qkv's dtype.
@@ -199,7 +198,8 @@ def window_attention(
     Args:
         qkv: (B_, N, 3*H*D) float16/bfloat16/float32 (float64 runs in PyTorch), laid out as
             timm's qkv linear produces it; any strides.
-        num_heads: H. D must be a multiple of 8 in [8, 256]; N in [1, 1024].
+        num_heads: H. The head dim D can be anything in [1, 256] (multiples of 8 are
+            fastest: rows are then 16-byte aligned); N in [1, 1024].
         bias: (H, N, N) or (1, H, N, N), qkv's dtype or float32; gets a gradient.
         mask: (nW, N, N) additive float mask (timm's 0/-100, -inf works); B_ % nW == 0.
             Takes no gradient.

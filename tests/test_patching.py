@@ -1,0 +1,414 @@
+"""The patcher: patched timm models against timm's own unpatched modules, and every
+promised behaviour of patch_model / unpatch_model / patched / is_patched."""
+import copy
+import io
+import logging
+import math
+import os
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import timm_flashwin
+from conftest import HAS_CUDA, KERNEL_DEVICE
+from timm_flashwin import PatchError, is_patched, patch_model, patch_report, patched, unpatch_model
+from timm_flashwin.adapters import ADAPTERS
+from timm_flashwin.verify import compare, group_error, perturb_
+
+SWIN_V1 = timm.models.swin_transformer.WindowAttention
+SWIN_V2 = timm.models.swin_transformer_v2.WindowAttention
+SWIN_CR = timm.models.swin_transformer_v2_cr.WindowMultiHeadAttention
+
+
+def create(name: str, seed: int = 0, **kwargs) -> nn.Module:
+    """timm.create_model with a seeded initialization, then perturbed (verify.perturb_)."""
+    torch.manual_seed(seed)
+    return perturb_(timm.create_model(name, **kwargs), seed)
+
+
+def tiny_swin(**kwargs) -> nn.Module:
+    """A small Swin V1 with shifted windows (two blocks per stage), for quick tests."""
+    args = dict(img_size=56, depths=(2, 2), num_heads=(2, 4), embed_dim=32, num_classes=10)
+    args.update(kwargs)
+    return create("swin_tiny_patch4_window7_224", **args)
+
+
+def images(batch=2, size=(56, 56), seed=0, device="cpu"):
+    return torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+# ------------------------------------------------------------- against timm, float64 referee
+MODEL_CASES = [  # (name, create_model kwargs, image size)
+    ("swin_tiny_patch4_window7_224", dict(img_size=112), (112, 112)),
+    ("swin_tiny_patch4_window7_224", dict(img_size=(96, 128)), (96, 128)),  # non-square feature maps
+    ("swinv2_tiny_window8_256", dict(img_size=128), (128, 128)),
+    # window_size=7 keeps the model's 224 geometry; at 112 timm would otherwise derive 3x3 windows
+    ("swinv2_cr_tiny_224", dict(img_size=112, window_size=7), (112, 112)),
+    ("swinv2_base_window12to16_192to256", dict(img_size=128), (128, 128)),
+]
+
+
+def _run(model, x, train, seed=0):
+    model.train(train)
+    torch.manual_seed(seed)  # SwinV2-CR's meta_mlp dropout draws the same masks on every side
+    out = model(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype)
+    (out * g).sum().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name,kwargs,size", MODEL_CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_patched_model_matches_timm(name, kwargs, size, train):
+    """Forward and every parameter gradient of the patched model (float32, the Triton
+    kernels) against timm's unpatched model in float32 and in float64: the patched
+    model may be at most twice as far from float64 as timm's own float32 arithmetic
+    (for gradients: than timm's error on all gradients together, see verify.py)."""
+    model = create(name, drop_path_rate=0.0, **kwargs)
+    ours = patch_model(copy.deepcopy(model))
+    assert len(patch_report(ours).patched) == len(patch_report(ours).modules) > 0
+    x = images(1, size)
+    ref_out, ref_grads = _run(copy.deepcopy(model).double(), x.double(), train)
+    timm_out, timm_grads = _run(model, x, train)
+    our_out, our_grads = _run(ours, x, train)
+    checks = [compare("<output>", our_out, timm_out, ref_out, 1e-4, 1e-6)]
+    assert our_grads.keys() == timm_grads.keys() == ref_grads.keys()
+    floor = group_error(timm_grads, ref_grads)
+    checks += [compare(n, our_grads[n], timm_grads[n], ref_grads[n], 1e-4, 1e-6, floor) for n in ref_grads]
+    assert group_error(our_grads, ref_grads) <= max(1e-4, 2 * floor)
+    failed = [c for c in checks if not c.passed]
+    assert not failed, "\n".join(map(str, failed[:10]))
+    # the attention parameters really got gradients through the kernels
+    assert any(n.endswith(("relative_position_bias_table", "cpb_mlp.0.weight", "meta_mlp.fc1.weight"))
+               for n in our_grads)
+
+
+def test_non_square_windows_occur():
+    """At (96, 128) some stages run windows that are not square (and not a power of two)."""
+    model = timm.create_model("swin_tiny_patch4_window7_224", img_size=(96, 128))
+    sizes = {tuple(m.window_size) for m in model.modules() if isinstance(m, SWIN_V1)}
+    assert any(h != w for h, w in sizes), sizes
+
+
+@pytest.mark.parametrize("name", timm.list_models("swin*"))
+def test_every_registered_model_is_fully_patched_on_meta(name):
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    patch_model(model, strict=True)
+    report = patch_report(model)
+    assert report.modules and not report.skipped
+    assert all(is_patched(m) for m in model.modules() if isinstance(m, (SWIN_V1, SWIN_V2, SWIN_CR)))
+
+
+def test_all_names_and_module_count():
+    names = timm.list_models("swin*")
+    total = 0
+    for name in names:
+        with torch.device("meta"):
+            total += len(patch_report(timm.create_model(name)).modules)
+    assert len(names) == 37 and total == 864
+
+
+# ------------------------------------------------------------------------ behaviour
+def test_state_dict_unchanged_and_checkpoints_move_freely():
+    model = tiny_swin()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    patch_model(model)
+    after = model.state_dict()
+    assert list(before) == list(after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    plain = timm.create_model("swin_tiny_patch4_window7_224", img_size=56, depths=(2, 2), num_heads=(2, 4),
+                              embed_dim=32, num_classes=10)
+    plain.load_state_dict(after)  # patched -> unpatched
+    other = patch_model(tiny_swin(num_classes=10))
+    other.load_state_dict(plain.state_dict())  # unpatched -> patched
+    x = images()
+    torch.testing.assert_close(other.eval()(x), plain.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+def test_unpatch_restores_bit_identical_outputs():
+    model = tiny_swin().eval()
+    x = images()
+    with torch.no_grad():
+        expected = model(x)
+        patch_model(model)
+        patched_out = model(x)
+        unpatch_model(model)
+        restored = model(x)
+    assert not is_patched(model)
+    assert torch.equal(restored, expected)
+    assert not torch.equal(patched_out, expected)  # the kernels really ran while patched
+
+
+def test_patching_twice_is_a_no_op():
+    model = patch_model(tiny_swin())
+    state = {id(m): dict(m.__dict__) for m in model.modules()}
+    assert patch_model(model) is model
+    assert {id(m): dict(m.__dict__) for m in model.modules()} == state
+
+
+def test_deepcopy_and_torch_save_stay_patched():
+    model = patch_model(tiny_swin()).eval()
+    x = images()
+    with torch.no_grad():
+        expected = model(x)
+        clone = copy.deepcopy(model)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        for other in (clone, loaded):
+            assert is_patched(other) and len(patch_report(other).patched) == 4
+            assert torch.equal(other(x), expected)
+
+
+def test_context_manager_restores_on_exit_and_on_exception():
+    model = tiny_swin()
+    with patched(model) as m:
+        assert m is model and is_patched(model)
+    assert not is_patched(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with patched(model):
+            assert is_patched(model)
+            raise RuntimeError("boom")
+    assert not is_patched(model)
+    patch_model(model)  # patched before: the context leaves it patched
+    with patched(model):
+        pass
+    assert is_patched(model)
+
+
+def test_is_patched_for_module_and_model():
+    model = tiny_swin()
+    attn = model.layers[0].blocks[0].attn
+    assert not is_patched(model) and not is_patched(attn)
+    patch_model(model, filter_fn=lambda module, name: name == "layers.0.blocks.0.attn")
+    assert is_patched(attn) and is_patched(model)
+    assert not is_patched(model.layers[1].blocks[0].attn)
+    assert not is_patched(nn.Linear(2, 2))
+
+
+def test_report_and_logging(caplog):
+    model = tiny_swin()
+    with caplog.at_level(logging.DEBUG, logger="timm_flashwin"):
+        patch_model(model, filter_fn=lambda module, name: not name.startswith("layers.1"))
+    report = patch_report(model)
+    assert [m.name for m in report.patched] == ["layers.0.blocks.0.attn", "layers.0.blocks.1.attn"]
+    assert {m.reason for m in report.skipped} == {"excluded by filter_fn"}
+    summary = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(summary) == 1 and "patched 2 of 4" in summary[0].getMessage()
+    assert sum("layers.1.blocks.0.attn" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG) == 1
+    d = report.to_dict()
+    assert d["model"] == "SwinTransformer" and len(d["modules"]) == 4
+    assert "flashwin=swin" in repr(model.layers[0].blocks[0].attn)
+    assert "flashwin" not in repr(model.layers[1].blocks[0].attn)
+
+
+def test_nothing_to_patch():
+    with pytest.warns(UserWarning, match="ResNet has no timm window-attention"):
+        patch_model(timm.create_model("resnet18"))
+    with pytest.raises(ValueError, match="ResNet"):
+        patch_model(timm.create_model("resnet18"), strict=True)
+
+
+def test_attention_dropout_keeps_timm_in_training(monkeypatch):
+    model = tiny_swin(attn_drop_rate=0.1)
+    patch_model(model)
+    report = patch_report(model)
+    assert len(report.patched) == 4 and all("attn_drop=0.1" in m.note for m in report.patched)
+    calls = []
+    import timm_flashwin.adapters.base as base
+    real = base.window_attention
+    monkeypatch.setattr(base, "window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model.train()(images())
+    assert calls == []  # training with attention dropout: timm's forward
+    with torch.no_grad():
+        model.eval()(images())
+    assert len(calls) == 4
+    with pytest.raises(PatchError, match="attn_drop=0.1"):
+        patch_model(tiny_swin(attn_drop_rate=0.1), strict=True)
+
+
+def test_unsupported_head_dim_is_skipped_with_reason():
+    model = tiny_swin(num_heads=(2, 8), embed_dim=528)  # head_dim 264, then 132
+    patch_model(model)
+    reasons = {m.name: m.reason for m in patch_report(model).skipped}
+    assert reasons == {"layers.0.blocks.0.attn": "head_dim 264 is not in [1, 256]",
+                       "layers.0.blocks.1.attn": "head_dim 264 is not in [1, 256]"}
+    assert len(patch_report(model).patched) == 2
+    with pytest.raises(PatchError) as info:
+        patch_model(tiny_swin(num_heads=(2, 8), embed_dim=528), strict=True)
+    assert set(info.value.reasons) == set(reasons)
+    x = images()
+    with torch.no_grad():
+        ref = copy.deepcopy(model)
+        unpatch_model(ref)
+        torch.testing.assert_close(model.eval()(x), ref.eval()(x), rtol=1e-4, atol=1e-5)
+
+
+def test_timm_version_without_expected_attribute(monkeypatch):
+    monkeypatch.setattr(ADAPTERS["swin"], "required", ADAPTERS["swin"].required + ("attribute_of_another_timm",))
+    model = tiny_swin()
+    patch_model(model)
+    assert not is_patched(model)
+    assert all(f"timm {timm.__version__}: the module has no attribute_of_another_timm" == m.reason
+               for m in patch_report(model).skipped)
+
+
+def test_subclass_is_left_to_timm():
+    class MyAttention(SWIN_V1):
+        pass
+
+    model = tiny_swin()
+    old = model.layers[0].blocks[0].attn
+    new = MyAttention(32, 2, window_size=7)
+    new.load_state_dict(old.state_dict())
+    model.layers[0].blocks[0].attn = new
+    patch_model(model)
+    assert patch_report(model).skipped[0].reason.startswith("MyAttention subclasses timm's class")
+
+
+def test_bad_input_to_patched_module():
+    attn = patch_model(tiny_swin()).layers[0].blocks[0].attn
+    with pytest.raises(ValueError, match=r"expected N = 7\*7 = 49 tokens per window, got 48"):
+        attn(torch.randn(4, 48, 32))
+    with pytest.raises(ValueError, match="expected C = 32 channels, got 16"):
+        attn(torch.randn(4, 49, 16))
+    with pytest.raises(ValueError, match="shape"):
+        attn(torch.randn(49, 32))
+
+
+def test_parameters_are_read_at_call_time():
+    """Optimizer steps and in-place edits after patching take effect (also through the
+    inference cache of the SwinV2 bias)."""
+    model = create("swinv2_tiny_window8_256", img_size=64, depths=(2, 2), num_heads=(2, 4), embed_dim=32,
+                   num_classes=10, drop_path_rate=0.0)
+    ours = patch_model(copy.deepcopy(model))
+    x = images(1, (64, 64))
+    with torch.no_grad():
+        before = ours.eval()(x)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+    ours.train()(x).square().mean().backward()
+    opt.step()  # the patched model's own optimizer step...
+    model.load_state_dict(ours.state_dict())  # ...and timm with the same parameters
+    with torch.no_grad():
+        after = ours.eval()(x)
+        assert not torch.allclose(after, before)
+        torch.testing.assert_close(after, model.eval()(x), rtol=1e-4, atol=1e-5)
+        for net in (model, ours):  # in place, between two cached inference calls
+            net.layers[0].blocks[0].attn.cpb_mlp[0].weight.mul_(1.5)
+            net.layers[1].blocks[1].attn.logit_scale.add_(0.3)
+        torch.testing.assert_close(ours(x), model(x), rtol=1e-4, atol=1e-5)
+        ours.load_state_dict(perturb_(copy.deepcopy(model), seed=3).state_dict())
+        model.load_state_dict(ours.state_dict())
+        torch.testing.assert_close(ours(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_dtype_moves_and_set_input_size():
+    model = tiny_swin()
+    ours = patch_model(copy.deepcopy(model))
+    x = images(1, (56, 56))
+    with torch.no_grad():
+        ours.double()
+        model.double()
+        torch.testing.assert_close(ours.eval()(x.double()), model.eval()(x.double()))  # float64 runs in PyTorch
+        ours.float()
+        model.float()
+        model.set_input_size(img_size=(112, 112))
+        ours.set_input_size(img_size=(112, 112))
+        assert is_patched(ours)
+        y = images(1, (112, 112))
+        torch.testing.assert_close(ours(y), model(y), rtol=1e-4, atol=1e-5)
+
+
+def test_features_only_and_user_module_and_ddp(tmp_path):
+    feats = create("swin_tiny_patch4_window7_224", features_only=True, img_size=56, depths=(2, 2),
+                   num_heads=(2, 4), embed_dim=32, out_indices=(0, 1))
+    ours = patch_model(copy.deepcopy(feats))
+    assert len(patch_report(ours).patched) == 4
+    x = images()
+    with torch.no_grad():
+        for a, b in zip(ours.eval()(x), feats.eval()(x)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = tiny_swin()
+            self.head = nn.Linear(10, 2)
+
+        def forward(self, x):
+            return self.head(self.backbone(x))
+
+    wrapped = patch_model(Wrapper())
+    assert len(patch_report(wrapped).patched) == 4 and patch_report(wrapped).model == "Wrapper"
+
+    import torch.distributed as dist
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/pg")
+    try:
+        ddp = nn.parallel.DistributedDataParallel(tiny_swin())
+        patch_model(ddp)
+        assert len(patch_report(ddp).patched) == 4
+        ddp(x).sum().backward()
+        assert ddp.module.layers[0].blocks[0].attn.relative_position_bias_table.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiles_whole_model_without_graph_break():
+    """dynamo traces the class-level wrapt wrapper and the op in one graph."""
+    model = patch_model(tiny_swin()).eval()
+    x = images()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ GPU only
+GPU_MODELS = ["swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_224",
+              "swinv2_base_window12to16_192to256"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", GPU_MODELS)
+def test_gpu_full_resolution_autocast(name, dtype):
+    """Full resolution, AMP (autocast, float32 weights), forward and every gradient:
+    the patched model at most twice as far from float64 as timm itself, or within
+    the dtype's tolerance."""
+    from timm_flashwin.verify import verify_model
+    result = verify_model(name, batch=4, dtype="bfloat16" if dtype == torch.bfloat16 else "float16",
+                          device="cuda", train=True)
+    assert result.passed, "\n".join(map(str, result.failures()[:10]))
+    assert result.backend == "triton" and result.top1_agreement >= 0.75
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_224"])
+def test_gpu_torch_compile_inference_and_training(name):
+    torch._dynamo.reset()
+    model = create(name, drop_path_rate=0.0).cuda()
+    ours = patch_model(copy.deepcopy(model))
+    compiled = torch.compile(ours, fullgraph=True)
+    x = images(4, model.pretrained_cfg["input_size"][1:], device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled.eval()(x).float(), model.eval()(x).float(), rtol=0.05, atol=0.05)
+    compiled.train()
+    model.train()
+    opt = torch.optim.SGD(ours.parameters(), lr=1e-3)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = compiled(x).float().square().mean()
+        ref_loss = model(x).float().square().mean()
+    loss.backward()
+    ref_loss.backward()
+    opt.step()
+    assert math.isclose(loss.item(), ref_loss.item(), rel_tol=2e-2)
+    ref_grads = dict(model.named_parameters())
+    for n, p in ours.named_parameters():
+        if p.grad is not None and "attn" in n:
+            assert compare(n, p.grad, ref_grads[n].grad, ref_grads[n].grad, 0.1, 1e-3).err_ours < 0.1, n

@@ -1,0 +1,24 @@
+"""One adapter per timm window-attention family."""
+from typing import Dict, Optional
+
+from torch import nn
+
+from .base import WindowAttentionAdapter
+from .swin import SwinAdapter
+from .swinv2 import SwinV2Adapter
+from .swinv2_cr import SwinV2CRAdapter
+
+#: family name -> adapter
+ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (SwinAdapter(), SwinV2Adapter(),
+                                                                     SwinV2CRAdapter())}
+
+
+def adapter_for(module: nn.Module) -> Optional[WindowAttentionAdapter]:
+    """The adapter serving this module's exact class, or None."""
+    for adapter in ADAPTERS.values():
+        if type(module) is adapter.module_type():
+            return adapter
+    return None
+
+
+__all__ = ["ADAPTERS", "WindowAttentionAdapter", "adapter_for"]

@@ -1,0 +1,121 @@
+"""What every family adapter shares: the checks made at patch time and the forward
+skeleton (qkv -> window_attention -> proj) that reads the module's own tensors at call
+time."""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Sequence, Tuple, Type
+
+import torch
+from torch import nn
+
+from ..kernels.config import MAX_HEAD_DIM, MAX_TOKENS
+from ..op import window_attention
+
+
+class WindowAttentionAdapter:
+    """Routes one timm window-attention class through ``window_attention``.
+
+    Subclasses name the class they serve and say how to get its qkv, its position bias
+    and its score scale; nothing is copied out of the module, so optimizer steps,
+    load_state_dict, in-place edits, ``.to()`` and set_input_size() all take effect.
+    """
+
+    #: short name used in reports: "swin", "swinv2", "swinv2_cr"
+    family: str = ""
+    #: attributes the forward reads; a timm version without them is not patched
+    required: Sequence[str] = ()
+
+    @staticmethod
+    def module_type() -> Type[nn.Module]:
+        raise NotImplementedError
+
+    # -- geometry ---------------------------------------------------------------------
+    def window_size(self, module: nn.Module) -> Tuple[int, int]:
+        return tuple(module.window_size)
+
+    def num_heads(self, module: nn.Module) -> int:
+        return module.num_heads
+
+    def head_dim(self, module: nn.Module) -> int:
+        return module.qkv.out_features // (3 * module.num_heads)
+
+    def attn_drop(self, module: nn.Module) -> float:
+        return float(module.attn_drop.p)
+
+    # -- what the forward computes ----------------------------------------------------
+    def qkv(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module.qkv(x)
+
+    def position_bias(self, module: nn.Module) -> torch.Tensor:
+        raise NotImplementedError
+
+    def score_scale(self, module: nn.Module) -> Dict:
+        """``scale=`` (V1) or ``logit_scale=`` (cosine) for window_attention."""
+        raise NotImplementedError
+
+    # -- patch time -------------------------------------------------------------------
+    def unsupported(self, module: nn.Module) -> Optional[str]:
+        """Why this module cannot be served, or None."""
+        missing = [name for name in self.required if not hasattr(module, name)]
+        if missing:
+            import timm
+            return f"timm {timm.__version__}: the module has no {', '.join(missing)}"
+        head_dim = self.head_dim(module)
+        if not 1 <= head_dim <= MAX_HEAD_DIM:
+            return f"head_dim {head_dim} is not in [1, {MAX_HEAD_DIM}]"
+        win_h, win_w = self.window_size(module)
+        if win_h * win_w > MAX_TOKENS:
+            return f"window {win_h}x{win_w} has {win_h * win_w} tokens, more than {MAX_TOKENS}"
+        return None
+
+    def notes(self, module: nn.Module) -> Optional[str]:
+        """What a patched module still leaves to timm."""
+        if self.attn_drop(module) > 0:
+            return (f"attn_drop={self.attn_drop(module)} > 0: in training mode this module runs timm's "
+                    f"forward (the kernels have no attention dropout yet)")
+        return None
+
+    def served(self, module: nn.Module) -> bool:
+        """Whether this call can go through the op (attention dropout only in eval)."""
+        return not (module.training and self.attn_drop(module) > 0)
+
+    # -- call time --------------------------------------------------------------------
+    def forward(self, module: nn.Module, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Replacement of the module's forward: x (B_, N, C) -> (B_, N, C)."""
+        win_h, win_w = self.window_size(module)
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{type(module).__name__}: expected x of shape (num_windows*B, N, C), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.shape[1] != win_h * win_w:
+            raise ValueError(f"{type(module).__name__}: expected N = {win_h}*{win_w} = {win_h * win_w} tokens per "
+                             f"window, got {x.shape[1]} (x of shape {tuple(x.shape)})")
+        in_features = module.qkv.in_features
+        if x.shape[2] != in_features:
+            raise ValueError(f"{type(module).__name__}: expected C = {in_features} channels, got {x.shape[2]} "
+                             f"(x of shape {tuple(x.shape)})")
+        out = window_attention(self.qkv(module, x), self.num_heads(module), bias=self.position_bias(module),
+                               mask=mask, **self.score_scale(module))
+        return module.proj_drop(module.proj(out))
+
+
+def inference_cache(module: nn.Module, sources: Sequence[torch.Tensor], compute: Callable[[], torch.Tensor]):
+    """``compute()``, reused across calls while nothing it reads can have changed.
+
+    Only in inference (no autograd recording, module in eval mode, not under
+    torch.compile, which fuses the computation anyway). The key holds the identity,
+    storage and version counter of every source tensor (optimizer steps, in-place
+    edits and load_state_dict bump versions; ``.to()`` and set_input_size() make new
+    tensors) and the autocast state, which decides the result's dtype.
+    """
+    if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return compute()
+    device_type = sources[0].device.type
+    autocast = torch.is_autocast_enabled(device_type) if device_type in ("cuda", "cpu") else False
+    key = (autocast, torch.get_autocast_dtype(device_type) if autocast else None,
+           tuple((id(t), t.data_ptr(), t._version, t.dtype, t.device) for t in sources))
+    cached = module.__dict__.get("_flashwin_bias_cache")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    value = compute()
+    module.__dict__["_flashwin_bias_cache"] = (key, value)
+    return value

@@ -1,0 +1,29 @@
+"""Swin Transformer V1 (and swin_s3): ``timm.models.swin_transformer.WindowAttention``.
+
+S = scale * Q K^T; the bias is timm's own ``_get_rel_pos_bias()``, a gather from
+relative_position_bias_table ((2Wh-1)(2Ww-1), H) by relative_position_index.
+"""
+from typing import Dict, Type
+
+import torch
+from torch import nn
+
+from .base import WindowAttentionAdapter, inference_cache
+
+
+class SwinAdapter(WindowAttentionAdapter):
+    family = "swin"
+    required = ("qkv", "proj", "proj_drop", "attn_drop", "scale", "num_heads", "window_size",
+                "relative_position_bias_table", "relative_position_index", "_get_rel_pos_bias")
+
+    @staticmethod
+    def module_type() -> Type[nn.Module]:
+        from timm.models.swin_transformer import WindowAttention
+        return WindowAttention
+
+    def position_bias(self, module: nn.Module) -> torch.Tensor:
+        return inference_cache(module, (module.relative_position_bias_table, module.relative_position_index),
+                               module._get_rel_pos_bias)
+
+    def score_scale(self, module: nn.Module) -> Dict:
+        return dict(scale=float(module.scale))

@@ -1,0 +1,50 @@
+"""SwinV2: ``timm.models.swin_transformer_v2.WindowAttention``.
+
+S = exp(min(logit_scale, ln 100)) * Q^ K^^T (cosine attention); the bias is
+16 * sigmoid(cpb_mlp(relative_coords_table)) gathered by relative_position_index, in the
+order timm computes it. The qkv bias is cat(q_bias, k_bias (a zero buffer), v_bias).
+"""
+from typing import Dict, Type
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import WindowAttentionAdapter, inference_cache
+
+
+class SwinV2Adapter(WindowAttentionAdapter):
+    family = "swinv2"
+    required = ("qkv", "proj", "proj_drop", "attn_drop", "logit_scale", "cpb_mlp", "relative_coords_table",
+                "relative_position_index", "q_bias", "v_bias", "num_heads", "window_size")
+
+    @staticmethod
+    def module_type() -> Type[nn.Module]:
+        from timm.models.swin_transformer_v2 import WindowAttention
+        return WindowAttention
+
+    def head_dim(self, module: nn.Module) -> int:
+        return module.qkv.in_features // module.num_heads
+
+    def qkv(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if module.q_bias is None:
+            return module.qkv(x)
+        qkv_bias = torch.cat((module.q_bias, module.k_bias, module.v_bias))
+        if getattr(module, "qkv_bias_separate", False):
+            qkv = module.qkv(x)
+            qkv += qkv_bias
+            return qkv
+        return F.linear(x, weight=module.qkv.weight, bias=qkv_bias)
+
+    def position_bias(self, module: nn.Module) -> torch.Tensor:
+        def compute() -> torch.Tensor:
+            n = module.window_size[0] * module.window_size[1]
+            table = module.cpb_mlp(module.relative_coords_table).view(-1, module.num_heads)
+            bias = table[module.relative_position_index.view(-1)].view(n, n, -1)
+            return 16 * torch.sigmoid(bias.permute(2, 0, 1).contiguous())
+
+        sources = (module.relative_coords_table, module.relative_position_index, *module.cpb_mlp.parameters())
+        return inference_cache(module, sources, compute)
+
+    def score_scale(self, module: nn.Module) -> Dict:
+        return dict(logit_scale=module.logit_scale)

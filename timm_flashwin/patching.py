@@ -1,0 +1,235 @@
+"""Patching timm models: which modules are routed through the op, and how.
+
+Mechanism: one wrapt wrapper on each family's ``forward`` (and ``extra_repr``), installed
+once at class level when this module is imported. It looks at the calling instance: a
+patched instance carries the family name in ``_flashwin_family`` and goes through its
+adapter; every other instance runs timm's forward untouched. Patching is therefore a
+plain attribute on the module: it survives ``copy.deepcopy``, ``torch.save(model)`` /
+``torch.load`` and ``state_dict`` round trips, adds no parameter or buffer, and
+unpatching (removing the attribute) restores timm's forward exactly. A class-level
+wrapper also traces under torch.compile, where an instance-level proxy does not.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import wrapt
+from torch import nn
+
+from .adapters import ADAPTERS, WindowAttentionAdapter
+
+logger = logging.getLogger("timm_flashwin")
+
+_FAMILY_ATTR = "_flashwin_family"  # set on patched instances: the adapter's family name
+_SKIP_ATTR = "_flashwin_skipped"  # set on instances patch_model left alone: the reason
+_CACHE_ATTR = "_flashwin_bias_cache"  # adapters.base.inference_cache
+
+#: A user's per-module opt-out, as torchao's filter_fn: (module, qualified name) -> patch?
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+# ------------------------------------------------------------------ class-level wrappers
+def _forward_wrapper(wrapped, instance, args, kwargs):
+    family = getattr(instance, _FAMILY_ATTR, None)
+    if family is not None:
+        adapter = ADAPTERS[family]
+        if adapter.served(instance):
+            return adapter.forward(instance, *args, **kwargs)
+    return wrapped(*args, **kwargs)
+
+
+def _extra_repr_wrapper(wrapped, instance, args, kwargs):
+    text = wrapped(*args, **kwargs)
+    family = getattr(instance, _FAMILY_ATTR, None)
+    if family is None:
+        return text
+    return f"{text}, flashwin={family}" if text else f"flashwin={family}"
+
+
+def _install_class_wrappers() -> None:
+    for adapter in ADAPTERS.values():
+        cls = adapter.module_type()
+        if not getattr(cls, "_flashwin_wrapped", False):
+            cls.forward = wrapt.FunctionWrapper(cls.forward, _forward_wrapper)
+            cls.extra_repr = wrapt.FunctionWrapper(cls.extra_repr, _extra_repr_wrapper)
+            cls._flashwin_wrapped = True
+
+
+_install_class_wrappers()
+
+
+# ----------------------------------------------------------------------------- report
+@dataclass
+class ModuleStatus:
+    """One window-attention module of a model."""
+
+    name: str  # qualified name in the model, "" for the model itself
+    family: str  # "swin", "swinv2", "swinv2_cr"
+    patched: bool
+    reason: Optional[str] = None  # why not patched
+    note: Optional[str] = None  # what a patched module still leaves to timm
+
+
+@dataclass
+class PatchReport:
+    """What ``patch_model`` did to a model, module by module."""
+
+    model: str  # the model's class name
+    modules: List[ModuleStatus] = field(default_factory=list)
+
+    @property
+    def patched(self) -> List[ModuleStatus]:
+        return [m for m in self.modules if m.patched]
+
+    @property
+    def skipped(self) -> List[ModuleStatus]:
+        return [m for m in self.modules if not m.patched]
+
+    def summary(self) -> str:
+        families: Dict[str, int] = {}
+        for m in self.patched:
+            families[m.family] = families.get(m.family, 0) + 1
+        by_family = ", ".join(f"{k}: {v}" for k, v in families.items()) or "none"
+        text = (f"patched {len(self.patched)} of {len(self.modules)} window-attention modules of {self.model} "
+                f"({by_family})")
+        if self.skipped:
+            text += f"; {len(self.skipped)} kept timm's forward"
+        return text
+
+    def to_dict(self) -> Dict:
+        return dict(model=self.model, summary=self.summary(), modules=[asdict(m) for m in self.modules])
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        for m in self.modules:
+            state = "patched" if m.patched else f"skipped: {m.reason}"
+            lines.append(f"  {m.name or '<model>'} [{m.family}] {state}" + (f" ({m.note})" if m.note else ""))
+        return "\n".join(lines)
+
+
+class PatchError(ValueError):
+    """strict=True and some modules cannot be served; ``reasons`` maps name -> reason."""
+
+    def __init__(self, model: str, reasons: Dict[str, str]):
+        self.reasons = reasons
+        lines = "\n".join(f"  {name or '<model>'}: {why}" for name, why in reasons.items())
+        super().__init__(f"timm_flashwin: cannot patch {len(reasons)} window-attention module(s) of {model}:\n{lines}")
+
+
+# --------------------------------------------------------------------------- helpers
+def _attention_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, Optional[WindowAttentionAdapter], str]]:
+    """(name, module, adapter or None, family) for every timm window-attention module.
+    Subclasses of timm's classes get no adapter: their forward may differ."""
+    for name, module in model.named_modules():
+        for adapter in ADAPTERS.values():
+            cls = adapter.module_type()
+            if isinstance(module, cls):
+                yield name, module, (adapter if type(module) is cls else None), adapter.family
+                break
+
+
+def _unsupported(module: nn.Module, adapter: Optional[WindowAttentionAdapter], name: str,
+                 filter_fn: Optional[FilterFn]) -> Optional[str]:
+    if adapter is None:
+        return f"{type(module).__name__} subclasses timm's class; its forward may differ"
+    if filter_fn is not None and not filter_fn(module, name):
+        return "excluded by filter_fn"
+    return adapter.unsupported(module)
+
+
+def _clear(module: nn.Module) -> None:
+    for attr in (_FAMILY_ATTR, _SKIP_ATTR, _CACHE_ATTR):
+        module.__dict__.pop(attr, None)
+
+
+def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapter], family: str) -> ModuleStatus:
+    if getattr(module, _FAMILY_ATTR, None) is not None:
+        return ModuleStatus(name, family, True, note=adapter.notes(module) if adapter else None)
+    reason = getattr(module, _SKIP_ATTR, None) or "not patched"
+    return ModuleStatus(name, family, False, reason=reason)
+
+
+# ------------------------------------------------------------------------ public API
+def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[FilterFn] = None) -> nn.Module:
+    """Route every timm window-attention module of ``model`` through the fused op, in place.
+
+    Works wherever the modules sit (timm models, features_only wrappers, a user's
+    nn.Module, DistributedDataParallel). Each module keeps its own parameters, read at
+    call time. Patching twice is a no-op. Modules the op cannot serve keep timm's
+    forward; ``patch_report(model)`` says which and why.
+
+    Args:
+        model: any nn.Module.
+        strict: raise ``PatchError`` (a ValueError) listing every module that cannot be
+            served, and patch nothing; raise ValueError if there is nothing to patch.
+        filter_fn: ``(module, qualified_name) -> bool``; False keeps that module on timm.
+
+    Returns:
+        ``model`` itself.
+    """
+    found = list(_attention_modules(model))
+    model_name = type(model).__name__
+    if not found:
+        message = f"timm_flashwin: {model_name} has no timm window-attention module to patch"
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=2)
+        return model
+    reasons = {name: why for name, module, adapter, _ in found
+               if getattr(module, _FAMILY_ATTR, None) is None
+               and (why := _unsupported(module, adapter, name, filter_fn)) is not None}
+    if strict:
+        notes = {name: adapter.notes(module) for name, module, adapter, _ in found
+                 if adapter is not None and adapter.notes(module) is not None and name not in reasons}
+        if reasons or notes:
+            raise PatchError(model_name, {**reasons, **notes})
+    for name, module, adapter, family in found:
+        if name in reasons:
+            module.__dict__[_SKIP_ATTR] = reasons[name]
+        elif getattr(module, _FAMILY_ATTR, None) is None:
+            module.__dict__.pop(_SKIP_ATTR, None)
+            setattr(module, _FAMILY_ATTR, family)
+    report = patch_report(model)
+    level = logging.WARNING if report.skipped else logging.INFO
+    logger.log(level, "timm_flashwin: %s", report.summary())
+    for status in report.modules:
+        logger.debug("timm_flashwin: %s [%s] %s", status.name or "<model>", status.family,
+                     "patched" + (f" ({status.note})" if status.note else "") if status.patched
+                     else f"skipped: {status.reason}")
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Give every window-attention module of ``model`` timm's forward back, in place."""
+    for _, module, _, _ in _attention_modules(model):
+        _clear(module)
+    return model
+
+
+def is_patched(module_or_model: nn.Module) -> bool:
+    """For a window-attention module: whether it is patched. For any other module:
+    whether any window-attention module inside it is."""
+    return any(getattr(m, _FAMILY_ATTR, None) is not None for _, m, _, _ in _attention_modules(module_or_model))
+
+
+def patch_report(model: nn.Module) -> PatchReport:
+    """The current state of every window-attention module of ``model``."""
+    return PatchReport(type(model).__name__, [_status(*entry) for entry in _attention_modules(model)])
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, **kwargs) -> Iterator[nn.Module]:
+    """``with patched(model): ...``: patch_model on entry; on exit (also on an exception)
+    unpatch exactly the modules this call patched. kwargs go to ``patch_model``."""
+    before = {id(m) for _, m, _, _ in _attention_modules(model) if getattr(m, _FAMILY_ATTR, None) is not None}
+    patch_model(model, **kwargs)
+    try:
+        yield model
+    finally:
+        for _, module, _, _ in _attention_modules(model):
+            if id(module) not in before:
+                _clear(module)

@@ -1,0 +1,320 @@
+"""Proof that patching changes nothing but speed: a patched copy of a timm model against
+the unpatched model, layer by layer, with a float64 copy of the unpatched model as the
+referee.
+
+Every window-attention layer's output (captured with forward hooks, the same images
+through all three models), the final output (and top-1 agreement) and, with
+``train=True``, every parameter's gradient are compared. For each quantity:
+
+    err_timm  = ||timm - float64|| / ||float64||       (unpatched, requested dtype)
+    err_ours  = ||patched - float64|| / ||float64||
+    diff      = ||patched - timm|| / ||timm||
+
+and it passes when err_ours <= max(rtol, 2 * err_timm, 2 * err_timm_all) + atol / rms(float64):
+patching may not make the model more than twice as wrong as timm's own arithmetic is,
+nor worse than rtol. For gradients, err_timm_all is timm's error over all gradients
+together: with logit scales near the clamp a SwinV2 is chaotic enough that timm's own
+float32 gradients are 0.5-2 % off float64, and its error on any single tensor is a noisy
+sample of that level (measured: 2.6e-4 on a tensor where the overall level was 7e-3).
+float16 and bfloat16 run under autocast (float32 weights), as in AMP.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .op import uses_kernels
+from .patching import _attention_modules, patch_model, patch_report
+
+#: Default relative tolerances per dtype (the README states them), and absolute floors.
+RTOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+ATOL = {"float32": 1e-6, "bfloat16": 1e-4, "float16": 1e-5}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UsageError(Exception):
+    """A problem with what was asked (unknown model, no GPU, unusable checkpoint...)."""
+
+
+# --------------------------------------------------------------------------- perturb
+@torch.no_grad()
+def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Make attention matter in a randomly initialized model, in place.
+
+    SwinV2 zero-inits its res-post-norm weights (norm1/norm2), so a fresh SwinV2 ignores
+    its attention and any kernel "matches"; its logit scales all start at ln 10 and its
+    bias tables near 0. This sets LayerNorm weights to 1 + 0.1 N(0,1) (biases
+    0.05 N(0,1)), logit scales to ln U(3, 150) (some above the clamp at ln 100), V1 bias
+    tables to N(0,1), and adds 0.02 N(0,1) to every other floating parameter.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def noise(p: torch.Tensor) -> torch.Tensor:
+        return torch.randn(p.shape, generator=g).to(p.device, p.dtype)
+
+    handled = set()
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm) and module.weight is not None:
+            module.weight.copy_(1 + 0.1 * noise(module.weight))
+            module.bias.copy_(0.05 * noise(module.bias))
+            handled.update({id(module.weight), id(module.bias)})
+    for name, p in model.named_parameters():
+        if id(p) in handled or not p.is_floating_point():
+            continue
+        if name.endswith("logit_scale"):
+            u = torch.rand(p.shape, generator=g) * 147 + 3
+            p.copy_(u.log().to(p.device, p.dtype))
+        elif name.endswith("relative_position_bias_table"):
+            p.copy_(noise(p))
+        else:
+            p.add_(0.02 * noise(p))
+    return model
+
+
+# --------------------------------------------------------------------------- results
+@dataclass
+class Comparison:
+    """One compared tensor: an attention layer's output, the model output, a gradient."""
+
+    name: str
+    err_timm: float
+    err_ours: float
+    diff: float
+    max_abs: float  # max |patched - timm|
+    passed: bool
+
+
+@dataclass
+class VerifyResult:
+    model: str
+    settings: Dict
+    backend: str  # what ran the patched attention: "triton", "triton-interpreter", "pytorch"
+    perturbed: bool
+    patched_modules: int
+    layers: List[Comparison] = field(default_factory=list)
+    output: Optional[Comparison] = None
+    top1_agreement: float = float("nan")  # patched vs timm
+    grads: List[Comparison] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        parts = self.layers + self.grads + ([self.output] if self.output else [])
+        return bool(parts) and all(c.passed for c in parts)
+
+    def failures(self) -> List[Comparison]:
+        return [c for c in self.layers + ([self.output] if self.output else []) + self.grads if not c.passed]
+
+    def to_dict(self) -> Dict:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+    def verdict(self) -> str:
+        what = "forward" + (" and gradients" if self.settings.get("train") else "")
+        if self.passed:
+            return (f"PASS {self.model}: {what} of the patched model match timm "
+                    f"({self.patched_modules} attention modules patched, {self.settings['dtype']}, {self.backend})")
+        return (f"FAIL {self.model}: {len(self.failures())} of {len(self.layers) + len(self.grads) + 1} compared "
+                f"tensors beyond tolerance ({self.settings['dtype']}, {self.backend})")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def compare(name: str, ours: torch.Tensor, timm_out: torch.Tensor, ref: torch.Tensor, rtol: float,
+            atol: float, err_floor: float = 0.0) -> Comparison:
+    """``err_floor``: timm's error on a whole group the tensor belongs to (all gradients)."""
+    err_timm, err_ours = _rel(timm_out, ref), _rel(ours, ref)
+    rms = ref.detach().double().pow(2).mean().sqrt().clamp_min(1e-30).item()
+    bound = max(rtol, 2 * err_timm, 2 * err_floor) + atol / rms
+    return Comparison(name, err_timm, err_ours, _rel(ours, timm_out),
+                      (ours.detach().double() - timm_out.detach().double()).abs().max().item(),
+                      bool(err_ours <= bound))  # NaN fails
+
+
+# --------------------------------------------------------------------------- building
+def resolve_device(device: Optional[str]) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA was asked for but no CUDA device is available")
+    return dev
+
+
+def supported_model_names(pattern: str = "*") -> List[str]:
+    """timm model names that build at least one window-attention module the patcher
+    serves (found by building each on the meta device)."""
+    import timm
+    names = []
+    for name in timm.list_models(pattern):
+        try:
+            with torch.device("meta"):
+                model = timm.create_model(name)
+        except Exception:
+            continue
+        if any(adapter is not None for _, _, adapter, _ in _attention_modules(model)):
+            names.append(name)
+    return names
+
+
+def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoint: Optional[str] = None,
+                train: bool = False) -> nn.Module:
+    import timm
+    if name not in timm.list_models(pretrained=False):
+        close = difflib.get_close_matches(name, timm.list_models("swin*"), n=4, cutoff=0.5) or \
+            difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise UsageError(f"unknown timm model '{name}'{hint}")
+    kwargs = {}
+    if img_size is not None:
+        kwargs["img_size"] = img_size
+    if train:
+        kwargs["drop_path_rate"] = 0.0  # stochastic depth would make the two runs differ
+    try:
+        model = timm.create_model(name, pretrained=pretrained, **kwargs)
+    except TypeError as exc:
+        raise UsageError(f"{name}: cannot build with {kwargs}: {exc}") from None
+    except (OSError, RuntimeError, ValueError) as exc:
+        if pretrained:
+            raise UsageError(f"{name}: the pretrained weights could not be fetched (offline?): "
+                             f"{str(exc).splitlines()[0][:200]}") from None
+        raise
+    if checkpoint is not None:
+        load_checkpoint(model, checkpoint)
+    return model
+
+
+def load_checkpoint(model: nn.Module, path: str) -> None:
+    if not os.path.isfile(path):
+        raise UsageError(f"--checkpoint {path}: no such file")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            for key in ("state_dict", "model", "state_dict_ema"):
+                if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+                    state = state[key]
+                    break
+        model.load_state_dict(state, strict=True)
+    except Exception as exc:
+        raise UsageError(f"--checkpoint {path} does not fit {type(model).__name__}: "
+                         f"{str(exc).splitlines()[0][:300]}") from None
+
+
+def group_error(tensors: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]) -> float:
+    """Relative error of a group of tensors taken together (all gradients of a model)."""
+    names = sorted(reference)
+    return _rel(torch.cat([tensors[n].detach().double().flatten() for n in names]),
+                torch.cat([reference[n].detach().double().flatten() for n in names]))
+
+
+def backend_name(device: torch.device, dtype: torch.dtype) -> str:
+    probe = torch.empty(0, device=device, dtype=dtype) if device.type != "meta" else None
+    if probe is None or not uses_kernels(probe):
+        return "pytorch"
+    return "triton" if device.type == "cuda" else "triton-interpreter"
+
+
+# --------------------------------------------------------------------------- verify
+def verify_model(
+    name: str,
+    *,
+    img_size=None,
+    batch: int = 2,
+    dtype: str = "float32",
+    device: Optional[str] = None,
+    train: bool = False,
+    checkpoint: Optional[str] = None,
+    pretrained: bool = False,
+    seed: int = 0,
+    rtol: Optional[float] = None,
+    atol: Optional[float] = None,
+) -> VerifyResult:
+    """Build ``name``, patch a copy, and compare both against a float64 copy.
+
+    Raises UsageError for problems with the request itself.
+    """
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    dev = resolve_device(device)
+    rtol = RTOL[dtype] if rtol is None else rtol
+    atol = ATOL[dtype] if atol is None else atol
+    model = build_model(name, img_size=img_size, pretrained=pretrained, checkpoint=checkpoint, train=train)
+    if not any(adapter is not None for _, _, adapter, _ in _attention_modules(model)):
+        raise UsageError(f"{name} ({type(model).__name__}) has no timm window attention to patch")
+    perturbed = not (pretrained or checkpoint)
+    if perturbed:
+        perturb_(model, seed)
+    model.train(train)
+
+    reference = copy.deepcopy(model).to(dev, torch.float64)
+    timm_model = model.to(dev)
+    ours = patch_model(copy.deepcopy(timm_model))
+    report = patch_report(ours)
+
+    cfg = timm_model.pretrained_cfg if hasattr(timm_model, "pretrained_cfg") else {}
+    size = img_size or cfg.get("input_size", (3, 224, 224))[1:]
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, 3, *size, generator=gen).to(dev)
+
+    def run(net: nn.Module, float64: bool) -> Dict[str, torch.Tensor]:
+        captured: Dict[str, torch.Tensor] = {}
+        hooks = [module.register_forward_hook(
+            lambda mod, args, out, key=mod_name: captured.__setitem__(key, out))
+            for mod_name, module, adapter, _ in _attention_modules(net) if adapter is not None]
+        try:
+            torch.manual_seed(seed)  # same dropout draws in every run (SwinV2-CR's meta_mlp)
+            x = images.double() if float64 else images
+            with torch.autocast(dev.type, dtype=DTYPES[dtype], enabled=dtype != "float32" and not float64):
+                out = net(x)
+            if train:
+                g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dev, out.dtype)
+                (out * g).sum().backward()
+        finally:
+            for h in hooks:
+                h.remove()
+        captured["<output>"] = out
+        return captured
+
+    with torch.set_grad_enabled(train):
+        ref_out, timm_out, our_out = run(reference, True), run(timm_model, False), run(ours, False)
+
+    settings = dict(img_size=list(size), batch=batch, dtype=dtype, device=str(dev), train=train, seed=seed,
+                    rtol=rtol, atol=atol, checkpoint=checkpoint, pretrained=pretrained)
+    result = VerifyResult(name, settings, backend_name(dev, DTYPES[dtype]), perturbed, len(report.patched))
+    for key in ref_out:
+        if key == "<output>":
+            continue
+        result.layers.append(compare(key, our_out[key], timm_out[key], ref_out[key], rtol, atol))
+    result.output = compare("<output>", our_out["<output>"], timm_out["<output>"], ref_out["<output>"], rtol, atol)
+    result.top1_agreement = (our_out["<output>"].argmax(-1) == timm_out["<output>"].argmax(-1)).float().mean().item()
+    if train:
+        grads = [{n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+                 for net in (ours, timm_model, reference)]
+        our_grads, timm_grads, ref_grads = grads
+        if not (our_grads.keys() == timm_grads.keys() == ref_grads.keys()):
+            for pname in set().union(*grads) - set.intersection(*(set(g) for g in grads)):
+                result.grads.append(Comparison(pname, math.nan, math.nan, math.nan, math.nan, False))
+        shared = [n for n in ref_grads if n in our_grads and n in timm_grads]
+        floor = group_error({n: timm_grads[n] for n in shared}, {n: ref_grads[n] for n in shared})
+        for pname in shared:
+            result.grads.append(compare(pname, our_grads[pname], timm_grads[pname], ref_grads[pname], rtol, atol,
+                                        floor))
+    return result
+
+
+__all__ = ["group_error", "Comparison", "RTOL", "ATOL", "UsageError", "VerifyResult", "perturb_", "verify_model",
+           "supported_model_names", "build_model", "compare"]
