@@ -151,22 +151,6 @@ def resolve_device(device: Optional[str]) -> torch.device:
     return dev
 
 
-def supported_model_names(pattern: str = "*") -> List[str]:
-    """timm model names that build at least one window-attention module the patcher
-    serves (found by building each on the meta device)."""
-    import timm
-    names = []
-    for name in timm.list_models(pattern):
-        try:
-            with torch.device("meta"):
-                model = timm.create_model(name)
-        except Exception:
-            continue
-        if any(adapter is not None for _, _, adapter, _ in _attention_modules(model)):
-            names.append(name)
-    return names
-
-
 def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoint: Optional[str] = None,
                 train: bool = False) -> nn.Module:
     import timm
@@ -209,8 +193,10 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
                     break
         model.load_state_dict(state, strict=True)
     except Exception as exc:
-        raise UsageError(f"--checkpoint {path} does not fit {type(model).__name__}: "
-                         f"{str(exc).splitlines()[0][:300]}") from None
+        # load_state_dict lists every problem on its own line after a header: name the first
+        details = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()] or [str(exc)]
+        more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+        raise UsageError(f"--checkpoint {path} does not fit {type(model).__name__}: {details[0][:300]}{more}") from None
 
 
 def group_error(tensors: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]) -> float:
@@ -317,4 +303,4 @@ def verify_model(
 
 
 __all__ = ["group_error", "Comparison", "RTOL", "ATOL", "UsageError", "VerifyResult", "perturb_", "verify_model",
-           "supported_model_names", "build_model", "compare"]
+           "build_model", "compare"]

@@ -1,0 +1,124 @@
+"""The command line: verify, list and bench, their output and exit codes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+
+from conftest import HAS_CUDA
+from timm_flashwin.cli import main
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("name,size,extra", [
+    ("swin_tiny_patch4_window7_224", "56", ["--train"]),
+    ("swinv2_tiny_window8_256", "64", ["--train"]),
+    ("swinv2_cr_tiny_224", "112", ["--batch", "1"]),
+])
+def test_verify_passes(capsys, name, size, extra):
+    code, out, err = run_cli(capsys, "verify", name, "--img-size", size, *extra)
+    assert code == 0, out + err
+    assert f"PASS {name}" in out and "perturbed so that attention matters" in out
+    assert "<output>" in out and "top-1 agreement" in out
+    if "--train" in extra:
+        assert "gradients:" in out
+
+
+def test_verify_json(capsys):
+    code, out, _ = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--train", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["passed"] is True
+    assert result["settings"]["train"] is True and result["settings"]["dtype"] == "float32"
+    assert len(result["layers"]) == 12 and result["output"]["passed"]
+    assert len(result["grads"]) > 100 and all(g["passed"] for g in result["grads"])
+    assert result["backend"] in ("triton", "triton-interpreter")
+
+
+def test_verify_mismatch_exits_1(capsys, monkeypatch):
+    """A wrong kernel must be caught: scale the op's output slightly."""
+    import timm_flashwin.adapters.base as base
+    real = base.window_attention
+    monkeypatch.setattr(base, "window_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    code, out, _ = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--json")
+    assert code == 1 and json.loads(out)["passed"] is False
+
+
+def test_verify_with_checkpoint(capsys, tmp_path):
+    model = timm.create_model("swin_tiny_patch4_window7_224", img_size=56)
+    path = tmp_path / "weights.pth"
+    torch.save(model.state_dict(), path)
+    code, out, err = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--checkpoint",
+                             str(path))
+    assert code == 0, out + err
+    assert "perturbed" not in out
+
+
+USAGE_ERRORS = [
+    (["verify", "swin_tiny_patch"], "unknown timm model 'swin_tiny_patch'; did you mean swin_tiny_patch4_window7_224"),
+    (["verify", "resnet18"], "resnet18 (ResNet) has no timm window attention"),
+    (["verify", "swin_tiny_patch4_window7_224", "--checkpoint", "/no/such/file.pth"], "no such file"),
+    (["verify", "swin_tiny_patch4_window7_224", "--dtype", "float64"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("args,message", USAGE_ERRORS, ids=lambda v: v[1] if isinstance(v, list) else None)
+def test_usage_errors_exit_2(capsys, args, message):
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert "Traceback" not in err
+
+
+def test_checkpoint_that_does_not_fit(capsys, tmp_path):
+    path = tmp_path / "other.pth"
+    torch.save(timm.create_model("resnet18").state_dict(), path)
+    code, _, err = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--checkpoint", str(path))
+    assert code == 2 and "does not fit SwinTransformer" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
+def test_cuda_asked_but_absent(capsys):
+    code, _, err = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--device", "cuda")
+    assert code == 2 and "no CUDA device" in err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="bench runs on a GPU")
+def test_bench_on_cpu_exits_2(capsys):
+    code, _, err = run_cli(capsys, "bench", "swin_tiny_patch4_window7_224")
+    assert code == 2 and "needs a CUDA GPU" in err
+
+
+def test_hub_weights_unreachable_offline():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=os.environ.get("HF_HOME", "/nonexistent-hf-home"))
+    proc = subprocess.run([sys.executable, "-m", "timm_flashwin", "verify", "swin_tiny_patch4_window7_224",
+                           "--pretrained", "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "pretrained weights could not be fetched" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_list(capsys):
+    code, out, _ = run_cli(capsys, "list", "swinv2_cr_t*", "--json")
+    rows = json.loads(out)
+    assert code == 0 and [r["name"] for r in rows] == ["swinv2_cr_tiny_224", "swinv2_cr_tiny_384",
+                                                       "swinv2_cr_tiny_ns_224"]
+    assert rows[1]["families"] == ["swinv2_cr"] and rows[1]["stage_windows"] == [[12, 12]] * 4
+    code, out, _ = run_cli(capsys, "list", "swin*")
+    assert code == 0 and "37 timm models" in out and "swinv2_base_window12to24_192to384" in out
+    assert "24x24 24x24 24x24 12x12" in out  # swinv2_base_window12to24_192to384: the last stage is 12x12
+
+
+def test_python_dash_m(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "timm_flashwin", "list", "swin_s3*", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and len(json.loads(proc.stdout)) == 3

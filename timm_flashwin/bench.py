@@ -1,0 +1,140 @@
+"""Whole-model throughput and peak memory, unpatched against patched.
+
+Inference runs the model with its weights in ``dtype`` (eval, no grad); training runs
+AMP steps (float32 weights, autocast to ``dtype``, cross-entropy on random labels,
+backward, AdamW step). Each timing is the median over ``repeats`` iterations after
+``warmup`` iterations, with CUDA events; peak memory is torch's max_memory_allocated
+over the timed iterations. GPU only.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .patching import patch_model, patch_report
+from .verify import DTYPES, UsageError, build_model
+
+
+@dataclass
+class BenchRun:
+    variant: str  # "timm" or "flashwin", with "+compile"
+    images_per_s: float
+    median_ms: float
+    peak_mib: float
+    first_iter_s: float  # first call: compilation and autotuning included
+
+
+@dataclass
+class BenchResult:
+    model: str
+    settings: Dict
+    runs: List[BenchRun]
+    patched_modules: int
+
+    def speedup(self) -> float:
+        by = {r.variant.split("+")[0]: r for r in self.runs}
+        return by["flashwin"].images_per_s / by["timm"].images_per_s
+
+    def to_dict(self) -> Dict:
+        d = asdict(self)
+        d["speedup"] = self.speedup()
+        return d
+
+
+def _step_fn(model: nn.Module, images: torch.Tensor, dtype: torch.dtype, train: bool) -> Callable[[], None]:
+    if not train:
+        def infer() -> None:
+            with torch.inference_mode():
+                model(images)
+        return infer
+    labels = torch.randint(0, 1 << 30, (images.shape[0],), device=images.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=dtype):
+            logits = model(images)
+        loss = nn.functional.cross_entropy(logits.float(), labels % logits.shape[-1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _measure(variant: str, step: Callable[[], None], warmup: int, repeats: int,
+             progress: Optional[Callable[[str, int, int], None]]) -> BenchRun:
+    import time
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for i in range(warmup):
+        step()
+        if progress:
+            progress(variant, i + 1, warmup + repeats)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        if progress:
+            progress(variant, warmup + i + 1, warmup + repeats)
+    median = statistics.median(times)
+    return BenchRun(variant, 0.0, median, torch.cuda.max_memory_allocated() / 2 ** 20, first)
+
+
+def benchmark_model(
+    name: str,
+    *,
+    batch: int = 64,
+    dtype: str = "bfloat16",
+    train: bool = False,
+    compile: bool = False,
+    img_size=None,
+    warmup: int = 10,
+    repeats: int = 30,
+    progress: Optional[Callable[[str, int, int], None]] = None,
+) -> BenchResult:
+    """Images per second and peak memory of ``name``, unpatched then patched."""
+    if not torch.cuda.is_available():
+        raise UsageError("bench needs a CUDA GPU; none is available")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    base = build_model(name, img_size=img_size)
+    cfg = getattr(base, "pretrained_cfg", {}) or {}
+    size = img_size or cfg.get("input_size", (3, 224, 224))[1:]
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    images = torch.randn(batch, 3, *size, device="cuda")
+    runs = []
+    patched_modules = 0
+    for variant in ("timm", "flashwin"):
+        model = copy.deepcopy(base).cuda()
+        if variant == "flashwin":
+            patch_model(model)
+            patched_modules = len(patch_report(model).patched)
+        model.train(train)
+        if not train:
+            model = model.to(torch_dtype)
+        x = images.to(torch_dtype) if not train else images
+        if compile:
+            model = torch.compile(model)
+        label = variant + ("+compile" if compile else "")
+        run = _measure(label, _step_fn(model, x, torch_dtype, train), warmup, repeats, progress)
+        run.images_per_s = batch / (run.median_ms / 1e3)
+        runs.append(run)
+        del model
+        torch.cuda.empty_cache()
+    settings = dict(batch=batch, dtype=dtype, train=train, compile=compile, img_size=list(size), warmup=warmup,
+                    repeats=repeats, device=torch.cuda.get_device_name(), torch=torch.__version__)
+    return BenchResult(name, settings, runs, patched_modules)

@@ -1,0 +1,174 @@
+"""timm-flashwin: verify, list and bench from the command line (also python -m timm_flashwin).
+
+The logic lives in the library (verify.py, discovery.py, bench.py); this file parses
+arguments and prints. Exit codes: 0 success, 1 a mismatch (verify), 2 a usage problem.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import List, Optional
+
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+
+
+def _img_size(text: str):
+    parts = [int(p) for p in text.lower().replace("x", ",").split(",") if p]
+    if len(parts) not in (1, 2) or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"expected N or H,W, got {text!r}")
+    return parts[0] if len(parts) == 1 else tuple(parts)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="timm-flashwin", description="Fused window attention for timm Swin models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("verify", help="compare a patched timm model with the unpatched one, layer by layer")
+    v.add_argument("name", help="timm model name")
+    v.add_argument("--img-size", type=_img_size, default=None, help="N or H,W (default: the model's)")
+    v.add_argument("--batch", type=int, default=2)
+    v.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="float16/bfloat16 run under autocast with float32 weights")
+    v.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    v.add_argument("--train", action="store_true", help="also compare every parameter's gradient")
+    v.add_argument("--checkpoint", default=None, help="local .pth / .safetensors weights")
+    v.add_argument("--pretrained", action="store_true", help="timm's hub weights")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--rtol", type=float, default=None, help="default per dtype (README)")
+    v.add_argument("--atol", type=float, default=None, help="default per dtype (README)")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+
+    ls = sub.add_parser("list", help="timm models whose window attention is patched")
+    ls.add_argument("pattern", nargs="?", default="*", help="as timm.list_models, e.g. 'swinv2*'")
+    ls.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="images/s and peak memory, unpatched against patched (GPU)")
+    b.add_argument("name")
+    b.add_argument("--batch", type=int, default=64)
+    b.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    b.add_argument("--img-size", type=_img_size, default=None)
+    b.add_argument("--train", action="store_true", help="AMP training steps instead of inference")
+    b.add_argument("--compile", action="store_true", help="torch.compile both sides")
+    b.add_argument("--warmup", type=int, default=10)
+    b.add_argument("--repeats", type=int, default=30)
+    b.add_argument("--json", action="store_true")
+    return parser
+
+
+def _console():
+    """rich console; wide when not a terminal, so that piped output keeps whole names."""
+    from rich.console import Console
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _fmt(x: float) -> str:
+    return "nan" if isinstance(x, float) and math.isnan(x) else f"{x:.2e}"
+
+
+def _verify(args) -> int:
+    from rich.table import Table
+
+    from .verify import verify_model
+    result = verify_model(args.name, img_size=args.img_size, batch=args.batch, dtype=args.dtype, device=args.device,
+                          train=args.train, checkpoint=args.checkpoint, pretrained=args.pretrained, seed=args.seed,
+                          rtol=args.rtol, atol=args.atol)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return EXIT_OK if result.passed else EXIT_MISMATCH
+    console = _console()
+    s = result.settings
+    console.print(f"[bold]{result.model}[/bold]  img {s['img_size'][0]}x{s['img_size'][1]}  batch {s['batch']}  "
+                  f"{s['dtype']}  {s['device']}  {'train' if s['train'] else 'eval'}  attention: {result.backend}  "
+                  f"rtol {s['rtol']:.0e} atol {s['atol']:.0e}")
+    if result.perturbed:
+        console.print("weights: random init, perturbed so that attention matters (LayerNorm weights, logit scales "
+                      "across the clamp, bias tables); pass --pretrained or --checkpoint for real weights")
+    table = Table(title="window-attention layers (error vs a float64 copy of the unpatched model)")
+    for col in ("layer", "timm err", "patched err", "patched vs timm", "max |diff|", "ok"):
+        table.add_column(col, justify="left" if col == "layer" else "right", overflow="fold")
+    rows = result.layers + [result.output]
+    for c in rows:
+        table.add_row(c.name, _fmt(c.err_timm), _fmt(c.err_ours), _fmt(c.diff), _fmt(c.max_abs),
+                      "[green]yes[/green]" if c.passed else "[red]NO[/red]")
+    console.print(table)
+    console.print(f"top-1 agreement (patched vs timm): {result.top1_agreement:.1%}")
+    if result.grads:
+        worst = sorted(result.grads, key=lambda c: (c.passed, -(c.err_ours if not math.isnan(c.err_ours) else 1e9)))
+        gt = Table(title=f"gradients: {sum(c.passed for c in result.grads)}/{len(result.grads)} within tolerance "
+                         f"(10 largest errors)")
+        for col in ("parameter", "timm err", "patched err", "patched vs timm", "ok"):
+            gt.add_column(col, justify="left" if col == "parameter" else "right", overflow="fold")
+        for c in worst[:10]:
+            gt.add_row(c.name, _fmt(c.err_timm), _fmt(c.err_ours), _fmt(c.diff),
+                       "[green]yes[/green]" if c.passed else "[red]NO[/red]")
+        console.print(gt)
+    console.print(("[green]" if result.passed else "[red]") + result.verdict())
+    return EXIT_OK if result.passed else EXIT_MISMATCH
+
+
+def _list(args) -> int:
+    from rich.table import Table
+
+    from .discovery import supported_models
+    infos = supported_models(args.pattern)
+    if args.json:
+        print(json.dumps([dict(name=i.name, families=i.families, stage_windows=[list(w) for w in i.stage_windows],
+                               modules=i.modules) for i in infos]))
+        return EXIT_OK
+    table = Table(title=f"{len(infos)} timm models with patched window attention ({args.pattern})")
+    for col in ("model", "family", "windows per stage", "modules"):
+        table.add_column(col)
+    for i in infos:
+        table.add_row(i.name, ",".join(i.families), " ".join(f"{h}x{w}" for h, w in i.stage_windows), str(i.modules))
+    _console().print(table)
+    return EXIT_OK
+
+
+def _bench(args) -> int:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from .bench import benchmark_model
+    with Progress(transient=True, disable=args.json) as progress:
+        tasks = {}
+
+        def report(variant: str, done: int, total: int) -> None:
+            if variant not in tasks:
+                tasks[variant] = progress.add_task(variant, total=total)
+            progress.update(tasks[variant], completed=done)
+
+        result = benchmark_model(args.name, batch=args.batch, dtype=args.dtype, train=args.train,
+                                 compile=args.compile, img_size=args.img_size, warmup=args.warmup,
+                                 repeats=args.repeats, progress=report)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return EXIT_OK
+    s = result.settings
+    table = Table(title=f"{result.model}  batch {s['batch']}  {s['dtype']}  {'train (AMP)' if s['train'] else 'inference'}"
+                        f"  {s['device']}")
+    for col in ("variant", "images/s", "median ms", "peak MiB", "first iter s"):
+        table.add_column(col, justify="right")
+    for r in result.runs:
+        table.add_row(r.variant, f"{r.images_per_s:.1f}", f"{r.median_ms:.2f}", f"{r.peak_mib:.0f}",
+                      f"{r.first_iter_s:.1f}")
+    console = _console()
+    console.print(table)
+    console.print(f"speedup {result.speedup():.2f}x ({result.patched_modules} attention modules patched)")
+    return EXIT_OK
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from .verify import UsageError
+    try:
+        return {"verify": _verify, "list": _list, "bench": _bench}[args.command](args)
+    except UsageError as exc:
+        print(f"timm-flashwin {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def console_main() -> None:
+    """Entry point of the ``timm-flashwin`` console script."""
+    sys.exit(main())

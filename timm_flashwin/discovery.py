@@ -1,0 +1,70 @@
+"""Which timm models the patcher serves, found from the modules they really build."""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+
+from .adapters import ADAPTERS
+from .patching import _attention_modules
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    families: List[str]  # adapter families of its window-attention modules
+    stage_windows: List[Tuple[int, int]]  # window size of each stage, in order
+    modules: int  # window-attention modules patched by patch_model
+
+
+def _stage(name: str) -> str:
+    """'layers.2.blocks.1.attn' -> 'layers.2' (timm's stage containers)."""
+    match = re.match(r"^(.*?(?:layers|stages)[._]\d+)", name)
+    return match.group(1) if match else name
+
+
+def describe(name: str) -> ModelInfo:
+    """Build ``name`` on the meta device (no memory, no weights) and describe it."""
+    import timm
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    families: List[str] = []
+    stages: dict = {}
+    count = 0
+    for mod_name, module, adapter, family in _attention_modules(model):
+        if adapter is None:
+            continue
+        count += 1
+        if family not in families:
+            families.append(family)
+        stages.setdefault(_stage(mod_name), tuple(adapter.window_size(module)))
+    return ModelInfo(name, families, list(stages.values()), count)
+
+
+def _candidate_modules() -> List[str]:
+    """timm model modules whose namespace holds one of the served attention classes:
+    only their models are built (building all of timm's ~1300 takes minutes)."""
+    import timm.models
+    classes = {adapter.module_type() for adapter in ADAPTERS.values()}
+    return sorted(name.rsplit(".", 1)[-1] for name, mod in list(sys.modules.items())
+                  if name.startswith("timm.models.") and mod is not None
+                  and any(obj in classes for obj in vars(mod).values() if isinstance(obj, type)))
+
+
+def supported_models(pattern: str = "*") -> List[ModelInfo]:
+    """Every timm model name matching ``pattern`` (as timm.list_models) that builds at
+    least one window-attention module the patcher serves."""
+    import timm
+    names = sorted({n for module in _candidate_modules() for n in timm.list_models(pattern, module=module)})
+    found = []
+    for name in names:
+        try:
+            info = describe(name)
+        except Exception:  # a model that cannot build on meta has nothing to offer here
+            continue
+        if info.modules:
+            found.append(info)
+    return found
