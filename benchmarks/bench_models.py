@@ -1,0 +1,54 @@
+"""Whole timm models, unpatched against patched, eager and torch.compile.
+
+    python benchmarks/bench_models.py --out results/models.json [--compile] [--train]
+
+Models and batch sizes of the performance issue: the three tiny models at batch 128
+(inference, bf16 weights) and 64 (AMP-bf16 training steps), and
+swinv2_base_window12to24_192to384 at 32 / 16. Uses timm_flashwin.bench (the same code
+as ``timm-flashwin bench``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from timm_flashwin.bench import benchmark_model  # noqa: E402
+
+MODELS = {  # name: (inference batch, training batch)
+    "swin_tiny_patch4_window7_224": (128, 64),
+    "swinv2_tiny_window8_256": (128, 64),
+    "swinv2_cr_tiny_224": (128, 64),
+    "swinv2_base_window12to24_192to384": (32, 16),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--modes", nargs="*", default=["infer", "train"], choices=["infer", "train"])
+    parser.add_argument("--compile", action="store_true", help="torch.compile both sides")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = []
+    for name in args.models:
+        for mode in args.modes:
+            batch = MODELS[name][mode == "train"]
+            r = benchmark_model(name, batch=batch, dtype="bfloat16", train=mode == "train", compile=args.compile,
+                                warmup=args.warmup, repeats=args.repeats)
+            results.append(r.to_dict())
+            runs = "  ".join(f"{x.variant}: {x.images_per_s:8.1f} img/s {x.peak_mib:7.0f} MiB (first {x.first_iter_s:.1f}s)"
+                             for x in r.runs)
+            print(f"{name:36s} {mode:5s} b{batch:<4d} {runs}  speedup {r.speedup():.2f}x", flush=True)
+            if args.out:
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
