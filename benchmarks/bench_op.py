@@ -233,6 +233,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     bandwidth = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  copy {bandwidth / 1e12:.2f} TB/s",
           flush=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, copy_bandwidth_Bps=bandwidth,
+                date=time.strftime("%Y-%m-%d"))
     rows = []
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
@@ -250,13 +253,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                 text = "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                  for k, v in res.items())
                 print(f"{shape_name:11s} {kind:6s} {impl:8s} {text}", flush=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, copy_bandwidth_Bps=bandwidth,
-                date=time.strftime("%Y-%m-%d"))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                if args.out:  # after every row: a run cut short keeps what it measured
+                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                    with open(args.out, "w") as f:
+                        json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print_table(rows)
 
 

@@ -129,8 +129,8 @@ def test_state_dict_unchanged_and_checkpoints_move_freely():
 
 
 def test_unpatch_restores_bit_identical_outputs():
-    model = tiny_swin().eval()
-    x = images()
+    model = tiny_swin().eval().to(KERNEL_DEVICE)
+    x = images(device=KERNEL_DEVICE)
     with torch.no_grad():
         expected = model(x)
         patch_model(model)
@@ -385,30 +385,33 @@ def test_gpu_full_resolution_autocast(name, dtype):
     result = verify_model(name, batch=4, dtype="bfloat16" if dtype == torch.bfloat16 else "float16",
                           device="cuda", train=True)
     assert result.passed, "\n".join(map(str, result.failures()[:10]))
-    assert result.backend == "triton" and result.top1_agreement >= 0.75
+    assert result.backend == "triton"
+    # perturbed models are chaotic in low precision: top-1 is judged against timm's own
+    assert result.top1_ours_vs_float64 >= result.top1_timm_vs_float64 - 0.25
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_224"])
 def test_gpu_torch_compile_inference_and_training(name):
+    """torch.compile(fullgraph=True) of a patched model: inference and a training step
+    give what the eager patched model gives (float32, so that only inductor's fusions
+    of the surrounding ops differ)."""
     torch._dynamo.reset()
-    model = create(name, drop_path_rate=0.0).cuda()
-    ours = patch_model(copy.deepcopy(model))
-    compiled = torch.compile(ours, fullgraph=True)
-    x = images(4, model.pretrained_cfg["input_size"][1:], device="cuda")
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        torch.testing.assert_close(compiled.eval()(x).float(), model.eval()(x).float(), rtol=0.05, atol=0.05)
-    compiled.train()
-    model.train()
-    opt = torch.optim.SGD(ours.parameters(), lr=1e-3)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = compiled(x).float().square().mean()
-        ref_loss = model(x).float().square().mean()
-    loss.backward()
-    ref_loss.backward()
-    opt.step()
-    assert math.isclose(loss.item(), ref_loss.item(), rel_tol=2e-2)
-    ref_grads = dict(model.named_parameters())
-    for n, p in ours.named_parameters():
-        if p.grad is not None and "attn" in n:
-            assert compare(n, p.grad, ref_grads[n].grad, ref_grads[n].grad, 0.1, 1e-3).err_ours < 0.1, n
+    eager = patch_model(create(name, drop_path_rate=0.0)).cuda()
+    compiled_src = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_src, fullgraph=True)
+    x = images(4, eager.pretrained_cfg["input_size"][1:], device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.eval()(x), eager.eval()(x), rtol=1e-3, atol=1e-3)
+    losses = []
+    for net, params in ((compiled.train(), compiled_src), (eager.train(), eager)):
+        opt = torch.optim.SGD(params.parameters(), lr=1e-3)
+        loss = net(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert math.isclose(*losses, rel_tol=1e-3)
+    grads = dict(eager.named_parameters())
+    for n, p in compiled_src.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+        assert compare(n, p.grad, grads[n].grad, grads[n].grad, 1e-2, 1e-5).err_ours < 5e-2, n

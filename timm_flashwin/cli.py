@@ -63,6 +63,12 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
+def _ok(c) -> str:
+    if c.ill_conditioned:
+        return "[yellow]ill-cond.[/yellow]"
+    return "[green]yes[/green]" if c.passed else "[red]NO[/red]"
+
+
 def _fmt(x: float) -> str:
     return "nan" if isinstance(x, float) and math.isnan(x) else f"{x:.2e}"
 
@@ -90,20 +96,25 @@ def _verify(args) -> int:
         table.add_column(col, justify="left" if col == "layer" else "right", overflow="fold")
     rows = result.layers + [result.output]
     for c in rows:
-        table.add_row(c.name, _fmt(c.err_timm), _fmt(c.err_ours), _fmt(c.diff), _fmt(c.max_abs),
-                      "[green]yes[/green]" if c.passed else "[red]NO[/red]")
+        table.add_row(c.name, _fmt(c.err_timm), _fmt(c.err_ours), _fmt(c.diff), _fmt(c.max_abs), _ok(c))
     console.print(table)
-    console.print(f"top-1 agreement (patched vs timm): {result.top1_agreement:.1%}")
+    console.print(f"top-1 agreement: patched vs timm {result.top1_agreement:.1%}, timm vs float64 "
+                  f"{result.top1_timm_vs_float64:.1%}, patched vs float64 {result.top1_ours_vs_float64:.1%}"
+                  + (f"   (float16 loss scale {result.loss_scale:g})" if result.loss_scale != 1.0 else ""))
     if result.grads:
-        worst = sorted(result.grads, key=lambda c: (c.passed, -(c.err_ours if not math.isnan(c.err_ours) else 1e9)))
+        worst = sorted(result.grads, key=lambda c: (c.passed, c.ill_conditioned,
+                                                    -(c.err_ours if not math.isnan(c.err_ours) else 1e9)))
         gt = Table(title=f"gradients: {sum(c.passed for c in result.grads)}/{len(result.grads)} within tolerance "
                          f"(10 largest errors)")
         for col in ("parameter", "timm err", "patched err", "patched vs timm", "ok"):
             gt.add_column(col, justify="left" if col == "parameter" else "right", overflow="fold")
         for c in worst[:10]:
-            gt.add_row(c.name, _fmt(c.err_timm), _fmt(c.err_ours), _fmt(c.diff),
-                       "[green]yes[/green]" if c.passed else "[red]NO[/red]")
+            gt.add_row(c.name, _fmt(c.err_timm), _fmt(c.err_ours), _fmt(c.diff), _ok(c))
         console.print(gt)
+        ill = sum(c.ill_conditioned for c in result.grads)
+        if ill:
+            console.print(f"{ill} gradient(s) ill-conditioned at this precision (timm's own error >= 100 %): "
+                          "reported, not judged")
     console.print(("[green]" if result.passed else "[red]") + result.verdict())
     return EXIT_OK if result.passed else EXIT_MISMATCH
 
