@@ -382,12 +382,12 @@ def test_gpu_full_resolution_autocast(name, dtype):
     the patched model at most twice as far from float64 as timm itself, or within
     the dtype's tolerance."""
     from timm_flashwin.verify import verify_model
-    result = verify_model(name, batch=4, dtype="bfloat16" if dtype == torch.bfloat16 else "float16",
+    result = verify_model(name, batch=2, dtype="bfloat16" if dtype == torch.bfloat16 else "float16",
                           device="cuda", train=True)
     assert result.passed, "\n".join(map(str, result.failures()[:10]))
     assert result.backend == "triton"
     # perturbed models are chaotic in low precision: top-1 is judged against timm's own
-    assert result.top1_ours_vs_float64 >= result.top1_timm_vs_float64 - 0.25
+    assert result.top1_ours_vs_float64 >= result.top1_timm_vs_float64 - 0.5
 
 
 @pytest.mark.cuda
