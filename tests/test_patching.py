@@ -418,4 +418,6 @@ def test_gpu_torch_compile_inference_and_training(name):
     grads = dict(eager.named_parameters())
     for n, p in compiled_src.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), n
-        assert compare(n, p.grad, grads[n].grad, grads[n].grad, 1e-2, 1e-5).err_ours < 5e-2, n
+        c = compare(n, p.grad, grads[n].grad, grads[n].grad, 1e-2, 1e-5)
+        # SwinV2-CR's meta_mlp.fc2.bias has an exactly-zero true gradient (|g| ~ 1e-8): absolute
+        assert c.err_ours < 5e-2 or c.max_abs < 1e-6, (n, c)
