@@ -359,14 +359,38 @@ def test_features_only_and_user_module_and_ddp(tmp_path):
         dist.destroy_process_group()
 
 
+def recording_backend(graphs, inner="aot_eager"):
+    """A torch.compile backend that keeps each graph's call targets, then compiles."""
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        if inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs)
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+    return backend
+
+
+def flashwin_ops(graphs):
+    return sum("timm_flashwin" in t for g in graphs for t in g)
+
+
 def test_compiles_whole_model_without_graph_break():
-    """dynamo traces the class-level wrapt wrapper and the op in one graph."""
+    """dynamo traces the patched modules in one graph, and the graph calls the op (a
+    graph with timm's softmax instead would be numerically close: compare the graph)."""
     model = patch_model(tiny_swin()).eval()
+    plain = unpatch_model(copy.deepcopy(model))
     x = images()
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    graphs = []
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        torch.compile(plain, fullgraph=True, backend=recording_backend(graphs))(x)
+        assert flashwin_ops(graphs) == 0
+        out = torch.compile(model, fullgraph=True, backend=recording_backend(graphs))(x)  # same code, new class
+        assert len(graphs) == 2 and flashwin_ops(graphs[1:]) == 4
+        assert not any("softmax" in t for t in graphs[1])
+        assert torch.equal(out, model(x))
 
 
 # ------------------------------------------------------------------------ GPU only
@@ -402,7 +426,8 @@ def test_gpu_torch_compile_inference_and_training(name):
     torch._inductor.config.fallback_random = True
     eager = patch_model(create(name, drop_path_rate=0.0)).cuda()
     compiled_src = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_src, fullgraph=True)
+    graphs = []
+    compiled = torch.compile(compiled_src, fullgraph=True, backend=recording_backend(graphs, "inductor"))
     x = images(4, eager.pretrained_cfg["input_size"][1:], device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(compiled.eval()(x), eager.eval()(x), rtol=1e-3, atol=1e-3)
@@ -415,6 +440,7 @@ def test_gpu_torch_compile_inference_and_training(name):
         opt.step()
         losses.append(loss.item())
     assert math.isclose(*losses, rel_tol=1e-3)
+    assert graphs and all(flashwin_ops([g]) == len(patch_report(eager).patched) for g in graphs)
     grads = dict(eager.named_parameters())
     for n, p in compiled_src.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), n

@@ -1,13 +1,21 @@
 """Patching timm models: which modules are routed through the op, and how.
 
-Mechanism: one wrapt wrapper on each family's ``forward`` (and ``extra_repr``), installed
-once at class level when this module is imported. It looks at the calling instance: a
-patched instance carries the family name in ``_flashwin_family`` and goes through its
-adapter; every other instance runs timm's forward untouched. Patching is therefore a
-plain attribute on the module: it survives ``copy.deepcopy``, ``torch.save(model)`` /
-``torch.load`` and ``state_dict`` round trips, adds no parameter or buffer, and
-unpatching (removing the attribute) restores timm's forward exactly. A class-level
-wrapper also traces under torch.compile, where an instance-level proxy does not.
+Mechanism: patching swaps a module's ``__class__`` to a subclass of its timm class
+defined here (``FlashSwinWindowAttention``, ``FlashSwinV2WindowAttention``,
+``FlashSwinV2CrWindowMultiHeadAttention``) whose ``forward`` calls the family's adapter
+(and timm's own forward where the op cannot serve the call: attention dropout in
+training). The subclass adds no state: it survives ``copy.deepcopy``,
+``torch.save(model)`` / ``torch.load`` (with timm_flashwin importable) and ``state_dict``
+round trips, adds no parameter or buffer, shows in ``repr``, and unpatching (restoring
+timm's class) restores timm's forward exactly.
+
+Why not a wrapt wrapper on timm's ``forward`` (the first design): torch.compile does
+not call it. wrapt's proxy forwards ``__func__``/``__wrapped__`` to the wrapped function
+and dynamo inlines that, timm's forward, directly. Measured on torch 2.15: the compiled
+"patched" model's graph held timm's softmax and no timm_flashwin op, with 0 graph
+breaks. A plain method on a subclass is what dynamo traces, and because dynamo guards
+on module types, a patched and an unpatched copy of one model never share a graph
+(with an instance attribute as the mark, they did).
 """
 from __future__ import annotations
 
@@ -17,14 +25,13 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-import wrapt
 from torch import nn
 
 from .adapters import ADAPTERS, WindowAttentionAdapter
 
 logger = logging.getLogger("timm_flashwin")
 
-_FAMILY_ATTR = "_flashwin_family"  # set on patched instances: the adapter's family name
+_FAMILY_ATTR = "_flashwin_family"  # class attribute of the patched subclasses: the family
 _SKIP_ATTR = "_flashwin_skipped"  # set on instances patch_model left alone: the reason
 _CACHE_ATTR = "_flashwin_bias_cache"  # adapters.base.inference_cache
 
@@ -32,34 +39,31 @@ _CACHE_ATTR = "_flashwin_bias_cache"  # adapters.base.inference_cache
 FilterFn = Callable[[nn.Module, str], bool]
 
 
-# ------------------------------------------------------------------ class-level wrappers
-def _forward_wrapper(wrapped, instance, args, kwargs):
-    family = getattr(instance, _FAMILY_ATTR, None)
-    if family is not None:
-        adapter = ADAPTERS[family]
-        if adapter.served(instance):
-            return adapter.forward(instance, *args, **kwargs)
-    return wrapped(*args, **kwargs)
+# ------------------------------------------------------------------- patched classes
+def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
+    timm_class = adapter.module_type()
+
+    def forward(self, *args, **kwargs):
+        if adapter.served(self):
+            return adapter.forward(self, *args, **kwargs)
+        return timm_class.forward(self, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        text = timm_class.extra_repr(self)
+        return f"{text}, flashwin={adapter.family}" if text else f"flashwin={adapter.family}"
+
+    return type(name, (timm_class,), {
+        "forward": forward, "extra_repr": extra_repr, _FAMILY_ATTR: adapter.family,
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"timm's {timm_class.__module__}.{timm_class.__qualname__}, patched by timm_flashwin.",
+    })
 
 
-def _extra_repr_wrapper(wrapped, instance, args, kwargs):
-    text = wrapped(*args, **kwargs)
-    family = getattr(instance, _FAMILY_ATTR, None)
-    if family is None:
-        return text
-    return f"{text}, flashwin={family}" if text else f"flashwin={family}"
-
-
-def _install_class_wrappers() -> None:
-    for adapter in ADAPTERS.values():
-        cls = adapter.module_type()
-        if not getattr(cls, "_flashwin_wrapped", False):
-            cls.forward = wrapt.FunctionWrapper(cls.forward, _forward_wrapper)
-            cls.extra_repr = wrapt.FunctionWrapper(cls.extra_repr, _extra_repr_wrapper)
-            cls._flashwin_wrapped = True
-
-
-_install_class_wrappers()
+#: family -> the class patched instances take (module-level names, so that pickle finds them)
+PATCHED_CLASSES: Dict[str, type] = {}
+for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSwinV2WindowAttention"),
+                       ("swinv2_cr", "FlashSwinV2CrWindowMultiHeadAttention")):
+    PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
 
 
 # ----------------------------------------------------------------------------- report
@@ -128,7 +132,8 @@ def _attention_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, Optio
         for adapter in ADAPTERS.values():
             cls = adapter.module_type()
             if isinstance(module, cls):
-                yield name, module, (adapter if type(module) is cls else None), adapter.family
+                own = type(module) in (cls, PATCHED_CLASSES[adapter.family])
+                yield name, module, (adapter if own else None), adapter.family
                 break
 
 
@@ -141,13 +146,19 @@ def _unsupported(module: nn.Module, adapter: Optional[WindowAttentionAdapter], n
     return adapter.unsupported(module)
 
 
+def _is_patched(module: nn.Module) -> bool:
+    return getattr(type(module), _FAMILY_ATTR, None) is not None
+
+
 def _clear(module: nn.Module) -> None:
-    for attr in (_FAMILY_ATTR, _SKIP_ATTR, _CACHE_ATTR):
+    if _is_patched(module):
+        module.__class__ = type(module).__mro__[1]  # timm's class
+    for attr in (_SKIP_ATTR, _CACHE_ATTR):
         module.__dict__.pop(attr, None)
 
 
 def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapter], family: str) -> ModuleStatus:
-    if getattr(module, _FAMILY_ATTR, None) is not None:
+    if _is_patched(module):
         return ModuleStatus(name, family, True, note=adapter.notes(module) if adapter else None)
     reason = getattr(module, _SKIP_ATTR, None) or "not patched"
     return ModuleStatus(name, family, False, reason=reason)
@@ -180,7 +191,7 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
         warnings.warn(message, stacklevel=2)
         return model
     reasons = {name: why for name, module, adapter, _ in found
-               if getattr(module, _FAMILY_ATTR, None) is None
+               if not _is_patched(module)
                and (why := _unsupported(module, adapter, name, filter_fn)) is not None}
     if strict:
         notes = {name: adapter.notes(module) for name, module, adapter, _ in found
@@ -190,9 +201,9 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
     for name, module, adapter, family in found:
         if name in reasons:
             module.__dict__[_SKIP_ATTR] = reasons[name]
-        elif getattr(module, _FAMILY_ATTR, None) is None:
+        elif not _is_patched(module):
             module.__dict__.pop(_SKIP_ATTR, None)
-            setattr(module, _FAMILY_ATTR, family)
+            module.__class__ = PATCHED_CLASSES[family]
     report = patch_report(model)
     level = logging.WARNING if report.skipped else logging.INFO
     logger.log(level, "timm_flashwin: %s", report.summary())
@@ -213,7 +224,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 def is_patched(module_or_model: nn.Module) -> bool:
     """For a window-attention module: whether it is patched. For any other module:
     whether any window-attention module inside it is."""
-    return any(getattr(m, _FAMILY_ATTR, None) is not None for _, m, _, _ in _attention_modules(module_or_model))
+    return any(_is_patched(m) for _, m, _, _ in _attention_modules(module_or_model))
 
 
 def patch_report(model: nn.Module) -> PatchReport:
@@ -225,7 +236,7 @@ def patch_report(model: nn.Module) -> PatchReport:
 def patched(model: nn.Module, **kwargs) -> Iterator[nn.Module]:
     """``with patched(model): ...``: patch_model on entry; on exit (also on an exception)
     unpatch exactly the modules this call patched. kwargs go to ``patch_model``."""
-    before = {id(m) for _, m, _, _ in _attention_modules(model) if getattr(m, _FAMILY_ATTR, None) is not None}
+    before = {id(m) for _, m, _, _ in _attention_modules(model) if _is_patched(m)}
     patch_model(model, **kwargs)
     try:
         yield model
