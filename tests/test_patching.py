@@ -379,9 +379,9 @@ def flashwin_ops(graphs):
 def test_compiles_whole_model_without_graph_break():
     """dynamo traces the patched modules in one graph, and the graph calls the op (a
     graph with timm's softmax instead would be numerically close: compare the graph)."""
-    model = patch_model(tiny_swin()).eval()
+    model = patch_model(tiny_swin()).eval().to(KERNEL_DEVICE)  # where the kernels run
     plain = unpatch_model(copy.deepcopy(model))
-    x = images()
+    x = images(device=KERNEL_DEVICE)
     torch._dynamo.reset()
     graphs = []
     with torch.no_grad():
