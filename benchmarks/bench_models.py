@@ -10,11 +10,11 @@ as ``timm-flashwin bench``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import write_json  # noqa: E402
 from timm_flashwin.bench import benchmark_model  # noqa: E402
 
 MODELS = {  # name: (inference batch, training batch)
@@ -45,9 +45,7 @@ def main() -> None:
                              for x in r.runs)
             print(f"{name:36s} {mode:5s} b{batch:<4d} {runs}  speedup {r.speedup():.2f}x", flush=True)
             if args.out:
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
+                write_json(args.out, results)
 
 
 if __name__ == "__main__":

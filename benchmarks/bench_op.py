@@ -20,7 +20,6 @@ writing dq, dk, dv) at the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import write_json  # noqa: E402
 from timm_flashwin import window_attention  # noqa: E402
 from timm_flashwin.reference import LOGIT_SCALE_MAX  # noqa: E402
 
@@ -253,10 +253,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 text = "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                  for k, v in res.items())
                 print(f"{shape_name:11s} {kind:6s} {impl:8s} {text}", flush=True)
-                if args.out:  # after every row: a run cut short keeps what it measured
-                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                    with open(args.out, "w") as f:
-                        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                if args.out:
+                    write_json(args.out, dict(meta=meta, rows=rows))
     print_table(rows)
 
 

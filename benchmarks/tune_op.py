@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 from typing import Dict, List
@@ -20,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_op import SHAPES, make_inputs  # noqa: E402
+from common import write_json  # noqa: E402
 from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
 from timm_flashwin.kernels.launch import attention_backward, attention_forward  # noqa: E402
@@ -115,9 +115,7 @@ def main() -> None:
                            and r["kind"] == kind and r["which"] == which), float("nan"))
         print(f"BEST {shape_name} {kind} {which}: {best[0]:.1f} us (default {default_us:.1f}) {best[1]}", flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ import timm
 import torch
 from torch import nn
 
-import timm_flashwin
-from conftest import HAS_CUDA, KERNEL_DEVICE
+from conftest import KERNEL_DEVICE
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, patched, unpatch_model
 from timm_flashwin.adapters import ADAPTERS
 from timm_flashwin.verify import compare, group_error, perturb_

@@ -20,15 +20,13 @@ from .backward import (
 )
 from .forward import window_attention_fwd_kernel
 
-try:  # torch >= 2.6
-    from torch.library import wrap_triton
-except ImportError:  # pragma: no cover - older torch launches the kernels directly
+if config.INTERPRET or not hasattr(torch.library, "wrap_triton"):
+    # interpreted kernels are plain Python, launched as they are (on CPU tensors); torch
+    # before 2.6 has no wrap_triton and launches kernels directly too
     def wrap_triton(kernel):
         return kernel
-
-if config.INTERPRET:  # interpreted kernels are launched as they are (and run on CPU tensors)
-    def wrap_triton(kernel):  # noqa: F811
-        return kernel
+else:
+    from torch.library import wrap_triton
 
 def _fp32_dot(dtype: torch.dtype) -> bool:
     # float32 inputs get exact fp32 products (no tf32); the interpreter's bf16 dot is inexact.
