@@ -47,10 +47,10 @@ def describe(name: str) -> ModelInfo:
 def _candidate_modules() -> List[str]:
     """timm model modules whose namespace holds one of the served attention classes:
     only their models are built (building all of timm's ~1300 takes minutes)."""
-    import timm  # noqa: F401  (imports timm.models.*, which are scanned below)
+    from timm import models  # importing it imports timm.models.*, scanned below
     classes = {adapter.module_type() for adapter in ADAPTERS.values()}
     return sorted(name.rsplit(".", 1)[-1] for name, mod in list(sys.modules.items())
-                  if name.startswith("timm.models.") and mod is not None
+                  if name.startswith(models.__name__ + ".") and mod is not None
                   and any(obj in classes for obj in vars(mod).values() if isinstance(obj, type)))
 
 
