@@ -28,6 +28,7 @@ if config.INTERPRET or not hasattr(torch.library, "wrap_triton"):
 else:
     from torch.library import wrap_triton
 
+
 def _fp32_dot(dtype: torch.dtype) -> bool:
     # float32 inputs get exact fp32 products (no tf32); the interpreter's bf16 dot is inexact.
     return dtype == torch.float32 or config.INTERPRET
