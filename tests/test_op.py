@@ -135,8 +135,10 @@ def test_opcheck(cosine):
     if cosine:
         head_scale = torch.clamp(case.logit_scale, max=LOGIT_SCALE_MAX).exp().requires_grad_()
     args = (case.qkv.requires_grad_(), 2, case.bias.requires_grad_(), case.mask, head_scale,
-            case.scale or 1.0, cosine)
+            case.scale or 1.0, cosine, 0.0, None)
     torch.library.opcheck(window_attention_fwd, args)
+    seed = torch.tensor([1234], dtype=torch.int64, device=KERNEL_DEVICE)  # with attention dropout
+    torch.library.opcheck(window_attention_fwd, args[:-2] + (0.25, seed))
 
 
 def test_compiles_without_graph_break():
@@ -205,6 +207,9 @@ BAD_INPUTS = [
     ("logit_scale", TypeError, lambda: _ok(logit_scale=z(2))),  # both given
     ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=z(3))),
     ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=z(2, 2))),
+    ("dropout_p", ValueError, lambda: _ok(dropout_p=1.0)),
+    ("dropout_p", ValueError, lambda: _ok(dropout_p=-0.1)),
+    ("dropout_p", ValueError, lambda: _ok(dropout_p="0.1")),
 ]
 if HAS_CUDA:
     BAD_INPUTS.append(("bias", ValueError, lambda: _ok(bias=z(2, 9, 9, device="cpu"))))
@@ -340,4 +345,6 @@ def test_gpu_opcheck():
     case = make_case(8, 4, 2, 49, 32, cosine=True, masked=True, dtype=torch.bfloat16, device="cuda")
     head_scale = torch.clamp(case.logit_scale, max=math.log(100)).exp().requires_grad_()
     torch.library.opcheck(window_attention_fwd, (case.qkv.requires_grad_(), 2, case.bias.requires_grad_(),
-                                                 case.mask, head_scale, 1.0, True))
+                                                 case.mask, head_scale, 1.0, True, 0.0, None))
+    seed = torch.tensor([1234], dtype=torch.int64, device="cuda")
+    torch.library.opcheck(window_attention_fwd, (case.qkv, 2, case.bias, case.mask, head_scale, 1.0, True, 0.25, seed))

@@ -218,22 +218,41 @@ def test_nothing_to_patch():
         patch_model(timm.create_model("resnet18"), strict=True)
 
 
-def test_attention_dropout_keeps_timm_in_training(monkeypatch):
+def test_attention_dropout_runs_in_the_kernel(monkeypatch):
+    """attn_drop > 0: the kernels apply it in training mode (p read from the module at
+    call time), not in eval mode, and torch.manual_seed reproduces a training step."""
     model = tiny_swin(attn_drop_rate=0.1)
-    patch_model(model)
-    report = patch_report(model)
-    assert len(report.patched) == 4 and all("attn_drop=0.1" in m.note for m in report.patched)
-    calls = []
+    timm_model = copy.deepcopy(model)
+    patch_model(model, strict=True)
+    assert len(patch_report(model).patched) == 4
     import timm_flashwin.adapters.base as base
-    real = base.window_attention
-    monkeypatch.setattr(base, "window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    model.train()(images())
-    assert calls == []  # training with attention dropout: timm's forward
+    real, calls = base.window_attention, []
+    monkeypatch.setattr(base, "window_attention", lambda *a, **k: calls.append(k["dropout_p"]) or real(*a, **k))
     with torch.no_grad():
-        model.eval()(images())
-    assert len(calls) == 4
-    with pytest.raises(PatchError, match="attn_drop=0.1"):
-        patch_model(tiny_swin(attn_drop_rate=0.1), strict=True)
+        evaluated = model.eval()(images())
+    torch.testing.assert_close(evaluated, timm_model.eval()(images()), rtol=1e-4, atol=1e-5)
+    assert calls == [0.0] * 4
+    steps = []
+    for _ in range(2):
+        model.zero_grad()
+        torch.manual_seed(5)
+        out = model.train()(images())
+        out.square().sum().backward()
+        steps.append([out.detach()] + [p.grad.clone() for p in model.parameters()])
+    assert calls[4:] == [0.1] * 8
+    assert all(torch.equal(a, b) for a, b in zip(*steps))
+    assert not torch.allclose(steps[0][0], evaluated, rtol=1e-3, atol=1e-3)  # dropout did something
+    model.layers[0].blocks[0].attn.attn_drop.p = 0.0  # read at call time
+    calls.clear()
+    model(images())
+    assert calls == [0.0, 0.1, 0.1, 0.1]
+
+
+def test_attention_dropout_of_one_is_skipped_with_reason():
+    model = patch_model(tiny_swin(attn_drop_rate=1.0))
+    assert {m.reason for m in patch_report(model).skipped} == {"attn_drop=1.0 is not in [0, 1)"}
+    with pytest.raises(PatchError, match="attn_drop=1.0"):
+        patch_model(tiny_swin(attn_drop_rate=1.0), strict=True)
 
 
 def test_unsupported_head_dim_is_skipped_with_reason():

@@ -30,8 +30,10 @@ def _forward_impl(
     head_scale: Optional[torch.Tensor],
     scale: float,
     cosine: bool,
+    dropout_p: float,
+    seed: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return attention_forward(qkv, num_heads, bias, mask, head_scale, scale, cosine)
+    return attention_forward(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed)
 
 
 def _backward_impl(
@@ -47,19 +49,22 @@ def _backward_impl(
     cosine: bool,
     bias_grad: bool,
     scale_grad: bool,
+    dropout_p: float,
+    seed: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_backward(grad_out, qkv, out, stats, bias, mask, head_scale, num_heads, scale, cosine,
-                              bias_grad, scale_grad)
+                              bias_grad, scale_grad, dropout_p, seed)
 
 
-def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine):
+def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed):
     num_windows, n, channels = qkv.shape
     out = qkv.new_empty((num_windows, n, channels // 3))
     stats_shape = softmax_stats_shape(num_windows, num_heads, n, channels // (3 * num_heads), qkv.dtype, cosine)
     return out, qkv.new_empty(stats_shape, dtype=torch.float32)
 
 
-def _backward_fake(grad_out, qkv, out, stats, bias, mask, head_scale, num_heads, scale, cosine, bias_grad, scale_grad):
+def _backward_fake(grad_out, qkv, out, stats, bias, mask, head_scale, num_heads, scale, cosine, bias_grad, scale_grad,
+                   dropout_p, seed):
     n = qkv.shape[1]
     dbias = qkv.new_empty((num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
     dscale = qkv.new_empty((num_heads,) if scale_grad and cosine else (0,), dtype=torch.float32)
@@ -83,20 +88,20 @@ window_attention_bwd = _register("window_attention_bwd", _backward_impl, _backwa
 
 
 def _setup_context(ctx, inputs, output):
-    qkv, num_heads, bias, mask, head_scale, scale, cosine = inputs
+    qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed = inputs
     out, stats = output
     ctx.mark_non_differentiable(stats)
-    ctx.save_for_backward(qkv, out, stats, bias, mask, head_scale)
-    ctx.num_heads, ctx.scale, ctx.cosine = num_heads, scale, cosine
+    ctx.save_for_backward(qkv, out, stats, bias, mask, head_scale, seed)
+    ctx.num_heads, ctx.scale, ctx.cosine, ctx.dropout_p = num_heads, scale, cosine, dropout_p
 
 
 def _backward(ctx, grad_out, _grad_stats):
-    qkv, out, stats, bias, mask, head_scale = ctx.saved_tensors
+    qkv, out, stats, bias, mask, head_scale, seed = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[2]
     scale_grad = head_scale is not None and ctx.needs_input_grad[4]
     dqkv, dbias, dscale = window_attention_bwd(
         grad_out, qkv, out, stats, bias, mask, head_scale, ctx.num_heads, ctx.scale, ctx.cosine,
-        bias_grad, scale_grad)
+        bias_grad, scale_grad, ctx.dropout_p, seed)
     return (
         dqkv,
         None,
@@ -105,6 +110,8 @@ def _backward(ctx, grad_out, _grad_stats):
         dscale.to(head_scale.dtype) if scale_grad else None,
         None,
         None,
+        None,
+        None,  # nor the dropout seed
     )
 
 
@@ -128,7 +135,7 @@ def _check_tensor(name: str, t, ndims: Tuple[int, ...], qkv: torch.Tensor, float
         _fail(ValueError, name, f"on qkv's device {qkv.device}", t.device)
 
 
-def _validate(qkv, num_heads, bias, mask, scale, logit_scale) -> Tuple[int, int, int]:
+def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p) -> Tuple[int, int, int]:
     if not isinstance(qkv, torch.Tensor):
         _fail(TypeError, "qkv", "a torch.Tensor", type(qkv).__name__)
     if qkv.dim() != 3:
@@ -169,6 +176,8 @@ def _validate(qkv, num_heads, bias, mask, scale, logit_scale) -> Tuple[int, int,
         if logit_scale.numel() != num_heads:
             _fail(ValueError, "logit_scale", f"a tensor with num_heads = {num_heads} elements",
                   f"shape {tuple(logit_scale.shape)}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real) or not 0.0 <= dropout_p < 1.0:
+        _fail(ValueError, "dropout_p", "a float in [0, 1)", repr(dropout_p))
     return num_windows, n, head_dim
 
 
@@ -180,6 +189,13 @@ def uses_kernels(qkv: torch.Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------- public op
+def draw_dropout_seed(device: torch.device) -> torch.Tensor:
+    """The seed of one call's attention dropout: a one-element int64 tensor drawn from
+    torch's default generator of ``device``, so that ``torch.manual_seed`` reproduces a
+    run (and activation checkpointing, which restores the RNG state, redraws it)."""
+    return torch.randint(0, 2 ** 62, (1,), device=device, dtype=torch.int64)
+
+
 def window_attention(
     qkv: torch.Tensor,
     num_heads: int,
@@ -188,10 +204,11 @@ def window_attention(
     mask: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     logit_scale: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Fused window attention from the qkv linear output to the proj input.
 
-    ``O = softmax(S + bias[h] + mask[b % nW]) @ V`` per window b and head h, with
+    ``O = dropout(softmax(S + bias[h] + mask[b % nW])) @ V`` per window b and head h, with
     ``S = scale * Q K^T`` (Swin V1) or, when ``logit_scale`` is given,
     ``S = exp(min(logit_scale[h], ln 100)) * Q^ K^^T`` with L2-normalized rows (SwinV2).
 
@@ -206,18 +223,26 @@ def window_attention(
         scale: V1 score scale (a Python float).
         logit_scale: tensor with H elements (cosine attention); gets a gradient, zero
             where the clamp at ln 100 is active, as torch.clamp gives.
+        dropout_p: attention dropout on the probabilities, in [0, 1), scaled by
+            1 / (1 - p) as nn.Dropout does. Applied whenever > 0: pass 0 in eval mode, as
+            with F.scaled_dot_product_attention. The kernels draw the mask from a seed taken
+            from torch's generator (``draw_dropout_seed``) and regenerate it in the backward.
 
     Returns:
         (B_, N, H*D) in qkv's dtype.
     """
-    _validate(qkv, num_heads, bias, mask, scale, logit_scale)
+    _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p)
     if not uses_kernels(qkv):
-        return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale)
+        return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
+                                          dropout_p=dropout_p)
     if bias is not None and bias.dim() == 4:
         bias = bias[0]
     head_scale = None
     if logit_scale is not None:
         head_scale = torch.clamp(logit_scale.reshape(num_heads), max=LOGIT_SCALE_MAX).exp()
+    dropout_p = float(dropout_p)
+    seed = draw_dropout_seed(qkv.device) if dropout_p > 0 else None
     out, _ = window_attention_fwd(qkv, num_heads, bias, mask, head_scale,
-                                  float(scale) if scale is not None else 1.0, logit_scale is not None)
+                                  float(scale) if scale is not None else 1.0, logit_scale is not None,
+                                  dropout_p, seed)
     return out

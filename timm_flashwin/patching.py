@@ -2,9 +2,8 @@
 
 Mechanism: patching swaps a module's ``__class__`` to a subclass of its timm class
 defined here (``FlashSwinWindowAttention``, ``FlashSwinV2WindowAttention``,
-``FlashSwinV2CrWindowMultiHeadAttention``) whose ``forward`` calls the family's adapter
-(and timm's own forward where the op cannot serve the call: attention dropout in
-training). The subclass adds no state: it survives ``copy.deepcopy``,
+``FlashSwinV2CrWindowMultiHeadAttention``) whose ``forward`` calls the family's adapter.
+The subclass adds no state: it survives ``copy.deepcopy``,
 ``torch.save(model)`` / ``torch.load`` (with timm_flashwin importable) and ``state_dict``
 round trips, adds no parameter or buffer, shows in ``repr``, and unpatching (restoring
 timm's class) restores timm's forward exactly.
@@ -44,9 +43,7 @@ def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
     timm_class = adapter.module_type()
 
     def forward(self, *args, **kwargs):
-        if adapter.served(self):
-            return adapter.forward(self, *args, **kwargs)
-        return timm_class.forward(self, *args, **kwargs)
+        return adapter.forward(self, *args, **kwargs)
 
     def extra_repr(self) -> str:
         text = timm_class.extra_repr(self)
@@ -75,7 +72,6 @@ class ModuleStatus:
     family: str  # "swin", "swinv2", "swinv2_cr"
     patched: bool
     reason: Optional[str] = None  # why not patched
-    note: Optional[str] = None  # what a patched module still leaves to timm
 
 
 @dataclass
@@ -111,7 +107,7 @@ class PatchReport:
         lines = [self.summary()]
         for m in self.modules:
             state = "patched" if m.patched else f"skipped: {m.reason}"
-            lines.append(f"  {m.name or '<model>'} [{m.family}] {state}" + (f" ({m.note})" if m.note else ""))
+            lines.append(f"  {m.name or '<model>'} [{m.family}] {state}")
         return "\n".join(lines)
 
 
@@ -159,7 +155,7 @@ def _clear(module: nn.Module) -> None:
 
 def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapter], family: str) -> ModuleStatus:
     if _is_patched(module):
-        return ModuleStatus(name, family, True, note=adapter.notes(module) if adapter else None)
+        return ModuleStatus(name, family, True)
     reason = getattr(module, _SKIP_ATTR, None) or "not patched"
     return ModuleStatus(name, family, False, reason=reason)
 
@@ -193,11 +189,8 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
     reasons = {name: why for name, module, adapter, _ in found
                if not _is_patched(module)
                and (why := _unsupported(module, adapter, name, filter_fn)) is not None}
-    if strict:
-        notes = {name: adapter.notes(module) for name, module, adapter, _ in found
-                 if adapter is not None and adapter.notes(module) is not None and name not in reasons}
-        if reasons or notes:
-            raise PatchError(model_name, {**reasons, **notes})
+    if strict and reasons:
+        raise PatchError(model_name, reasons)
     for name, module, adapter, family in found:
         if name in reasons:
             module.__dict__[_SKIP_ATTR] = reasons[name]
@@ -209,8 +202,7 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
     logger.log(level, "timm_flashwin: %s", report.summary())
     for status in report.modules:
         logger.debug("timm_flashwin: %s [%s] %s", status.name or "<model>", status.family,
-                     "patched" + (f" ({status.note})" if status.note else "") if status.patched
-                     else f"skipped: {status.reason}")
+                     "patched" if status.patched else f"skipped: {status.reason}")
     return model
 
 

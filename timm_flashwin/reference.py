@@ -10,7 +10,7 @@ It follows timm 1.0.x line by line:
                                              S = exp(min(logit_scale, ln 100)) * q^ @ k^^T,
                                              q^ = F.normalize(q, dim=-1)
 
-    O = softmax(S + B[h] + M[b mod nW]) @ V
+    O = dropout(softmax(S + B[h] + M[b mod nW])) @ V
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def window_attention_reference(
     mask: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     logit_scale: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_factor: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Window attention from the qkv linear output, with timm's exact operations.
 
@@ -42,6 +44,10 @@ def window_attention_reference(
         mask: (nW, N, N) additive mask for window ``b % nW``, or None. B_ % nW == 0.
         scale: the V1 score scale (``head_dim ** -0.5``); exclusive with ``logit_scale``.
         logit_scale: H values (any shape with H elements); selects cosine attention.
+        dropout_p: attention dropout on the probabilities, ``F.dropout`` as timm's
+            attn_drop applies it, when > 0 and no ``dropout_factor`` is given.
+        dropout_factor: (B_, H, N, N) keep / (1 - p) to multiply the probabilities by
+            instead: the tests pass the kernels' own mask (kernels/dropout.py).
 
     Returns:
         (B_, N, H*D) in ``qkv.dtype``. Reduced-precision inputs are computed in float32
@@ -66,5 +72,9 @@ def window_attention_reference(
         attn = attn.view(-1, num_win, H, N, N) + mask.to(compute_dtype).unsqueeze(1).unsqueeze(0)
         attn = attn.view(-1, H, N, N)
     attn = attn.softmax(dim=-1)
+    if dropout_factor is not None:
+        attn = attn * dropout_factor.to(compute_dtype)
+    elif dropout_p > 0:
+        attn = F.dropout(attn, dropout_p, training=True)
     out = (attn @ v).transpose(1, 2).reshape(B_, N, H * D)
     return out.to(qkv.dtype)

@@ -66,18 +66,9 @@ class WindowAttentionAdapter:
         win_h, win_w = self.window_size(module)
         if win_h * win_w > MAX_TOKENS:
             return f"window {win_h}x{win_w} has {win_h * win_w} tokens, more than {MAX_TOKENS}"
+        if not 0.0 <= self.attn_drop(module) < 1.0:
+            return f"attn_drop={self.attn_drop(module)} is not in [0, 1)"
         return None
-
-    def notes(self, module: nn.Module) -> Optional[str]:
-        """What a patched module still leaves to timm."""
-        if self.attn_drop(module) > 0:
-            return (f"attn_drop={self.attn_drop(module)} > 0: in training mode this module runs timm's "
-                    f"forward (the kernels have no attention dropout yet)")
-        return None
-
-    def served(self, module: nn.Module) -> bool:
-        """Whether this call can go through the op (attention dropout only in eval)."""
-        return not (module.training and self.attn_drop(module) > 0)
 
     # -- call time --------------------------------------------------------------------
     def forward(self, module: nn.Module, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -93,8 +84,10 @@ class WindowAttentionAdapter:
         if x.shape[2] != in_features:
             raise ValueError(f"{type(module).__name__}: expected C = {in_features} channels, got {x.shape[2]} "
                              f"(x of shape {tuple(x.shape)})")
+        # attn_drop is read at call time too: nn.Dropout's p, active in training mode only
+        dropout_p = self.attn_drop(module) if module.training else 0.0
         out = window_attention(self.qkv(module, x), self.num_heads(module), bias=self.position_bias(module),
-                               mask=mask, **self.score_scale(module))
+                               mask=mask, dropout_p=dropout_p, **self.score_scale(module))
         return module.proj_drop(module.proj(out))
 
 

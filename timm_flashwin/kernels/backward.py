@@ -8,6 +8,9 @@ With logits Z = S + B + M and P = softmax(Z):
     where s is ``scale`` (V1, Q^ = Q) or the cosine head scale; for cosine attention
     dQ and dK then pass through the normalization (tiles.normalize_backward).
 rowsum(P * dP) equals rowsum(dO * O), which is what the multi-block path precomputes.
+With attention dropout (factor F = keep / (1 - p), regenerated from the forward's seed):
+    dV = (P F)^T dO,   dP = F * (dO V^T),   and the rest as above; rowsum(dO * O) is
+    still rowsum(P * dP).
 
 Two paths, picked by the launcher:
 
@@ -23,14 +26,17 @@ Neither path uses atomics: the gradients are bit-for-bit reproducible.
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, head_scale, load_bias_mask, load_qk, load_rows, mma, normalize_backward, scores,
+from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, mma, normalize_backward, scores,
                     store_rows)
 
 
 @triton.jit
 def softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta, bias_mask,
-                          logit_scale2, COSINE: tl.constexpr, FP32_DOT: tl.constexpr, ROW_COMPLETE: tl.constexpr):
-    """Recompute one (query block, key block) tile; returns (P, dZ, R), fp32.
+                          logit_scale2, seed, bh, rows, cols, dropout_p, N: tl.constexpr,
+                          COSINE: tl.constexpr, FP32_DOT: tl.constexpr, ROW_COMPLETE: tl.constexpr,
+                          HAS_DROPOUT: tl.constexpr):
+    """Recompute one (query block, key block) tile of window-head ``bh``; returns
+    (P, P as applied to V (dropped and rescaled with dropout, else P), dZ, R), fp32.
 
     q and k come from ``load_qk``; R = Q^ K^^T is the raw score product. P comes from
     the forward's row statistics (row max, 1 / row sum), or, with ROW_COMPLETE (the tile
@@ -47,10 +53,16 @@ def softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_
     else:
         p = tl.exp2(logits - row_max[:, None]) * row_inv_sum[:, None]
     dp = mma(do, tl.trans(v), tl.zeros(p.shape, tl.float32), FP32_DOT)
+    if HAS_DROPOUT:
+        keep_scale = dropout_factor(seed, bh, rows, cols, dropout_p, N)
+        dp = dp * keep_scale
+        p_v = p * keep_scale
+    else:
+        p_v = p
     if ROW_COMPLETE:
         delta = tl.sum(p * dp, 1)
     ds = p * (dp - delta[:, None])
-    return p, ds, raw
+    return p, p_v, ds, raw
 
 
 @triton.jit
@@ -76,9 +88,9 @@ def input_grad(dx_acc, s, x_hat, x_inv, x_norm, COSINE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_bwd_fused_kernel(
-    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, head_scale_ptr,
+    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr,
     dqkv_ptr, dbias_partial_ptr, dscale_partial_ptr,
-    scale,
+    scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
@@ -88,7 +100,7 @@ def window_attention_bwd_fused_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    BIAS_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """Grid: (H * nW * window chunks,). One whole window per tile."""
     pid = tl.program_id(0)
@@ -101,6 +113,7 @@ def window_attention_bwd_fused_kernel(
     idx = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, idx, idx,
                                stride_bias_h, stride_bias_i, stride_bias_j,
                                stride_mask_w, stride_mask_i, stride_mask_j,
@@ -118,10 +131,11 @@ def window_attention_bwd_fused_kernel(
         v = load_rows(v_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, idx, dims,
                        stride_dout_n, stride_dout_c, N, D)
-        p, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, s, s, s, bias_mask, s * LOG2E,
-                                           COSINE, FP32_DOT, True)
+        p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, s, s, s, bias_mask, s * LOG2E,
+                                                seed, b * H + h, idx, idx, dropout_p, N,
+                                                COSINE, FP32_DOT, True, HAS_DROPOUT)
         ds_lowp = ds.to(q_lowp.dtype)
-        dv = mma(tl.trans(p.to(do.dtype)), do, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
+        dv = mma(tl.trans(p_v.to(do.dtype)), do, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
         dq_acc = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
         dk_acc = mma(tl.trans(ds_lowp), q_lowp, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
         dq = input_grad(dq_acc, s, q_hat, q_inv, q_norm, COSINE)
@@ -169,8 +183,8 @@ def window_attention_bwd_delta_kernel(
 
 @triton.jit
 def window_attention_bwd_dkdv_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, dqkv_ptr,
-    scale, num_periods, stats_stride,
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv_ptr,
+    scale, dropout_p, num_periods, stats_stride,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
@@ -179,6 +193,7 @@ def window_attention_bwd_dkdv_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks."""
     NUM_N_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
@@ -191,6 +206,7 @@ def window_attention_bwd_dkdv_kernel(
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
 
     q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
     k_base = q_base + (H * D) * stride_qkv_c
@@ -209,9 +225,10 @@ def window_attention_bwd_dkdv_kernel(
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
                                    N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
-        p, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
-                                           bias_mask, s * LOG2E, COSINE, FP32_DOT, False)
-        dv_acc = mma(tl.trans(p.to(do.dtype)), do, dv_acc, FP32_DOT)
+        p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
+                                                bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
+                                                COSINE, FP32_DOT, False, HAS_DROPOUT)
+        dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
         dk_acc = mma(tl.trans(ds.to(q_lowp.dtype)), q_lowp, dk_acc, FP32_DOT)
 
     dk = input_grad(dk_acc, s, k_hat, k_inv, k_norm, COSINE)
@@ -222,8 +239,9 @@ def window_attention_bwd_dkdv_kernel(
 
 @triton.jit
 def window_attention_bwd_dq_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, dqkv_ptr, dscale_partial_ptr,
-    scale, num_periods, stats_stride,
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv_ptr,
+    dscale_partial_ptr,
+    scale, dropout_p, num_periods, stats_stride,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
@@ -232,7 +250,7 @@ def window_attention_bwd_dq_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    SCALE_GRAD: tl.constexpr,
+    SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block, looping over key blocks;
     also the block's share of d(head scale), written to dscale_partial[b, h, block]."""
@@ -246,6 +264,7 @@ def window_attention_bwd_dq_kernel(
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
 
     q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
     k_base = q_base + (H * D) * stride_qkv_c
@@ -271,8 +290,9 @@ def window_attention_bwd_dq_kernel(
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
                                    N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
-        p, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
-                                           bias_mask, s * LOG2E, COSINE, FP32_DOT, False)
+        p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
+                                                bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
+                                                COSINE, FP32_DOT, False, HAS_DROPOUT)
         dq_acc = mma(ds.to(k_lowp.dtype), k_lowp, dq_acc, FP32_DOT)
         if SCALE_GRAD:
             ds_r += tl.sum(ds * raw, 1)
@@ -290,8 +310,8 @@ def window_attention_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_bwd_dbias_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, dbias_partial_ptr,
-    scale, stats_stride,
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dbias_partial_ptr,
+    scale, dropout_p, stats_stride,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_bias_h, stride_bias_i, stride_bias_j,
@@ -300,6 +320,7 @@ def window_attention_bwd_dbias_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """Grid: (key blocks * query blocks * H * nW * window chunks,). Partial sum of dZ over
     a run of windows sharing (head, mask window) for one tile:
@@ -321,6 +342,7 @@ def window_attention_bwd_dbias_kernel(
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
                                stride_bias_h, stride_bias_i, stride_bias_j,
                                stride_mask_w, stride_mask_i, stride_mask_j,
@@ -338,8 +360,9 @@ def window_attention_bwd_dbias_kernel(
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                        stride_dout_n, stride_dout_c, N, D)
         row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
-        p, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
-                                           bias_mask, logit_scale2, COSINE, FP32_DOT, False)
+        p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
+                                                bias_mask, logit_scale2, seed, bh, rows, cols, dropout_p, N,
+                                                COSINE, FP32_DOT, False, HAS_DROPOUT)
         dbias_acc += ds
 
     ptrs = dbias_partial_ptr + ((group * H + h) * N + rows[:, None]) * N + cols[None, :]

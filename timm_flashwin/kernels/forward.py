@@ -5,17 +5,19 @@ b = w, w + nW, w + 2 nW, ... that all share the same bias B[h] and mask M[w]. Wh
 whole window fits one key block (N <= BLOCK_N), that bias+mask tile is read once per
 program instead of once per window: what remains per window is reading q, k, v and
 writing o. Larger windows stream key blocks with the online softmax of FlashAttention.
+With attention dropout, the normalizer sums the undropped probabilities and only their
+product with V is dropped (O = (P * keep / (1 - p)) V, as timm's attn_drop applies it).
 """
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E, head_scale, load_bias_mask, load_qk, load_rows, mma, scores, store_rows
+from .tiles import LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, mma, scores, store_rows
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_fwd_kernel(
-    qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, head_scale_ptr,
-    scale,
+    qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr,
+    scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_out_b, stride_out_n, stride_out_c,
     stride_bias_h, stride_bias_i, stride_bias_j,
@@ -24,7 +26,7 @@ def window_attention_fwd_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
-    FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr,
+    FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
@@ -48,6 +50,7 @@ def window_attention_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     if SINGLE_KEY_BLOCK:
         bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
@@ -82,6 +85,8 @@ def window_attention_fwd_kernel(
             alpha = tl.exp2(m_i - m_shift)
             p = tl.exp2(logits - m_shift[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
+            if HAS_DROPOUT:
+                p = p * dropout_factor(seed, b * H + h, rows, key_rows, dropout_p, N)
             acc = mma(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
             m_i = m_new
 

@@ -61,9 +61,11 @@ def attention_forward(
     head_scale: Optional[torch.Tensor],
     scale: float,
     cosine: bool,
+    dropout_p: float = 0.0,
+    seed: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns out (B_, N, H*D) in qkv's dtype and the softmax statistics (fp32,
-    ``softmax_stats_shape``)."""
+    ``softmax_stats_shape``). ``seed``: a one-element int64 tensor, with dropout_p > 0."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, num_heads * head_dim))
@@ -78,13 +80,14 @@ def attention_forward(
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
     wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
         qkv, out, stats, bias_ptr, mask_ptr, head_scale if head_scale is not None else qkv,
-        scale,
+        seed if dropout_p > 0 else qkv,
+        scale, dropout_p,
         *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
         periods, per_period, per_chunk,
         H=num_heads, N=n, D=head_dim,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
         HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=cosine,
-        FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0,
+        FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, stats
@@ -103,8 +106,10 @@ def attention_backward(
     cosine: bool,
     bias_grad: bool,
     scale_grad: bool,
+    dropout_p: float = 0.0,
+    seed: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dqkv (qkv's shape, contiguous), dbias (H, N, N) fp32 and d(head_scale)
+    """Regenerates the forward's dropout from the same ``seed``. Returns dqkv (qkv's shape, contiguous), dbias (H, N, N) fp32 and d(head_scale)
     (H,) fp32; the last two are empty when not asked for."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
@@ -115,8 +120,9 @@ def attention_backward(
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
     scale_grad = scale_grad and cosine
     head_scale_ptr = head_scale if head_scale is not None else qkv
+    seed_ptr = seed if dropout_p > 0 else qkv
     flags = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
-                 COSINE=cosine, FP32_DOT=_fp32_dot(qkv.dtype))
+                 COSINE=cosine, FP32_DOT=_fp32_dot(qkv.dtype), HAS_DROPOUT=dropout_p > 0)
     strides = (*qkv.stride(), *dout.stride(), *dqkv.stride(), *bias_strides, *mask_strides)
     target = config.target_programs(qkv.device, tiles.programs_per_sm)
 
@@ -126,8 +132,8 @@ def attention_backward(
         dbias = qkv.new_empty((groups, num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
         dscale = qkv.new_empty((groups, num_heads) if scale_grad else (0,), dtype=torch.float32)
         wrap_triton(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
-            qkv, dout, bias_ptr, mask_ptr, head_scale_ptr, dqkv, dbias, dscale,
-            scale, *strides, periods, per_period, per_chunk,
+            qkv, dout, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv, dbias, dscale,
+            scale, dropout_p, *strides, periods, per_period, per_chunk,
             BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **flags,
         )
@@ -143,21 +149,21 @@ def attention_backward(
         H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d,
     )
     wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
-        qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, dqkv,
-        scale, periods, stats.stride(0), *strides, **blocks, **flags, **launch,
+        qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv,
+        scale, dropout_p, periods, stats.stride(0), *strides, **blocks, **flags, **launch,
     )
     dscale = qkv.new_empty((num_windows, num_heads, m_blocks) if scale_grad else (0,), dtype=torch.float32)
     wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
-        qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, dqkv, dscale,
-        scale, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
+        qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv, dscale,
+        scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
     )
     if bias_grad:
         chunks, per_chunk = config.split_windows(per_period, num_heads * periods * m_blocks * n_blocks, target)
         groups = chunks * periods
         dbias = qkv.new_empty((groups, num_heads, n, n), dtype=torch.float32)
         wrap_triton(window_attention_bwd_dbias_kernel)[(groups * num_heads * m_blocks * n_blocks,)](
-            qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, dbias,
-            scale, stats.stride(0), *qkv.stride(), *dout.stride(), *bias_strides, *mask_strides,
+            qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dbias,
+            scale, dropout_p, stats.stride(0), *qkv.stride(), *dout.stride(), *bias_strides, *mask_strides,
             periods, per_period, per_chunk, **blocks, **flags, **launch,
         )
         dbias = dbias.sum(0)

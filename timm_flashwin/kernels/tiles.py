@@ -9,6 +9,10 @@ Conventions used by every kernel:
   to the backward, which needs sum(dZ * R) for the gradient of the cosine scale s.
 * Padded rows/columns (N is not a power of two) load as 0; padded key columns get a
   logit of -inf so they take no probability.
+* Attention dropout draws one Philox number per probability P[b, h, i, j] from a seed
+  and the element's flat index ((b * H + h) * N + i) * N + j: the forward and every
+  backward kernel regenerate the same keep mask from the same two numbers, whatever
+  their tiling.
 """
 import triton
 import triton.language as tl
@@ -103,6 +107,20 @@ def normalize_backward(dxhat, xhat, inv, x_norm):
     """
     proj = tl.where(x_norm > NORM_EPS, tl.sum(xhat * dxhat, axis=1), 0.0)
     return (dxhat - xhat * proj[:, None]) * inv[:, None]
+
+
+@triton.jit
+def dropout_factor(seed, bh, rows, cols, dropout_p, N: tl.constexpr):
+    """keep / (1 - p) for the (rows, cols) tile of window-head ``bh`` (fp32): 0 where the
+    probability is dropped, 1 / (1 - p) where it is kept, as nn.Dropout scales.
+
+    Callers multiply by it (rather than select), so that a NaN probability stays NaN
+    where it is dropped, as ``attn * mask`` does in timm.
+    """
+    p = tl.cast(dropout_p, tl.float32)  # inductor passes Python floats as fp64
+    offsets = (bh * N + rows[:, None]) * N + cols[None, :]
+    keep = tl.rand(seed, offsets) >= p
+    return tl.where(keep, 1.0 / (1.0 - p), 0.0)
 
 
 @triton.jit
