@@ -1,0 +1,102 @@
+"""Compile the kernels for a Hopper GPU (sm_90) without one, as a subprocess of the tests.
+
+The interpreter (how CI runs the kernels) executes them as numpy code and cannot see what
+only the compiler checks: constexpr branches, types carried through loops, the sizes of
+tiles in registers. This script builds the launch configurations of kernels/config.py for
+representative shapes with triton.compile for sm_90, prints each kernel's registers and
+stack frame (where spilled registers go) (cuobjdump's resource usage), and exits non-zero if any fails to build.
+
+    TRITON_INTERPRET=0 python tests/sm90_build.py
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from timm_flashwin.kernels import backward, config
+from timm_flashwin.kernels.forward import window_attention_fwd_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+#: (N, head_dim, dtype, cosine, dropout): one-tile and multi-block windows, the largest
+#: window and head_dim, a head_dim that is not a power of two, every dtype.
+CASES = [
+    (49, 32, torch.bfloat16, True, True),
+    (49, 32, torch.float16, False, False),
+    (64, 32, torch.float32, True, False),
+    (144, 32, torch.bfloat16, True, True),
+    (1024, 32, torch.bfloat16, False, True),
+    (49, 256, torch.bfloat16, True, False),
+    (100, 24, torch.float16, False, True),
+]
+#: kernel arguments holding activations (the input's dtype); other pointers are fp32
+ACTIVATION_POINTERS = {"qkv_ptr", "out_ptr", "dout_ptr", "dqkv_ptr"}
+
+
+def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict:
+    types = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name == "seed_ptr":
+            types[name] = "*i64"
+        elif name.endswith("_ptr"):
+            types[name] = "*" + (TRITON_TYPES[dtype] if name in ACTIVATION_POINTERS else "fp32")
+        elif name in ("scale", "dropout_p"):
+            types[name] = "fp32"
+        else:
+            types[name] = "i32"
+    return types
+
+
+def resource_usage(cubin: bytes) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)  # register spills live in the stack frame
+    return f"registers {found[1]}, stack frame {found[2]} B" if found else "resource usage unavailable"
+
+
+def build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchConfig) -> None:
+    source = ASTSource(fn=kernel, signature=signature(kernel, dtype, constexprs), constexprs=constexprs)
+    compiled = triton.compile(source, target=TARGET,
+                              options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    print(f"  {kernel.fn.__name__:40s} {resource_usage(compiled.asm['cubin'])}", flush=True)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
+        return 2
+    for n, head_dim, dtype, cosine, dropout in CASES:
+        print(f"N={n} head_dim={head_dim} {TRITON_TYPES[dtype]} {'cosine' if cosine else 'v1'}"
+              f"{' dropout' if dropout else ''}")
+        flags = dict(H=3, N=n, D=head_dim, HAS_BIAS=True, HAS_MASK=True, COSINE=cosine,
+                     FP32_DOT=dtype == torch.float32, HAS_DROPOUT=dropout)
+        fwd = config.forward_config(n, head_dim, dtype, cosine)
+        bwd = config.backward_config(n, head_dim, dtype, cosine)
+        build(window_attention_fwd_kernel, dtype, dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n,
+                                                       BLOCK_D=fwd.block_d, STORE_STATS=not bwd.single_tile(n)), fwd)
+        if bwd.single_tile(n):
+            build(backward.window_attention_bwd_fused_kernel, dtype,
+                  dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine), bwd)
+            continue
+        blocks = dict(flags, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d)
+        build(backward.window_attention_bwd_dkdv_kernel, dtype, blocks, bwd)
+        build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine), bwd)
+        build(backward.window_attention_bwd_dbias_kernel, dtype, blocks, bwd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
