@@ -1,0 +1,136 @@
+"""Data-parallel training of a patched timm Swin: DistributedDataParallel or FSDP2.
+
+On GPUs (NCCL, one GPU per process, bfloat16 autocast):
+
+    torchrun --standalone --nproc_per_node=2 examples/train_ddp.py [--fsdp] [--steps 20] [--model NAME]
+
+On a CPU (gloo, float32; TRITON_INTERPRET=1 runs the Triton kernels there, slowly, so
+shrink the model; 56 = 4 x 14 pixels gives whole 7x7 windows, without padding):
+
+    TRITON_INTERPRET=1 torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --device cpu \\
+        --img-size 56 --embed-dim 32 --depths 2 2 --num-heads 2 4 --num-classes 10 --batch 2 --steps 2 [--fsdp]
+
+(``python -m torch.distributed.run`` is the same as ``torchrun``; ``--standalone`` picks a
+free local port. Across nodes, use torchrun's ``--nnodes`` and ``--rdzv-endpoint`` instead.)
+
+The model is patched with ``timm_flashwin.patch_model`` before it is wrapped: with FSDP2
+every transformer block (the parent of a window-attention module) is sharded, then the
+whole model. The data are synthetic: a few fixed batches of random images and labels per
+process, drawn from a seeded generator, cycled; nothing is downloaded. Rank 0 prints each
+step's loss (averaged over the processes) and the throughput in images per second over all
+processes.
+"""
+import argparse
+import os
+import time
+import warnings
+from typing import List, Tuple
+
+import timm
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import timm_flashwin
+
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch 2.4 / 2.5
+    from torch.distributed._composable.fsdp import fully_shard
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="swin_tiny_patch4_window7_224")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DistributedDataParallel")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=32, help="images per process and step")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--img-size", type=int, default=None, help="default: the model's own")
+    parser.add_argument("--num-classes", type=int, default=1000)
+    # Overrides of the model's architecture, for a model small enough to train on a CPU.
+    parser.add_argument("--embed-dim", type=int, default=None)
+    parser.add_argument("--depths", type=int, nargs="+", default=None)
+    parser.add_argument("--num-heads", type=int, nargs="+", default=None)
+    return parser.parse_args()
+
+
+def setup(device_type: str) -> torch.device:
+    """Join the process group that torchrun describes in the environment: NCCL with one
+    GPU per process (LOCAL_RANK), or gloo on CPUs."""
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """The timm model, patched. Every process seeds the same initialization: DDP would
+    broadcast rank 0's weights anyway, but FSDP2 shards each process's own copy."""
+    overrides = dict(embed_dim=args.embed_dim, depths=args.depths, num_heads=args.num_heads, img_size=args.img_size)
+    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in overrides.items() if v is not None}
+    torch.manual_seed(0)
+    model = timm.create_model(args.model, num_classes=args.num_classes, **kwargs).to(device)
+    timm_flashwin.patch_model(model)
+    if dist.get_rank() == 0:
+        print(timm_flashwin.patch_report(model).summary(), flush=True)
+    return model
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """FSDP2: each transformer block is one unit (its parameters are gathered for its
+    forward and backward only), then the root holds what is left (embedding, head)."""
+    report = timm_flashwin.patch_report(model)
+    blocks = sorted({status.name.rsplit(".", 1)[0] for status in report.modules})
+    for name in blocks:
+        fully_shard(model.get_submodule(name))
+    # timm's blocks end with a reshape, so FSDP2 warns that they return a view; nothing
+    # modifies those outputs in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    return fully_shard(model)
+
+
+def synthetic_batches(args: argparse.Namespace, img_size: Tuple[int, int], count: int = 4
+                      ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` fixed batches of random images and labels, different on every process."""
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    return [(torch.randn(args.batch, 3, *img_size, generator=gen),
+             torch.randint(0, args.num_classes, (args.batch,), generator=gen)) for _ in range(count)]
+
+
+def main() -> None:
+    args = parse_args()
+    device = setup(args.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(args, device)
+    img_size = tuple(model.patch_embed.img_size)  # the model's own, or --img-size
+    model = shard(model) if args.fsdp else nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    batches = synthetic_batches(args, img_size)
+    amp = device.type == "cuda"  # bfloat16 autocast, float32 weights and optimizer state
+
+    model.train()
+    for step in range(args.steps):
+        x, y = (t.to(device, non_blocking=True) for t in batches[step % len(batches)])
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total_loss = loss.detach().clone()
+        dist.all_reduce(total_loss)  # a sum: gloo has no average
+        mean_loss = total_loss.item() / world  # .item() waits for the device: the step's time is complete
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            print(f"step {step:4d}  loss {mean_loss:.4f}  {args.batch * world / elapsed:8.1f} images/s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

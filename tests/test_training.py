@@ -1,0 +1,171 @@
+"""Training features with patched models: timm's activation checkpointing, and
+bit-reproducible gradients under ``torch.use_deterministic_algorithms(True)``.
+
+Runs the real Triton kernels: on the GPU when there is one, otherwise under the Triton
+interpreter on CPU tensors (set up by conftest.py).
+"""
+import copy
+from collections import Counter
+from typing import Callable, Dict, Iterator, Tuple
+
+import pytest
+import timm
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import KERNEL_DEVICE
+from opcases import forward_backward, make_case
+from test_patching import create, images, tiny_swin
+from timm_flashwin import is_patched, patch_model, patch_report, window_attention
+from timm_flashwin.kernels import config
+from timm_flashwin.op import uses_kernels
+
+
+def tiny_swinv2(**kwargs) -> nn.Module:
+    """A small perturbed SwinV2 (cosine attention, cpb_mlp bias): 8x8 windows on 64x64
+    images, the first stage's second block shifted (masked)."""
+    args = dict(img_size=64, depths=(2, 2), num_heads=(2, 4), embed_dim=32, num_classes=10)
+    args.update(kwargs)
+    return create("swinv2_tiny_window8_256", **args)
+
+
+#: family -> (model factory, image size); drop path off so that every pass computes the same thing
+MODELS: Dict[str, Tuple[Callable[..., nn.Module], Tuple[int, int]]] = {
+    "swin": (tiny_swin, (56, 56)),
+    "swinv2": (tiny_swinv2, (64, 64)),
+}
+
+
+class OpCalls(TorchDispatchMode):
+    """Counts the calls of timm_flashwin's operators (forward and backward kernels) while
+    active, backward passes included: proof that the kernels, not timm's math, ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "timm_flashwin":
+            self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def forward_backward_model(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """One training-mode forward and backward of a fixed random projection of the output,
+    from zeroed gradients: (output, {parameter name: gradient})."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device)
+    (out * weight).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert len(grads) == len(list(model.parameters())), "some parameters got no gradient"
+    return out.detach(), grads
+
+
+def assert_all_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], **tolerance) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], msg=lambda m: f"{name}: {m}", **tolerance)
+
+
+# ------------------------------------------------------------------ activation checkpointing
+@pytest.fixture(params=[False, True], ids=["non-reentrant", "reentrant"])
+def reentrant_checkpoints(request) -> Iterator[bool]:
+    """timm's checkpoint flavour (non-reentrant is timm's default), restored afterwards."""
+    if not hasattr(timm.layers, "set_reentrant_ckpt"):
+        pytest.skip("this timm has no set_reentrant_ckpt")
+    previous = timm.layers.use_reentrant_ckpt()
+    timm.layers.set_reentrant_ckpt(request.param)
+    try:
+        yield request.param
+    finally:
+        timm.layers.set_reentrant_ckpt(previous)
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_grad_checkpointing(family, reentrant_checkpoints):
+    """``model.set_grad_checkpointing()`` on a patched model: every block's forward is
+    recomputed in the backward, through the kernels again, and the output and every
+    parameter gradient equal those of the same patched model without checkpointing (the
+    recomputation is exact), and timm's unpatched ones within float32 tolerance."""
+    factory, size = MODELS[family]
+    timm_model = factory(drop_path_rate=0.0).to(KERNEL_DEVICE)
+    model = patch_model(copy.deepcopy(timm_model))
+    attention_modules = len(patch_report(model).patched)
+    assert attention_modules == 4 and is_patched(model)
+    x = images(2, size, device=KERNEL_DEVICE)
+
+    timm_out, timm_grads = forward_backward_model(timm_model, x)
+    with OpCalls() as plain_calls:
+        plain_out, plain_grads = forward_backward_model(model, x)
+    model.set_grad_checkpointing(True)
+    with OpCalls() as checkpointed_calls:
+        out, grads = forward_backward_model(model, x)
+
+    assert plain_calls.calls == {"window_attention_fwd": attention_modules, "window_attention_bwd": attention_modules}
+    # checkpointing runs each attention's forward a second time, in the backward
+    assert checkpointed_calls.calls == {"window_attention_fwd": 2 * attention_modules,
+                                        "window_attention_bwd": attention_modules}
+    torch.testing.assert_close(out, plain_out, rtol=1e-6, atol=1e-7)
+    assert_all_close(grads, plain_grads, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out, timm_out, rtol=1e-4, atol=1e-5)
+    assert_all_close(grads, timm_grads, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ deterministic gradients
+@pytest.fixture
+def deterministic_algorithms(monkeypatch) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True)`` for one test, then the previous setting.
+    cuBLAS is deterministic only with a fixed workspace, hence CUBLAS_WORKSPACE_CONFIG
+    (PyTorch refuses matmuls on CUDA in this mode without it)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = torch.are_deterministic_algorithms_enabled()
+    previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_model_gradients_are_bit_reproducible(family, deterministic_algorithms):
+    """Two identical forward and backward passes of a patched model give bit-identical
+    gradients: the backward kernels sum the bias gradient without atomics. (Under the
+    interpreter the programs run one after another, so on CPU this mostly checks that the
+    deterministic mode accepts every op of a patched model; on a GPU it checks the order
+    of the reductions.)"""
+    factory, size = MODELS[family]
+    model = patch_model(factory(drop_path_rate=0.0)).to(KERNEL_DEVICE)
+    x = images(2, size, device=KERNEL_DEVICE)
+    with OpCalls() as op:
+        first_out, first = forward_backward_model(model, x)
+    second_out, second = forward_backward_model(model, x)
+    assert op.calls["window_attention_bwd"] == len(patch_report(model).patched) == 4
+    assert torch.equal(first_out, second_out)
+    assert first.keys() == second.keys()
+    differing = [name for name in first if not torch.equal(first[name], second[name])]
+    assert not differing, f"gradients differ between identical passes: {differing}"
+
+
+@pytest.mark.parametrize("n,single_tile", [(49, True), (144, False)], ids=["one-tile", "multi-block"])
+def test_op_gradients_are_bit_reproducible(n, single_tile, deterministic_algorithms):
+    """The op alone, cosine attention with bias, mask and logit scale, in both backward
+    paths (the fused one-tile kernel, and the multi-block kernels with their partial
+    bias-gradient sums): two identical calls, bit-identical output and gradients."""
+    head_dim = 16
+    assert config.backward_config(n, head_dim, torch.float32, True).single_tile(n) == single_tile
+    # 2 windows sharing one mask window, whose bias gradients are summed (the one-tile
+    # kernel writes one partial per window here); 2 heads, logit scales below and above the clamp
+    case = make_case(2, 1, 2, n, head_dim, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE,
+                     seed=n)
+    assert uses_kernels(case.qkv)
+    first = forward_backward(window_attention, case)
+    second = forward_backward(window_attention, case)
+    names = ("out", "d_qkv", "d_bias", "d_logit_scale")
+    assert len(first) == len(second) == len(names)
+    for name, a, b in zip(names, first, second):
+        assert torch.isfinite(a).all() and a.abs().sum() > 0, f"{name}: not a usable value"
+        assert torch.equal(a, b), f"{name} differs between identical calls"
