@@ -169,3 +169,21 @@ def test_op_gradients_are_bit_reproducible(n, single_tile, deterministic_algorit
     for name, a, b in zip(names, first, second):
         assert torch.isfinite(a).all() and a.abs().sum() > 0, f"{name}: not a usable value"
         assert torch.equal(a, b), f"{name} differs between identical calls"
+
+
+def test_grad_checkpointing_regenerates_the_attention_dropout():
+    """With attention dropout, the recomputed forward draws the same seed (checkpointing
+    restores the RNG state), so the gradients equal those without checkpointing."""
+    model = patch_model(tiny_swin(drop_path_rate=0.0, attn_drop_rate=0.3)).to(KERNEL_DEVICE)
+    x = images(2, (56, 56), device=KERNEL_DEVICE)
+    runs = []
+    for checkpointing in (False, True):
+        model.set_grad_checkpointing(checkpointing)
+        torch.manual_seed(11)
+        runs.append(forward_backward_model(model, x))
+    (plain_out, plain_grads), (out, grads) = runs
+    torch.testing.assert_close(out, plain_out, rtol=1e-6, atol=1e-7)
+    assert_all_close(grads, plain_grads, rtol=1e-6, atol=1e-7)
+    model.set_grad_checkpointing(False)
+    with torch.no_grad():
+        assert not torch.allclose(plain_out, model.eval()(x), rtol=1e-3, atol=1e-3)  # dropout was active
