@@ -89,7 +89,7 @@ def load_qk(ptr, rows, cols, stride_n, stride_c, N: tl.constexpr, D: tl.constexp
     if COSINE:
         norm = tl.sqrt(tl.sum(x * x, axis=1))
         inv = 1.0 / tl.maximum(norm, NORM_EPS)
-        x_hat = x * inv[:, None]
+        x_hat = x / tl.maximum(norm, NORM_EPS)[:, None]  # a division, as F.normalize: one rounding, not two
         x_lowp = x_hat.to(x_in.dtype)
     else:
         norm = tl.zeros((x.shape[0],), tl.float32)
