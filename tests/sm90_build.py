@@ -48,6 +48,8 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict:
             types[name] = "constexpr"
         elif name == "seed_ptr":
             types[name] = "*i64"
+        elif name == "regions_ptr":
+            types[name] = "*i32"
         elif name.endswith("_ptr"):
             types[name] = "*" + (TRITON_TYPES[dtype] if name in ACTIVATION_POINTERS else "fp32")
         elif name in ("scale", "dropout_p"):
@@ -86,12 +88,13 @@ def main() -> int:
         fwd = config.forward_config(n, head_dim, dtype, cosine)
         bwd = config.backward_config(n, head_dim, dtype, cosine)
         build(window_attention_fwd_kernel, dtype, dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n,
-                                                       BLOCK_D=fwd.block_d, STORE_STATS=not bwd.single_tile(n)), fwd)
+                                                       BLOCK_D=fwd.block_d, STORE_STATS=not bwd.single_tile(n),
+                                                       MASK_REGIONS=n > fwd.block_n), fwd)
         if bwd.single_tile(n):
             build(backward.window_attention_bwd_fused_kernel, dtype,
                   dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine), bwd)
             continue
-        blocks = dict(flags, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d)
+        blocks = dict(flags, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, MASK_REGIONS=True)
         build(backward.window_attention_bwd_dkdv_kernel, dtype, blocks, bwd)
         build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine), bwd)
         build(backward.window_attention_bwd_dbias_kernel, dtype, blocks, bwd)

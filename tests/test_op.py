@@ -10,9 +10,10 @@ import torch
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
-                     relative_error)
+                     relative_error, shift_mask)
 from timm_flashwin import window_attention
 from timm_flashwin.op import uses_kernels, window_attention_fwd
+from timm_flashwin.kernels.launch import mask_structure
 from timm_flashwin.reference import LOGIT_SCALE_MAX, window_attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -59,6 +60,25 @@ def test_no_bias(cosine):
                              names=("out", "d_qkv", "d_logit_scale"))
 
 
+def test_mask_structure_recognizes_region_masks_only():
+    """The multi-block kernels compute M from region ids only where M is exactly
+    value * [region_i != region_j]; any other mask keeps being read densely."""
+    shift = shift_mask(3, 16, torch.Generator().manual_seed(0))
+    regions, info = mask_structure(shift)
+    assert info.tolist() == [1.0, -100.0]
+    assert torch.equal(torch.where(regions[:, :, None] == regions[:, None, :], 0.0, -100.0), shift)
+    assert mask_structure(torch.where(shift == 0, 0.0, float("-inf")))[1].tolist() == [1.0, float("-inf")]
+    assert mask_structure(torch.zeros(2, 9, 9))[1].tolist() == [1.0, 0.0]
+    two_values = shift.clone()
+    two_values[0, 0, shift[0, 0] != 0] = -50.0
+    nan = shift.clone()
+    nan[2, 3, 4] = float("nan")
+    no_zero_row = shift.clone()
+    no_zero_row[1, 2] = -100.0
+    for other in (torch.randn(3, 16, 16), two_values, nan, no_zero_row, -shift.abs() - 1):
+        assert mask_structure(other)[1][0] == 0
+
+
 def test_many_windows_per_program():
     """More windows than programs: each program loops over several windows and sums
     the bias gradient over them."""
@@ -98,18 +118,23 @@ def test_logit_scale_at_the_bound_follows_torch_clamp():
     assert torch.equal(d_logit != 0, ls.grad != 0)
 
 
+@pytest.mark.parametrize("n", [16, 144], ids=["one-tile", "multi-block"])
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
-def test_fully_masked_row_is_nan_like_the_reference(cosine):
-    case = make_case(4, 2, 3, 16, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+def test_fully_masked_row_is_nan_like_the_reference(cosine, n):
+    """Also the dense-mask fallback of the multi-block kernels: this mask is not
+    region-structured."""
+    case = make_case(4, 2, 3, n, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     mask = case.mask.clone()
     mask[1, 5, :] = float("-inf")  # window 1, query 5: nothing to attend to
     mask[0, 3, ::2] = float("-inf")  # partly masked: still finite
+    assert mask_structure(mask)[1][0] == 0
     case.mask = mask
     results = forward_backward(window_attention, case)
     reference = reference_forward_backward(case)
     for got, ref in zip(results, reference):
         assert torch.equal(got.isnan(), ref.isnan())
-        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5, equal_nan=True)
+        scale = max(1.0, ref.nan_to_num(0.0).abs().max().item())  # cancelling sums keep their terms' rounding
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5 * scale, equal_nan=True)
     assert results[0][1::2, 5].isnan().all() and not results[0][0::2].isnan().any()
 
 

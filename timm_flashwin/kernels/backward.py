@@ -26,8 +26,8 @@ Neither path uses atomics: the gradients are bit-for-bit reproducible.
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, mma, normalize_backward, scores,
-                    store_rows)
+from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_mask_regions, load_qk, load_rows, mma,
+                    normalize_backward, scores, store_rows)
 
 
 @triton.jit
@@ -114,10 +114,10 @@ def window_attention_bwd_fused_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, idx, idx,
+    bias_mask = load_bias_mask(bias_ptr, mask_ptr, bias_ptr, False, 0.0, h, w, idx, idx,
                                stride_bias_h, stride_bias_i, stride_bias_j,
                                stride_mask_w, stride_mask_i, stride_mask_j,
-                               N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N)
+                               N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N, False)
     dbias_acc = tl.zeros((BLOCK_N, BLOCK_N), tl.float32)
     dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
 
@@ -183,7 +183,8 @@ def window_attention_bwd_delta_kernel(
 
 @triton.jit
 def window_attention_bwd_dkdv_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv_ptr,
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
+    dqkv_ptr,
     scale, dropout_p, num_periods, stats_stride,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
@@ -193,7 +194,7 @@ def window_attention_bwd_dkdv_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr,
 ):
     """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks."""
     NUM_N_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
@@ -207,6 +208,7 @@ def window_attention_bwd_dkdv_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
+    mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
 
     q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
     k_base = q_base + (H * D) * stride_qkv_c
@@ -221,10 +223,10 @@ def window_attention_bwd_dkdv_kernel(
         q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
         row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
-        bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
+        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
         p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
                                                 bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                 COSINE, FP32_DOT, False, HAS_DROPOUT)
@@ -239,7 +241,8 @@ def window_attention_bwd_dkdv_kernel(
 
 @triton.jit
 def window_attention_bwd_dq_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv_ptr,
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
+    dqkv_ptr,
     dscale_partial_ptr,
     scale, dropout_p, num_periods, stats_stride,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
@@ -250,7 +253,7 @@ def window_attention_bwd_dq_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr,
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block, looping over key blocks;
     also the block's share of d(head scale), written to dscale_partial[b, h, block]."""
@@ -265,6 +268,7 @@ def window_attention_bwd_dq_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
+    mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
 
     q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
     k_base = q_base + (H * D) * stride_qkv_c
@@ -286,10 +290,10 @@ def window_attention_bwd_dq_kernel(
         cols = start_n + tl.arange(0, BLOCK_N)
         k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
-        bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
+        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
         p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
                                                 bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                 COSINE, FP32_DOT, False, HAS_DROPOUT)
@@ -310,7 +314,8 @@ def window_attention_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_bwd_dbias_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dbias_partial_ptr,
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
+    dbias_partial_ptr,
     scale, dropout_p, stats_stride,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
@@ -320,7 +325,7 @@ def window_attention_bwd_dbias_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr,
 ):
     """Grid: (key blocks * query blocks * H * nW * window chunks,). Partial sum of dZ over
     a run of windows sharing (head, mask window) for one tile:
@@ -343,10 +348,11 @@ def window_attention_bwd_dbias_kernel(
     dims = tl.arange(0, BLOCK_D)
     logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
+    mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
+    bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
                                stride_bias_h, stride_bias_i, stride_bias_j,
                                stride_mask_w, stride_mask_i, stride_mask_j,
-                               N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+                               N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
     dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for window in range(first, last):
         b = (w + window * num_periods).to(tl.int64)

@@ -45,6 +45,11 @@ class LaunchConfig:
 #: benchmarks/tune_op.py fills it to compare configurations.
 OVERRIDES: Dict[Tuple[str, int, int, torch.dtype, bool], LaunchConfig] = {}
 
+#: Whether the kernels that stream key blocks compute a region-structured mask from
+#: region ids (launch.mask_structure) rather than read it; benchmarks/tune_op.py turns it
+#: off to measure what that saves.
+MASK_REGIONS = True
+
 
 def _pow2(x: int) -> int:
     return max(16, 1 << (x - 1).bit_length())
@@ -66,7 +71,11 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> L
         return LaunchConfig(block, block, block_d, 4, stages, 8)
     if n <= 128 and block_d <= 32:
         return LaunchConfig(64, 128, block_d, 4, 2, 8)
-    return LaunchConfig(max_block, max_block, block_d, 4, 2 if block_d <= 64 else 1, 8)
+    # N > 128, D = 32 on an H200 (tune_op.py --quick, 2026-11-22, dense mask): 64x64, 4 warps,
+    # 3 stages beat 2 stages by 1.1x to 1.2x and 128x64, 64x128, 32x64 or 8 warps by more.
+    # Wider heads keep the shallower pipelines (shared memory).
+    stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
+    return LaunchConfig(max_block, max_block, block_d, 4, stages, 8)
 
 
 def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
@@ -86,7 +95,9 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
             return LaunchConfig(block, block, block_d, 8, 3, 8)
         return LaunchConfig(block, block, block_d, 4, 3, 8)  # H200, bf16: 1.5x to 2.6x over 8 warps, 1 stage
     block = 64 if block_d <= 64 else 32
-    return LaunchConfig(block, block, block_d, 4, 1 if block_d >= 128 else 2, 4)
+    # the same sweep (D = 32): 3 stages beat 2 by 1.05x to 1.1x on the multi-block backward
+    stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
+    return LaunchConfig(block, block, block_d, 4, stages, 4)
 
 
 def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:

@@ -11,12 +11,13 @@ product with V is dropped (O = (P * keep / (1 - p)) V, as timm's attn_drop appli
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, mma, scores, store_rows
+from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_mask_regions, load_qk, load_rows, mma,
+                    scores, store_rows)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_fwd_kernel(
-    qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr,
+    qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
     scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_out_b, stride_out_n, stride_out_c,
@@ -27,6 +28,7 @@ def window_attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
     FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_REGIONS: tl.constexpr,
 ):
     """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
@@ -51,11 +53,12 @@ def window_attention_fwd_kernel(
     dims = tl.arange(0, BLOCK_D)
     logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
+    mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
     if SINGLE_KEY_BLOCK:
-        bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
+        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
 
     for window in range(first, last):
         b = (w + window * num_periods).to(tl.int64)
@@ -72,10 +75,10 @@ def window_attention_fwd_kernel(
             k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
             v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if not SINGLE_KEY_BLOCK:
-                bias_mask = load_bias_mask(bias_ptr, mask_ptr, h, w, rows, key_rows,
-                                           stride_bias_h, stride_bias_i, stride_bias_j,
+                bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w,
+                                           rows, key_rows, stride_bias_h, stride_bias_i, stride_bias_j,
                                            stride_mask_w, stride_mask_i, stride_mask_j,
-                                           N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N)
+                                           N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
             raw = scores(q_hat, q_lowp, k_hat, k_lowp, COSINE, FP32_DOT)
             logits = raw * logit_scale2 + bias_mask
             # Online softmax. A row whose logits so far are all -inf keeps m = -inf; it is

@@ -43,6 +43,27 @@ def _bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], 
     return bias_ptr, mask_ptr, bias_strides, mask_strides
 
 
+def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Whether the mask is timm's kind, M[w, i, j] = value * [region_i != region_j]: then
+    the kernels that stream key blocks compute it from (nW, N) region ids instead of
+    reading 4 * N * N bytes per window, head and query block. Measured on an H200
+    (window 24, bf16, tune_op.py --dense mask, 2026-11-22): the multi-block backward
+    1.11x faster (1741 -> 1572 us), the forward the same (700 -> 719 us), this check
+    included.
+
+    Returns regions (nW, N) int32 (region_i = the first j with M[w, i, j] == 0) and info
+    (2,) fp32: [1.0 if the mask is exactly that structure else 0.0, value]. Checked on
+    the device, with no host synchronization: the kernels read ``info`` and fall back to
+    the dense mask where it says 0 (any other float mask, NaN, -inf rows, ...).
+    """
+    zero = mask == 0
+    regions = zero.to(torch.uint8).argmax(-1).to(torch.int32)
+    value = mask.amin()
+    same = regions[:, :, None] == regions[:, None, :]
+    exact = torch.logical_and((zero == same).all(), (torch.where(same, value, mask) == value).all())
+    return regions, torch.stack((exact.to(torch.float32), value.to(torch.float32)))
+
+
 def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
                         cosine: bool) -> Tuple[int, ...]:
     """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
@@ -78,8 +99,10 @@ def attention_forward(
     chunks, per_chunk = config.split_windows(
         per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
+    mask_regions = config.MASK_REGIONS and mask is not None and n > tiles.block_n  # key blocks are streamed
+    regions, mask_info = mask_structure(mask) if mask_regions else (qkv, qkv)
     wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
-        qkv, out, stats, bias_ptr, mask_ptr, head_scale if head_scale is not None else qkv,
+        qkv, out, stats, bias_ptr, mask_ptr, regions, mask_info, head_scale if head_scale is not None else qkv,
         seed if dropout_p > 0 else qkv,
         scale, dropout_p,
         *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
@@ -88,6 +111,7 @@ def attention_forward(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
         HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=cosine,
         FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
+        MASK_REGIONS=mask_regions,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, stats
@@ -109,8 +133,9 @@ def attention_backward(
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Regenerates the forward's dropout from the same ``seed``. Returns dqkv (qkv's shape, contiguous), dbias (H, N, N) fp32 and d(head_scale)
-    (H,) fp32; the last two are empty when not asked for."""
+    """Regenerates the forward's dropout from the same ``seed``. Returns dqkv (qkv's
+    shape, contiguous), dbias (H, N, N) fp32 and d(head_scale) (H,) fp32; the last two
+    are empty when not asked for."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     dqkv = qkv.new_empty(qkv.shape)
@@ -142,6 +167,8 @@ def attention_backward(
     m_blocks = -(-n // tiles.block_m)
     n_blocks = -(-n // tiles.block_n)
     blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d)
+    flags["MASK_REGIONS"] = config.MASK_REGIONS and mask is not None
+    regions, mask_info = mask_structure(mask) if flags["MASK_REGIONS"] else (qkv, qkv)
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     delta = qkv.new_empty((num_windows, num_heads, n), dtype=torch.float32)
     wrap_triton(window_attention_bwd_delta_kernel)[(num_windows * num_heads * m_blocks,)](
@@ -149,12 +176,12 @@ def attention_backward(
         H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d,
     )
     wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
-        qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv,
+        qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
         scale, dropout_p, periods, stats.stride(0), *strides, **blocks, **flags, **launch,
     )
     dscale = qkv.new_empty((num_windows, num_heads, m_blocks) if scale_grad else (0,), dtype=torch.float32)
     wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
-        qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv, dscale,
+        qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv, dscale,
         scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
     )
     if bias_grad:
@@ -162,7 +189,7 @@ def attention_backward(
         groups = chunks * periods
         dbias = qkv.new_empty((groups, num_heads, n, n), dtype=torch.float32)
         wrap_triton(window_attention_bwd_dbias_kernel)[(groups * num_heads * m_blocks * n_blocks,)](
-            qkv, dout, stats, delta, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dbias,
+            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dbias,
             scale, dropout_p, stats.stride(0), *qkv.stride(), *dout.stride(), *bias_strides, *mask_strides,
             periods, per_period, per_chunk, **blocks, **flags, **launch,
         )

@@ -134,12 +134,28 @@ def head_scale(head_scale_ptr, h, scale, COSINE: tl.constexpr):
 
 
 @triton.jit
-def load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
+def load_mask_regions(mask_info_ptr, MASK_REGIONS: tl.constexpr):
+    """(structured, value) of the mask, read once per program: whether the launcher found
+    the mask to be value * [region_i != region_j] (``mask_structure``), and that value."""
+    if MASK_REGIONS:
+        return tl.load(mask_info_ptr) != 0.0, tl.load(mask_info_ptr + 1)
+    else:
+        return False, 0.0
+
+
+@triton.jit
+def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
                    stride_bias_h, stride_bias_i, stride_bias_j,
                    stride_mask_w, stride_mask_i, stride_mask_j,
                    N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(B[h] + M[w]) * log2(e) for one (rows, cols) tile, fp32; -inf on padded columns."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_REGIONS: tl.constexpr):
+    """(B[h] + M[w]) * log2(e) for one (rows, cols) tile, fp32; -inf on padded columns.
+
+    With MASK_REGIONS, where the launcher found the mask to be region-structured
+    (``mask_structured``), M[w, i, j] = value * [region_i != region_j] is computed from the
+    (nW, N) region ids and the dense mask is not read; otherwise the dense mask is read as
+    usual. Both give the same fp32 values.
+    """
     inside = (rows[:, None] < N) & (cols[None, :] < N)
     bm = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if HAS_BIAS:
@@ -147,6 +163,15 @@ def load_bias_mask(bias_ptr, mask_ptr, h, w, rows, cols,
         bm += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
     if HAS_MASK:
         ptrs = mask_ptr + w * stride_mask_w + rows[:, None] * stride_mask_i + cols[None, :] * stride_mask_j
-        bm += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        if MASK_REGIONS:
+            # a uniform branch: where the mask is structured, no load of it is issued at all
+            if mask_structured:
+                region_rows = tl.load(regions_ptr + w * N + rows, mask=rows < N, other=0)
+                region_cols = tl.load(regions_ptr + w * N + cols, mask=cols < N, other=0)
+                bm += tl.where(region_rows[:, None] == region_cols[None, :], 0.0, mask_value)
+            else:
+                bm += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        else:
+            bm += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
     bm = bm * LOG2E
     return tl.where(cols[None, :] < N, bm, float("-inf"))
