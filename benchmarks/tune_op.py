@@ -18,7 +18,7 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_op import SHAPES, make_inputs  # noqa: E402
+from bench_op import SHAPES, dense_bias, make_inputs  # noqa: E402
 from common import write_json  # noqa: E402
 from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
@@ -47,13 +47,18 @@ def _stats(kernels, before: Dict) -> List[str]:
     return text
 
 
-def candidates(n: int, head_dim: int, base: config.LaunchConfig, which: str):
+def candidates(n: int, head_dim: int, base: config.LaunchConfig, which: str, quick: bool = False):
+    """Block shapes (multi-block path only), warps, stages and programs per SM around
+    ``base``. quick: no programs-per-SM variation and two pipeline depths, for the
+    multi-block shapes whose grids are large anyway."""
     blocks = [(base.block_m, base.block_n)]
     if n > 64:
         blocks += [(64, 64), (128, 64), (64, 128), (32, 64)] if which == "fwd" else [(64, 64), (32, 64), (64, 32),
                                                                                        (128, 64)]
+    stages = (2, 3) if quick else (1, 2, 3)
+    per_sm = (base.programs_per_sm,) if quick else (1, 2, 4, 8, 32, 1024)
     seen = set()
-    for (bm, bn), warps, stages, pps in itertools.product(blocks, (4, 8), (1, 2, 3), (1, 2, 4, 8, 32, 1024)):
+    for (bm, bn), warps, stages, pps in itertools.product(blocks, (4, 8), stages, per_sm):
         if which == "bwd" and base.single_tile(n) and (bm, bn) != (base.block_m, base.block_n):
             continue
         cfg = config.with_changes(base, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
@@ -69,6 +74,12 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"])
     parser.add_argument("--passes", nargs="*", default=["fwd", "bwd"])
+    parser.add_argument("--quick", action="store_true", help="fewer candidates (see candidates())")
+    parser.add_argument("--only-default", action="store_true", help="time the default configuration alone")
+    parser.add_argument("--without", nargs="*", default=[], choices=["bias", "mask"],
+                        help="ablation: leave these inputs out, to see what they cost")
+    parser.add_argument("--dense", nargs="*", default=[], choices=["mask"],
+                        help="ablation: read the mask densely, without region ids (kernels/config.MASK_REGIONS)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
@@ -76,7 +87,11 @@ def main() -> None:
         windows, heads, n, head_dim, _ = SHAPES[shape_name]
         cosine = kind == "cosine"
         inp = make_inputs(SHAPES[shape_name], cosine)
-        qkv, bias, mask = inp["qkv"].detach(), inp["bias"].detach(), inp["mask"]
+        qkv, mask = inp["qkv"].detach(), inp["mask"]
+        bias = dense_bias(inp["bias"].detach(), n).contiguous()  # as the adapters pass it
+        config.MASK_REGIONS = "mask" not in args.dense
+        bias = None if "bias" in args.without else bias
+        mask = None if "mask" in args.without else mask
         head_scale = torch.clamp(inp["logit_scale"].detach(), max=LOGIT_SCALE_MAX).exp() if cosine else None
         key = (which, n, head_dim, torch.bfloat16, cosine)
         base = (config.forward_config if which == "fwd" else config.backward_config)(n, head_dim, torch.bfloat16,
@@ -86,7 +101,7 @@ def main() -> None:
             bwd_kernels.window_attention_bwd_dq_kernel, bwd_kernels.window_attention_bwd_dbias_kernel]
         out, stats = attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)
         best = None
-        for cfg in candidates(n, head_dim, base, which):
+        for cfg in [base] if args.only_default else candidates(n, head_dim, base, which, args.quick):
             config.OVERRIDES[key] = cfg
             before = {id(k): dict(_compiled(k)) for k in kernels}
             try:
@@ -94,7 +109,7 @@ def main() -> None:
                     fn = lambda: attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)  # noqa
                 else:
                     fn = lambda: attention_backward(inp["grad"], qkv, out, stats, bias, mask, head_scale,  # noqa
-                                                    heads, inp["scale"], cosine, True, cosine)
+                                                    heads, inp["scale"], cosine, bias is not None, cosine)
                 fn()
                 torch.cuda.synchronize()
                 us = 1e3 * do_bench_cudagraph(fn, rep=50, return_mode="median")
@@ -104,7 +119,8 @@ def main() -> None:
             finally:
                 config.OVERRIDES.pop(key, None)
             info = _stats(kernels, before)
-            row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=cfg == base, **cfg.__dict__)
+            row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=cfg == base,
+                       without=args.without, dense=args.dense, **cfg.__dict__)
             results.append(row)
             mark = "*" if cfg == base else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
@@ -113,9 +129,11 @@ def main() -> None:
                 best = (us, cfg)
         default_us = next((r["us"] for r in results if r["is_default"] and r["shape"] == shape_name
                            and r["kind"] == kind and r["which"] == which), float("nan"))
-        print(f"BEST {shape_name} {kind} {which}: {best[0]:.1f} us (default {default_us:.1f}) {best[1]}", flush=True)
-    if args.out:
-        write_json(args.out, results)
+        print(f"BEST {shape_name} {kind} {which} without={args.without} dense={args.dense}: "
+              f"{best[0]:.1f} us (default {default_us:.1f}) "
+              f"{best[1]}", flush=True)
+        if args.out:  # after every case, so that a run cut short keeps what it measured
+            write_json(args.out, results)
 
 
 if __name__ == "__main__":
