@@ -12,6 +12,12 @@ logit scale stay float32 parameters), it times:
 * flex     FlexAttention (compiled) with a score_mod adding bias and mask
 * ours     timm_flashwin.window_attention
 
+The bias comes, as in timm's V1 and SwinV2 modules, from a relative-position table
+((2W-1)^2, H) that every call gathers by timm's relative_position_index (part of each
+implementation's time, and the gradient reaches the table): the eager, SDPA and compiled
+math and ours (as timm_flashwin's adapters do) gather a dense (H, N, N) bias as timm
+does, and FlexAttention's score_mod indexes the table itself.
+
 forward, forward+backward (median of CUDA-graph replays, so that host launch overhead
 counts for no implementation; gradients to qkv, bias and logit scale) and the peak memory of forward+backward above the inputs. The byte floor
 is q, k, v read once and o written once (forward; backward adds reading q, k, v, dO and
@@ -68,7 +74,8 @@ def make_inputs(shape, cosine: bool, device="cuda"):
     g = torch.Generator(device=device).manual_seed(0)
     qkv = torch.randn(windows, n, 3 * heads * head_dim, device=device, dtype=torch.bfloat16,
                       generator=g).requires_grad_()
-    bias = torch.randn(heads, n, n, device=device, generator=g).requires_grad_()
+    win = math.isqrt(n)
+    bias = torch.randn((2 * win - 1) ** 2, heads, device=device, generator=g).requires_grad_()  # the table
     logit_scale = torch.log(torch.full((heads,), 20.0, device=device)).requires_grad_() if cosine else None
     mask = timm_mask(num_windows, n, device)
     grad = torch.randn(windows, n, heads * head_dim, device=device, dtype=torch.bfloat16, generator=g)
@@ -81,9 +88,30 @@ def _split(qkv, heads):
     return qkv.reshape(windows, n, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
 
 
-def eager_math(qkv, bias, mask, logit_scale, heads, scale):
+_INDEX: Dict = {}
+
+
+def relative_position_index(n: int, device) -> torch.Tensor:
+    """timm's relative_position_index of a square W x W window, flattened (N*N,): made
+    once, as timm keeps it in a buffer."""
+    if (n, str(device)) not in _INDEX:
+        win = math.isqrt(n)
+        y, x = torch.meshgrid(torch.arange(win, device=device), torch.arange(win, device=device), indexing="ij")
+        y, x = y.flatten(), x.flatten()
+        index = (y[:, None] - y[None, :] + win - 1) * (2 * win - 1) + (x[:, None] - x[None, :] + win - 1)
+        _INDEX[(n, str(device))] = index.view(-1)
+    return _INDEX[(n, str(device))]
+
+
+def dense_bias(table, n):
+    """timm's gather of the (H, N, N) bias from the table ((2W-1)^2, H), every call."""
+    return table[relative_position_index(n, table.device)].view(n, n, -1).permute(2, 0, 1)
+
+
+def eager_math(qkv, table, mask, logit_scale, heads, scale):
     """timm's modules, verbatim in substance."""
     windows, n, _ = qkv.shape
+    bias = dense_bias(table, n)
     q, k, v = _split(qkv, heads)
     if logit_scale is not None:
         attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
@@ -97,9 +125,10 @@ def eager_math(qkv, bias, mask, logit_scale, heads, scale):
     return (attn @ v).transpose(1, 2).reshape(windows, n, -1)
 
 
-def sdpa_math(qkv, bias, mask, logit_scale, heads, scale):
+def sdpa_math(qkv, table, mask, logit_scale, heads, scale):
     """timm V1's fused path (and its cosine analogue): SDPA with a dense attn_mask."""
     windows, n, _ = qkv.shape
+    bias = dense_bias(table, n)
     q, k, v = _split(qkv, heads)
     if logit_scale is not None:
         s = torch.clamp(logit_scale, max=LOGIT_SCALE_MAX).exp().reshape(1, heads, 1, 1)
@@ -116,7 +145,7 @@ def sdpa_math(qkv, bias, mask, logit_scale, heads, scale):
 _flex = None
 
 
-def flex_math(qkv, bias, mask, logit_scale, heads, scale):
+def flex_math(qkv, table, mask, logit_scale, heads, scale):
     global _flex
     from torch.nn.attention.flex_attention import flex_attention
     if _flex is None:
@@ -124,23 +153,27 @@ def flex_math(qkv, bias, mask, logit_scale, heads, scale):
     windows, n, _ = qkv.shape
     q, k, v = _split(qkv, heads)
     nw = mask.shape[0]
+    win = math.isqrt(n)
+
+    def bias(h, qi, ki):  # timm's relative_position_index, computed from the token coordinates
+        return table[(qi // win - ki // win + win - 1) * (2 * win - 1) + (qi % win - ki % win + win - 1), h]
+
     if logit_scale is not None:
         s = torch.clamp(logit_scale, max=LOGIT_SCALE_MAX).exp()
         q, k, scale = F.normalize(q, dim=-1), F.normalize(k, dim=-1), 1.0
 
         def score_mod(score, b, h, qi, ki):
-            return score * s[h] + bias[h, qi, ki] + mask[b % nw, qi, ki]
+            return score * s[h] + bias(h, qi, ki) + mask[b % nw, qi, ki]
     else:
         def score_mod(score, b, h, qi, ki):
-            return score + bias[h, qi, ki] + mask[b % nw, qi, ki]
+            return score + bias(h, qi, ki) + mask[b % nw, qi, ki]
     out = _flex(q, k, v, score_mod=score_mod, scale=scale)
     return out.transpose(1, 2).reshape(windows, n, -1)
 
 
-def ours(qkv, bias, mask, logit_scale, heads, scale):
-    if logit_scale is not None:
-        return window_attention(qkv, heads, bias=bias, mask=mask, logit_scale=logit_scale)
-    return window_attention(qkv, heads, bias=bias, mask=mask, scale=scale)
+def ours(qkv, table, mask, logit_scale, heads, scale):
+    kwargs = dict(logit_scale=logit_scale) if logit_scale is not None else dict(scale=scale)
+    return window_attention(qkv, heads, bias=dense_bias(table, qkv.shape[1]), mask=mask, **kwargs)
 
 
 _compiled: Dict[str, Callable] = {}
