@@ -31,6 +31,7 @@ import timm
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import timm_flashwin
 
@@ -83,17 +84,20 @@ def build_model(args: argparse.Namespace, device: torch.device) -> nn.Module:
     return model
 
 
-def shard(model: nn.Module) -> nn.Module:
+def shard(model: nn.Module, device: torch.device) -> nn.Module:
     """FSDP2: each transformer block is one unit (its parameters are gathered for its
-    forward and backward only), then the root holds what is left (embedding, head)."""
+    forward and backward only), then the root holds what is left (embedding, head). The
+    mesh names the device type: FSDP2's default would take the GPUs of a machine that has
+    some, also for a run on its CPUs."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     report = timm_flashwin.patch_report(model)
     blocks = sorted({status.name.rsplit(".", 1)[0] for status in report.modules})
     for name in blocks:
-        fully_shard(model.get_submodule(name))
+        fully_shard(model.get_submodule(name), mesh=mesh)
     # timm's blocks end with a reshape, so FSDP2 warns that they return a view; nothing
     # modifies those outputs in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    return fully_shard(model)
+    return fully_shard(model, mesh=mesh)
 
 
 def synthetic_batches(args: argparse.Namespace, img_size: Tuple[int, int], count: int = 4
@@ -122,12 +126,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args, device)
     img_size = tuple(model.patch_embed.img_size)  # the model's own, or --img-size
-    model = shard(model) if args.fsdp else nn.parallel.DistributedDataParallel(model)
+    model = shard(model, device) if args.fsdp else nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     batches = synthetic_batches(args, img_size)
     amp = device.type == "cuda"  # bfloat16 autocast, float32 weights and optimizer state
 
     model.train()
+    rates = []
     for step in range(args.steps):
         x, y = (t.to(device, non_blocking=True) for t in batches[step % len(batches)])
         start = time.perf_counter()
@@ -140,8 +145,13 @@ def main() -> None:
         dist.all_reduce(total_loss)  # a sum: gloo has no average
         mean_loss = total_loss.item() / world  # .item() waits for the device: the step's time is complete
         elapsed = time.perf_counter() - start
+        rates.append(args.batch * world / elapsed)
         if rank == 0:
-            print(f"step {step:4d}  loss {mean_loss:.4f}  {args.batch * world / elapsed:8.1f} images/s", flush=True)
+            print(f"step {step:4d}  loss {mean_loss:.4f}  {rates[-1]:8.1f} images/s", flush=True)
+    if rank == 0 and args.steps > 3:  # the first steps compile kernels and warm up the allocator
+        steady = sorted(rates[3:])
+        print(f"median of steps 3..{args.steps - 1}: {steady[len(steady) // 2]:.1f} images/s on {world} "
+              f"process(es), {args.batch} images per process", flush=True)
     dist.destroy_process_group()
     if args.fsdp and device.type == "cpu":
         exit_before_interpreter_shutdown()

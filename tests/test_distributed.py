@@ -1,10 +1,12 @@
-"""Data-parallel training of a patched model, on CPUs: 2 processes, gloo.
+"""Data-parallel training of a patched model: 2 processes, on CPUs (gloo) and on 2 GPUs
+(NCCL, one GPU per process).
 
 One training step under DistributedDataParallel and under FSDP2 (``fully_shard``), each
 process on half of a fixed global batch, gives the gradients and updated weights of one
 single-process step on the whole batch. And examples/train_ddp.py runs as its docstring
-says. The processes run the Triton kernels under the interpreter (TRITON_INTERPRET=1, as
-in this process), or PyTorch's path on a machine with a GPU, where conftest does not set it.
+says. On CPUs the processes run the Triton kernels under the interpreter
+(TRITON_INTERPRET=1, as in this process), or PyTorch's path on a machine with a GPU, where
+conftest does not set it; on GPUs they run the compiled kernels.
 """
 import ast
 import os
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from test_patching import images, tiny_swin
 from timm_flashwin import is_patched, patch_model, patch_report
@@ -63,31 +66,48 @@ def train_step(model: nn.Module, parameters_of: nn.Module, x: torch.Tensor, y: t
     return dict(grads=grads, weights=weights)
 
 
-def wrap(model: nn.Module, kind: str) -> nn.Module:
+def wrap(model: nn.Module, kind: str, device_type: str) -> nn.Module:
     """DDP around the model, patched through the wrapper; or FSDP2 on a patched model:
-    every transformer block sharded on its own, then the root."""
+    every transformer block sharded on its own, then the root, over a mesh of the
+    processes' devices (named: on a CPU run, FSDP2 would otherwise take the GPUs of a
+    machine that has some)."""
     if kind == "ddp":
         return patch_model(nn.parallel.DistributedDataParallel(model))
     patch_model(model)
+    mesh = init_device_mesh(device_type, (WORLD_SIZE,))
     for layer in model.layers:
         for block in layer.blocks:
-            fully_shard(block)
-    return fully_shard(model)
+            fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
-def worker(rank: int, init_file: str, out_dir: str, interpret: bool) -> None:
+def exact_float32() -> None:
+    """No TF32 anywhere (timm's patch embedding is a convolution, which cuDNN would run in
+    TF32 by default): the comparison is between summation orders, not precisions."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def worker(rank: int, init_file: str, out_dir: str, interpret: bool, device_type: str) -> None:
     """One process: for each wrapper, a fresh model, half of the global batch, one step;
-    results saved for the test."""
+    results saved for the test. device_type "cuda": NCCL, GPU ``rank``; "cpu": gloo."""
     assert config.INTERPRET == interpret, "TRITON_INTERPRET did not reach the worker"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        exact_float32()
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=WORLD_SIZE)
     try:
         x, y = global_batch()
         for kind in WRAPPERS:
-            model = tiny_swin(drop_path_rate=0.0)  # seeded: the same weights in every process
-            wrapped = wrap(model, kind)
+            model = tiny_swin(drop_path_rate=0.0).to(device)  # seeded: the same weights in every process
+            wrapped = wrap(model, kind, device_type)
             attention = [(status.name, is_patched(wrapped.get_submodule(status.name)))
                          for status in patch_report(wrapped).modules]
-            result = train_step(wrapped, model, x.chunk(WORLD_SIZE)[rank], y.chunk(WORLD_SIZE)[rank])
+            result = train_step(wrapped, model, x.chunk(WORLD_SIZE)[rank].to(device),
+                                y.chunk(WORLD_SIZE)[rank].to(device))
+            result = {what: {name: t.cpu() for name, t in tensors.items()} for what, tensors in result.items()}
             torch.save(dict(result, attention=attention, wrapper=type(wrapped).__name__), f"{out_dir}/{kind}-{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -97,15 +117,19 @@ def worker(rank: int, init_file: str, out_dir: str, interpret: bool) -> None:
     os._exit(0)
 
 
-def test_one_step_matches_single_process(tmp_path):
+def run_and_compare(tmp_path, device_type: str) -> None:
     """DDP and FSDP2 (one pair of processes for both, to start them once): every attention
     module inside the wrapper is patched, and each process's gradients and updated weights
-    are those of one process on the whole batch."""
-    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path), config.INTERPRET), nprocs=WORLD_SIZE)
+    are those of one process (on GPU 0, for "cuda") on the whole batch."""
+    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path), config.INTERPRET, device_type), nprocs=WORLD_SIZE)
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        exact_float32()
     x, y = global_batch()
-    model = patch_model(tiny_swin(drop_path_rate=0.0))
-    initial_head = model.head.fc.weight.detach().clone()
-    expected = train_step(model, model, x, y)
+    model = patch_model(tiny_swin(drop_path_rate=0.0).to(device))
+    initial_head = model.head.fc.weight.detach().cpu().clone()
+    expected = train_step(model, model, x.to(device), y.to(device))
+    expected = {what: {name: t.cpu() for name, t in tensors.items()} for what, tensors in expected.items()}
     assert not torch.equal(expected["weights"]["head.fc.weight"], initial_head)  # the step did something
     for kind, (wrapper, prefix) in WRAPPERS.items():
         for rank in range(WORLD_SIZE):
@@ -121,6 +145,17 @@ def test_one_step_matches_single_process(tmp_path):
                     torch.testing.assert_close(result[what][name], value, rtol=1e-4,
                                                atol=1e-6 * max(1.0, value.abs().max().item()),
                                                msg=lambda m: f"{kind} rank {rank} {what} {name}: {m}")
+
+
+def test_one_step_matches_single_process(tmp_path):
+    run_and_compare(tmp_path, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_one_step_on_two_gpus_matches_one_gpu(tmp_path):
+    """The same under NCCL, one GPU per process, with the compiled kernels."""
+    run_and_compare(tmp_path, "cuda")
 
 
 # ------------------------------------------------------------------------------- example
