@@ -104,8 +104,9 @@ def relative_position_index(n: int, device) -> torch.Tensor:
 
 
 def dense_bias(table, n):
-    """timm's gather of the (H, N, N) bias from the table ((2W-1)^2, H), every call."""
-    return table[relative_position_index(n, table.device)].view(n, n, -1).permute(2, 0, 1)
+    """timm's gather of the (H, N, N) bias from the table ((2W-1)^2, H), every call, made
+    contiguous as timm's ``_get_rel_pos_bias`` does."""
+    return table[relative_position_index(n, table.device)].view(n, n, -1).permute(2, 0, 1).contiguous()
 
 
 def eager_math(qkv, table, mask, logit_scale, heads, scale):

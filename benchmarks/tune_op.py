@@ -88,7 +88,7 @@ def main() -> None:
         cosine = kind == "cosine"
         inp = make_inputs(SHAPES[shape_name], cosine)
         qkv, mask = inp["qkv"].detach(), inp["mask"]
-        bias = dense_bias(inp["bias"].detach(), n).contiguous()  # as the adapters pass it
+        bias = dense_bias(inp["bias"].detach(), n)  # as the adapters pass it
         config.MASK_REGIONS = "mask" not in args.dense
         bias = None if "bias" in args.without else bias
         mask = None if "mask" in args.without else mask
