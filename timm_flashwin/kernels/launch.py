@@ -89,18 +89,19 @@ def attention_forward(
     ``softmax_stats_shape``). ``seed``: a one-element int64 tensor, with dropout_p > 0."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
+    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine)
+    # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
+    mask_regions = config.MASK_REGIONS and mask is not None and n > tiles.block_n  # key blocks are streamed
+    regions, mask_info = mask_structure(mask) if mask_regions else (qkv, qkv)
     out = qkv.new_empty((num_windows, n, num_heads * head_dim))
     stats = qkv.new_empty(softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine),
                           dtype=torch.float32)
-    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine)
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
     m_blocks = -(-n // tiles.block_m)
     chunks, per_chunk = config.split_windows(
         per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
-    mask_regions = config.MASK_REGIONS and mask is not None and n > tiles.block_n  # key blocks are streamed
-    regions, mask_info = mask_structure(mask) if mask_regions else (qkv, qkv)
     wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
         qkv, out, stats, bias_ptr, mask_ptr, regions, mask_info, head_scale if head_scale is not None else qkv,
         seed if dropout_p > 0 else qkv,
@@ -138,8 +139,11 @@ def attention_backward(
     are empty when not asked for."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
-    dqkv = qkv.new_empty(qkv.shape)
     tiles = config.backward_config(n, head_dim, qkv.dtype, cosine)
+    # the multi-block kernels' mask regions, before the gradients are allocated (see forward)
+    mask_regions = config.MASK_REGIONS and mask is not None and not tiles.single_tile(n)
+    regions, mask_info = mask_structure(mask) if mask_regions else (qkv, qkv)
+    dqkv = qkv.new_empty(qkv.shape)
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
@@ -167,8 +171,7 @@ def attention_backward(
     m_blocks = -(-n // tiles.block_m)
     n_blocks = -(-n // tiles.block_n)
     blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d)
-    flags["MASK_REGIONS"] = config.MASK_REGIONS and mask is not None
-    regions, mask_info = mask_structure(mask) if flags["MASK_REGIONS"] else (qkv, qkv)
+    flags["MASK_REGIONS"] = mask_regions
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     delta = qkv.new_empty((num_windows, num_heads, n), dtype=torch.float32)
     wrap_triton(window_attention_bwd_delta_kernel)[(num_windows * num_heads * m_blocks,)](
