@@ -48,7 +48,7 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     the kernels that stream key blocks compute it from (nW, N) region ids instead of
     reading 4 * N * N bytes per window, head and query block. Measured on an H200
     (window 24, bf16, tune_op.py --dense mask, 2026-11-22): the multi-block backward
-    1.11x faster (1741 -> 1572 us), the forward the same (700 -> 719 us), this check
+    1.11x faster (1741 -> 1572 us), the forward 1.03x slower (700 -> 719 us), this check
     included.
 
     Returns regions (nW, N) int32 (region_i = the first j with M[w, i, j] == 0) and info
