@@ -82,6 +82,7 @@ def main() -> None:
                         help="ablation: read the mask densely, without region ids (kernels/config.MASK_REGIONS)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    config.MASK_REGIONS = "mask" not in args.dense
     results = []
     for shape_name, kind, which in itertools.product(args.shapes, args.kinds, args.passes):
         windows, heads, n, head_dim, _ = SHAPES[shape_name]
@@ -89,7 +90,6 @@ def main() -> None:
         inp = make_inputs(SHAPES[shape_name], cosine)
         qkv, mask = inp["qkv"].detach(), inp["mask"]
         bias = dense_bias(inp["bias"].detach(), n)  # as the adapters pass it
-        config.MASK_REGIONS = "mask" not in args.dense
         bias = None if "bias" in args.without else bias
         mask = None if "mask" in args.without else mask
         head_scale = torch.clamp(inp["logit_scale"].detach(), max=LOGIT_SCALE_MAX).exp() if cosine else None

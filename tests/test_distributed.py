@@ -66,6 +66,11 @@ def train_step(model: nn.Module, parameters_of: nn.Module, x: torch.Tensor, y: t
     return dict(grads=grads, weights=weights)
 
 
+def on_cpu(result: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """train_step's result with every tensor copied to the CPU, to save and compare."""
+    return {what: {name: t.cpu() for name, t in tensors.items()} for what, tensors in result.items()}
+
+
 def wrap(model: nn.Module, kind: str, device_type: str) -> nn.Module:
     """DDP around the model, patched through the wrapper; or FSDP2 on a patched model:
     every transformer block sharded on its own, then the root, over a mesh of the
@@ -107,7 +112,7 @@ def worker(rank: int, init_file: str, out_dir: str, interpret: bool, device_type
                          for status in patch_report(wrapped).modules]
             result = train_step(wrapped, model, x.chunk(WORLD_SIZE)[rank].to(device),
                                 y.chunk(WORLD_SIZE)[rank].to(device))
-            result = {what: {name: t.cpu() for name, t in tensors.items()} for what, tensors in result.items()}
+            result = on_cpu(result)
             torch.save(dict(result, attention=attention, wrapper=type(wrapped).__name__), f"{out_dir}/{kind}-{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -129,7 +134,7 @@ def run_and_compare(tmp_path, device_type: str) -> None:
     model = patch_model(tiny_swin(drop_path_rate=0.0).to(device))
     initial_head = model.head.fc.weight.detach().cpu().clone()
     expected = train_step(model, model, x.to(device), y.to(device))
-    expected = {what: {name: t.cpu() for name, t in tensors.items()} for what, tensors in expected.items()}
+    expected = on_cpu(expected)
     assert not torch.equal(expected["weights"]["head.fc.weight"], initial_head)  # the step did something
     for kind, (wrapper, prefix) in WRAPPERS.items():
         for rank in range(WORLD_SIZE):
