@@ -26,8 +26,8 @@ Neither path uses atomics: the gradients are bit-for-bit reproducible.
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_mask_regions, load_qk, load_rows, mma,
-                    normalize_backward, scores, store_rows)
+from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
+                    load_qk, load_rows, mma, normalize_backward, scores, store_rows)
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def window_attention_bwd_fused_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    bias_mask = load_bias_mask(bias_ptr, mask_ptr, bias_ptr, False, 0.0, h, w, idx, idx,
+    bias_mask = load_bias_mask(bias_ptr, mask_ptr, bias_ptr, 0.0, h, w, idx, idx,
                                stride_bias_h, stride_bias_i, stride_bias_j,
                                stride_mask_w, stride_mask_i, stride_mask_j,
                                N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N, False)
@@ -223,10 +223,10 @@ def window_attention_bwd_dkdv_kernel(
         q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
         row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
-        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
-                                   stride_bias_h, stride_bias_i, stride_bias_j,
-                                   stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
+        bias_mask = load_bias_mask_either(
+            bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols, stride_bias_h,
+            stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, HAS_BIAS, HAS_MASK,
+            BLOCK_M, BLOCK_N)
         p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
                                                 bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                 COSINE, FP32_DOT, False, HAS_DROPOUT)
@@ -290,10 +290,10 @@ def window_attention_bwd_dq_kernel(
         cols = start_n + tl.arange(0, BLOCK_N)
         k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
-        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
-                                   stride_bias_h, stride_bias_i, stride_bias_j,
-                                   stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
+        bias_mask = load_bias_mask_either(
+            bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols, stride_bias_h,
+            stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, HAS_BIAS, HAS_MASK,
+            BLOCK_M, BLOCK_N)
         p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
                                                 bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                 COSINE, FP32_DOT, False, HAS_DROPOUT)
@@ -349,10 +349,10 @@ def window_attention_bwd_dbias_kernel(
     logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
-    bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
-                               stride_bias_h, stride_bias_i, stride_bias_j,
-                               stride_mask_w, stride_mask_i, stride_mask_j,
-                               N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
+    bias_mask = load_bias_mask_either(
+        bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols, stride_bias_h,
+        stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, HAS_BIAS, HAS_MASK, BLOCK_M,
+        BLOCK_N)
     dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for window in range(first, last):
         b = (w + window * num_periods).to(tl.int64)

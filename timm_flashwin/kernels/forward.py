@@ -37,7 +37,6 @@ def window_attention_fwd_kernel(
     the rounding of lse (~1e-5 relative in P at logits ~100), which the cancelling sum
     of the logit-scale gradient amplifies."""
     NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
-    SINGLE_KEY_BLOCK: tl.constexpr = N <= BLOCK_N
 
     pid = tl.program_id(0)
     m_block = pid % NUM_M_BLOCKS
@@ -54,11 +53,44 @@ def window_attention_fwd_kernel(
     logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
+    # One uniform branch around all the loops rather than one per key block (see
+    # load_bias_mask): each side is compiled and pipelined as if the mask's kind were known
+    # at compile time. Measured on an H200, window 24, V1: 716 -> 638 us.
+    if mask_structured:
+        forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, logit_scale2,
+                        dropout_p, h, w, first, last, rows, cols, dims,
+                        stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
+                        stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                        num_periods, windows_per_period,
+                        H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
+                        HAS_DROPOUT, True)
+    else:
+        forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, logit_scale2,
+                        dropout_p, h, w, first, last, rows, cols, dims,
+                        stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
+                        stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                        num_periods, windows_per_period,
+                        H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
+                        HAS_DROPOUT, False)
+
+
+@triton.jit
+def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, logit_scale2,
+                    dropout_p, h, w, first, last, rows, cols, dims,
+                    stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
+                    stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                    num_periods, windows_per_period,
+                    H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+                    STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_REGIONS: tl.constexpr):
+    """The forward of one program's query block over its run of windows."""
+    SINGLE_KEY_BLOCK: tl.constexpr = N <= BLOCK_N
     if SINGLE_KEY_BLOCK:
-        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
+        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
 
     for window in range(first, last):
         b = (w + window * num_periods).to(tl.int64)
@@ -75,10 +107,10 @@ def window_attention_fwd_kernel(
             k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
             v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if not SINGLE_KEY_BLOCK:
-                bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w,
+                bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w,
                                            rows, key_rows, stride_bias_h, stride_bias_i, stride_bias_j,
                                            stride_mask_w, stride_mask_i, stride_mask_j,
-                                           N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, MASK_REGIONS)
+                                           N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
             raw = scores(q_hat, q_lowp, k_hat, k_lowp, COSINE, FP32_DOT)
             logits = raw * logit_scale2 + bias_mask
             # Online softmax. A row whose logits so far are all -inf keeps m = -inf; it is
