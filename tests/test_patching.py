@@ -417,6 +417,50 @@ def test_compiles_whole_model_without_graph_break():
         assert torch.equal(out, model(x))
 
 
+
+def test_why_not_wrapt():
+    """Why patching swaps classes instead of wrapping timm's forward with wrapt (as first
+    designed): a module whose class forward is a wrapt wrapper, called from its parent,
+    runs the wrapper in eager mode but not under torch.compile, where dynamo calls the
+    wrapped function instead, silently. The same module patched by a subclass whose
+    forward is a plain method is traced as written. If the wrapt half of this test ever
+    fails, dynamo has started calling wrapt wrappers and wrapt could be reconsidered."""
+    wrapt = pytest.importorskip("wrapt")
+
+    class Attention(nn.Module):
+        def forward(self, x):
+            return x.softmax(-1)
+
+    def route(wrapped, instance, args, kwargs):  # what a wrapt-based patch would do
+        return torch.sigmoid(args[0])
+
+    class WraptPatched(Attention):
+        forward = wrapt.FunctionWrapper(Attention.forward, route)
+
+    class SubclassPatched(Attention):
+        def forward(self, x):
+            return torch.sigmoid(x)
+
+    class Parent(nn.Module):
+        def __init__(self, patched_class):
+            super().__init__()
+            self.attn = Attention()
+            self.attn.__class__ = patched_class
+
+        def forward(self, x):
+            return self.attn(x) * 2
+
+    x = torch.randn(3, 5)
+    for patched_class, dynamo_runs_the_patch in ((WraptPatched, False), (SubclassPatched, True)):
+        torch._dynamo.reset()
+        graphs = []
+        model = Parent(patched_class)
+        compiled = torch.compile(model, fullgraph=True, backend=recording_backend(graphs))(x)
+        torch.testing.assert_close(model(x), torch.sigmoid(x) * 2)  # eager runs the patch either way
+        assert any("sigmoid" in t for t in graphs[0]) == dynamo_runs_the_patch, (patched_class.__name__, graphs)
+        expected = torch.sigmoid(x) if dynamo_runs_the_patch else x.softmax(-1)
+        torch.testing.assert_close(compiled, expected * 2)
+
 # ------------------------------------------------------------------------ GPU only
 GPU_MODELS = ["swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_224",
               "swinv2_base_window12to16_192to256"]

@@ -8,13 +8,16 @@ The subclass adds no state: it survives ``copy.deepcopy``,
 round trips, adds no parameter or buffer, shows in ``repr``, and unpatching (restoring
 timm's class) restores timm's forward exactly.
 
-Why not a wrapt wrapper on timm's ``forward`` (the first design): torch.compile does
-not call it. wrapt's proxy forwards ``__func__``/``__wrapped__`` to the wrapped function
-and dynamo inlines that, timm's forward, directly. Measured on torch 2.15: the compiled
-"patched" model's graph held timm's softmax and no timm_flashwin op, with 0 graph
-breaks. A plain method on a subclass is what dynamo traces, and because dynamo guards
-on module types, a patched and an unpatched copy of one model never share a graph
-(with an instance attribute as the mark, they did).
+Why not a wrapt wrapper on timm's ``forward`` (the first design, and what the design
+card asked for): torch.compile does not call it. When a module is called by its parent,
+as every attention module in a model is, dynamo calls the function a wrapt wrapper wraps
+(timm's forward), not the wrapper, and compiles timm's attention with no graph break and no
+error; eager mode runs the wrapper. Seen on torch 2.14.1 with wrapt 2.1.2 and on torch 2.11
+(the compiled "patched" model's graph held timm's softmax and no timm_flashwin op);
+``tests/test_patching.py::test_why_not_wrapt`` checks it on whatever versions run the tests.
+A plain method on a subclass is what dynamo traces, and because dynamo guards on module
+types, a patched and an unpatched copy of one model never share a graph (with an instance
+attribute as the mark, they did).
 """
 from __future__ import annotations
 
