@@ -80,6 +80,8 @@ def main() -> None:
                         help="ablation: leave these inputs out, to see what they cost")
     parser.add_argument("--dense", nargs="*", default=[], choices=["mask"],
                         help="ablation: read the mask densely, without region ids (kernels/config.MASK_REGIONS)")
+    parser.add_argument("--bias-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of the dense bias the kernels read (timm's modules give float32 under autocast)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config.MASK_REGIONS = "mask" not in args.dense
@@ -89,7 +91,7 @@ def main() -> None:
         cosine = kind == "cosine"
         inp = make_inputs(SHAPES[shape_name], cosine)
         qkv, mask = inp["qkv"].detach(), inp["mask"]
-        bias = dense_bias(inp["bias"].detach(), n)  # as the adapters pass it
+        bias = dense_bias(inp["bias"].detach(), n).to(getattr(torch, args.bias_dtype))  # as the adapters pass it
         bias = None if "bias" in args.without else bias
         mask = None if "mask" in args.without else mask
         head_scale = torch.clamp(inp["logit_scale"].detach(), max=LOGIT_SCALE_MAX).exp() if cosine else None
@@ -120,7 +122,7 @@ def main() -> None:
                 config.OVERRIDES.pop(key, None)
             info = _stats(kernels, before)
             row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=cfg == base,
-                       without=args.without, dense=args.dense, **cfg.__dict__)
+                       without=args.without, dense=args.dense, bias_dtype=args.bias_dtype, **cfg.__dict__)
             results.append(row)
             mark = "*" if cfg == base else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
