@@ -35,7 +35,7 @@ def plot(path: str) -> None:
         ax.set_title(f"window attention {title}, bf16, {meta['device']}, torch {meta['torch']} ({meta['date']})")
         ax.legend(ncol=6, fontsize=8)
         fig.tight_layout()
-        out = os.path.join(os.path.dirname(path), f"op_{key.replace('_us', '')}.png")
+        out = f"{os.path.splitext(path)[0]}_{key.replace('_us', '')}.png"  # next to the JSON, named after it
         fig.savefig(out, dpi=110)
         print(out)
 
