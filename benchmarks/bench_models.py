@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--modes", nargs="*", default=["infer", "train"], choices=["infer", "train"])
     parser.add_argument("--compile", action="store_true", help="torch.compile both sides")
+    parser.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune"],
+                        help="torch.compile's mode, with --compile (reduce-overhead: CUDA graphs)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=None)
@@ -39,7 +41,7 @@ def main() -> None:
         for mode in args.modes:
             batch = MODELS[name][mode == "train"]
             r = benchmark_model(name, batch=batch, dtype="bfloat16", train=mode == "train", compile=args.compile,
-                                warmup=args.warmup, repeats=args.repeats)
+                                compile_mode=args.compile_mode, warmup=args.warmup, repeats=args.repeats)
             results.append(r.to_dict())
             runs = "  ".join(f"{x.variant}: {x.images_per_s:8.1f} img/s {x.peak_mib:7.0f} MiB (first {x.first_iter_s:.1f}s)"
                              for x in r.runs)
