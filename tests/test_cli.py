@@ -18,8 +18,7 @@ def run_cli(capsys, *args):
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("name,size,extra", [
-    ("swin_tiny_patch4_window7_224", "56", ["--train"]),
+@pytest.mark.parametrize("name,size,extra", [  # swin_tiny: test_verify_json
     ("swinv2_tiny_window8_256", "64", ["--train"]),
     ("swinv2_cr_tiny_224", "128", ["--batch", "1"]),  # 4x4 windows; timm 1.0.29 cannot run it at 112
 ])
@@ -33,6 +32,7 @@ def test_verify_passes(capsys, name, size, extra):
 
 
 def test_verify_json(capsys):
+    """Also the passing verify of Swin V1 (the human-readable report: test_verify_passes)."""
     code, out, _ = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--train", "--json")
     result = json.loads(out)
     assert code == 0 and result["passed"] is True
