@@ -97,6 +97,14 @@ def test_cuda_asked_but_absent(capsys):
 def test_bench_on_cpu_exits_2(capsys):
     code, _, err = run_cli(capsys, "bench", "swin_tiny_patch4_window7_224")
     assert code == 2 and "needs a CUDA GPU" in err
+    code, _, err = run_cli(capsys, "bench", "swin_tiny_patch4_window7_224", "--compile-mode", "reduce-overhead")
+    assert code == 2 and "needs a CUDA GPU" in err  # the option parses (argparse errors exit 2 too)
+
+
+def test_bench_compile_mode_needs_compile():
+    from timm_flashwin.bench import UsageError, benchmark_model
+    with pytest.raises(UsageError, match="compile_mode='reduce-overhead' needs compile=True"):
+        benchmark_model("swin_tiny_patch4_window7_224", compile_mode="reduce-overhead")
 
 
 def test_hub_weights_unreachable_offline():

@@ -110,10 +110,12 @@ def benchmark_model(
 
     compile_mode: torch.compile's ``mode`` (e.g. "reduce-overhead": CUDA graphs, for steps
     whose kernel launches outlast the GPU work), with ``compile``."""
-    if not torch.cuda.is_available():
-        raise UsageError("bench needs a CUDA GPU; none is available")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if compile_mode is not None and not compile:
+        raise UsageError(f"compile_mode={compile_mode!r} needs compile=True")
+    if not torch.cuda.is_available():
+        raise UsageError("bench needs a CUDA GPU; none is available")
     torch_dtype = DTYPES[dtype]
     base = build_model(name, img_size=img_size)
     cfg = getattr(base, "pretrained_cfg", {}) or {}

@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--img-size", type=_img_size, default=None)
     b.add_argument("--train", action="store_true", help="AMP training steps instead of inference")
     b.add_argument("--compile", action="store_true", help="torch.compile both sides")
+    b.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune"], default=None,
+                   help="torch.compile both sides with this mode (implies --compile); reduce-overhead uses "
+                        "CUDA graphs, for training steps bound by kernel launches")
     b.add_argument("--warmup", type=int, default=10)
     b.add_argument("--repeats", type=int, default=30)
     b.add_argument("--json", action="store_true")
@@ -151,7 +154,8 @@ def _bench(args) -> int:
             progress.update(tasks[variant], completed=done)
 
         result = benchmark_model(args.name, batch=args.batch, dtype=args.dtype, train=args.train,
-                                 compile=args.compile, img_size=args.img_size, warmup=args.warmup,
+                                 compile=args.compile or args.compile_mode is not None,
+                                 compile_mode=args.compile_mode, img_size=args.img_size, warmup=args.warmup,
                                  repeats=args.repeats, progress=report)
     if args.json:
         print(json.dumps(result.to_dict()))
