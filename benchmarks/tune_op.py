@@ -101,7 +101,7 @@ def main() -> None:
         kernels = [fwd_kernels.window_attention_fwd_kernel] if which == "fwd" else [
             bwd_kernels.window_attention_bwd_fused_kernel, bwd_kernels.window_attention_bwd_dkdv_kernel,
             bwd_kernels.window_attention_bwd_dq_kernel, bwd_kernels.window_attention_bwd_dbias_kernel]
-        out, stats = attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)
+        out, stats, regions, mask_info = attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)
         best = None
         for cfg in [base] if args.only_default else candidates(n, head_dim, base, which, args.quick):
             config.OVERRIDES[key] = cfg
@@ -110,8 +110,9 @@ def main() -> None:
                 if which == "fwd":
                     fn = lambda: attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)  # noqa
                 else:
-                    fn = lambda: attention_backward(inp["grad"], qkv, out, stats, bias, mask, head_scale,  # noqa
-                                                    heads, inp["scale"], cosine, bias is not None, cosine)
+                    fn = lambda: attention_backward(inp["grad"], qkv, out, stats, regions, mask_info,  # noqa
+                                                    bias, mask, head_scale, heads, inp["scale"], cosine,
+                                                    bias is not None, cosine)
                 fn()
                 torch.cuda.synchronize()
                 us = 1e3 * do_bench_cudagraph(fn, rep=50, return_mode="median")

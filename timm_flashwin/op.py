@@ -14,7 +14,8 @@ from typing import Optional, Tuple
 import torch
 
 from .kernels import config
-from .kernels.launch import attention_backward, attention_forward, softmax_stats_shape
+from .kernels.launch import (attention_backward, attention_forward, mask_regions_shapes, mask_regions_used,
+                             softmax_stats_shape)
 from .reference import LOGIT_SCALE_MAX, window_attention_reference
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -32,7 +33,7 @@ def _forward_impl(
     cosine: bool,
     dropout_p: float,
     seed: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_forward(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed)
 
 
@@ -41,6 +42,8 @@ def _backward_impl(
     qkv: torch.Tensor,
     out: torch.Tensor,
     stats: torch.Tensor,
+    regions: torch.Tensor,
+    mask_info: torch.Tensor,
     bias: Optional[torch.Tensor],
     mask: Optional[torch.Tensor],
     head_scale: Optional[torch.Tensor],
@@ -52,19 +55,23 @@ def _backward_impl(
     dropout_p: float,
     seed: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_backward(grad_out, qkv, out, stats, bias, mask, head_scale, num_heads, scale, cosine,
+    return attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, num_heads, scale, cosine,
                               bias_grad, scale_grad, dropout_p, seed)
 
 
 def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed):
     num_windows, n, channels = qkv.shape
+    head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
-    stats_shape = softmax_stats_shape(num_windows, num_heads, n, channels // (3 * num_heads), qkv.dtype, cosine)
-    return out, qkv.new_empty(stats_shape, dtype=torch.float32)
+    stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine)
+    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask is not None)
+    regions_shape, info_shape = mask_regions_shapes(mask.shape[0] if mask is not None else 1, n, used)
+    return (out, qkv.new_empty(stats_shape, dtype=torch.float32), qkv.new_empty(regions_shape, dtype=torch.int32),
+            qkv.new_empty(info_shape, dtype=torch.float32))
 
 
-def _backward_fake(grad_out, qkv, out, stats, bias, mask, head_scale, num_heads, scale, cosine, bias_grad, scale_grad,
-                   dropout_p, seed):
+def _backward_fake(grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, num_heads, scale, cosine,
+                   bias_grad, scale_grad, dropout_p, seed):
     n = qkv.shape[1]
     dbias = qkv.new_empty((num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
     dscale = qkv.new_empty((num_heads,) if scale_grad and cosine else (0,), dtype=torch.float32)
@@ -89,18 +96,18 @@ window_attention_bwd = _register("window_attention_bwd", _backward_impl, _backwa
 
 def _setup_context(ctx, inputs, output):
     qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed = inputs
-    out, stats = output
-    ctx.mark_non_differentiable(stats)
-    ctx.save_for_backward(qkv, out, stats, bias, mask, head_scale, seed)
+    out, stats, regions, mask_info = output
+    ctx.mark_non_differentiable(stats, regions, mask_info)
+    ctx.save_for_backward(qkv, out, stats, regions, mask_info, bias, mask, head_scale, seed)
     ctx.num_heads, ctx.scale, ctx.cosine, ctx.dropout_p = num_heads, scale, cosine, dropout_p
 
 
-def _backward(ctx, grad_out, _grad_stats):
-    qkv, out, stats, bias, mask, head_scale, seed = ctx.saved_tensors
+def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
+    qkv, out, stats, regions, mask_info, bias, mask, head_scale, seed = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[2]
     scale_grad = head_scale is not None and ctx.needs_input_grad[4]
     dqkv, dbias, dscale = window_attention_bwd(
-        grad_out, qkv, out, stats, bias, mask, head_scale, ctx.num_heads, ctx.scale, ctx.cosine,
+        grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, ctx.num_heads, ctx.scale, ctx.cosine,
         bias_grad, scale_grad, ctx.dropout_p, seed)
     return (
         dqkv,
@@ -242,7 +249,7 @@ def window_attention(
         head_scale = torch.clamp(logit_scale.reshape(num_heads), max=LOGIT_SCALE_MAX).exp()
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed(qkv.device) if dropout_p > 0 else None
-    out, _ = window_attention_fwd(qkv, num_heads, bias, mask, head_scale,
-                                  float(scale) if scale is not None else 1.0, logit_scale is not None,
-                                  dropout_p, seed)
+    out = window_attention_fwd(qkv, num_heads, bias, mask, head_scale,
+                               float(scale) if scale is not None else 1.0, logit_scale is not None,
+                               dropout_p, seed)[0]
     return out

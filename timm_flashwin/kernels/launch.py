@@ -53,16 +53,33 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     region ids takes 635 us and reading the dense mask 843 us (same run, H200, V1).
 
     Returns regions (nW, N) int32 (region_i = the first j with M[w, i, j] == 0) and info
-    (2,) fp32: [1.0 if the mask is exactly that structure else 0.0, value]. Checked on
-    the device, with no host synchronization: the kernels read ``info`` and fall back to
-    the dense mask where it says 0 (any other float mask, NaN, -inf rows, ...).
+    (2,) fp32: [1.0 if the mask is exactly that structure else 0.0, value], where value is
+    the mask's minimum. "Exactly": the kernels' formula, where(same region, 0, value),
+    reproduces every element (NaN never does). Checked on the device, with no host
+    synchronization: the kernels read ``info`` and fall back to the dense mask where it
+    says 0 (any other float mask, NaN, rows without a zero, ...). The forward computes it
+    once for both passes (``mask_regions_used``).
     """
-    zero = mask == 0
-    regions = zero.to(torch.uint8).argmax(-1).to(torch.int32)
+    regions = (mask == 0).to(torch.uint8).argmax(-1).to(torch.int32)
     value = mask.amin()
     same = regions[:, :, None] == regions[:, None, :]
-    exact = torch.logical_and((zero == same).all(), (torch.where(same, value, mask) == value).all())
+    exact = (mask == torch.where(same, 0.0, value)).all()
     return regions, torch.stack((exact.to(torch.float32), value.to(torch.float32)))
+
+
+def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, has_mask: bool) -> bool:
+    """Whether a kernel of either pass streams key blocks over a mask, and so uses its
+    region ids (``mask_structure``), which the forward then computes for both passes."""
+    if not (config.MASK_REGIONS and has_mask):
+        return False
+    return (n > config.forward_config(n, head_dim, dtype, cosine).block_n
+            or not config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
+
+
+def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Shapes of the forward's region ids and mask info outputs: (nW, N) and (2,), or
+    empty where no kernel uses them."""
+    return ((num_periods, n), (2,)) if used else ((0,), (0,))
 
 
 def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
@@ -85,15 +102,22 @@ def attention_forward(
     cosine: bool,
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (B_, N, H*D) in qkv's dtype and the softmax statistics (fp32,
-    ``softmax_stats_shape``). ``seed``: a one-element int64 tensor, with dropout_p > 0."""
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns out (B_, N, H*D) in qkv's dtype, the softmax statistics (fp32,
+    ``softmax_stats_shape``) and the mask's region ids and info (``mask_structure``;
+    empty where unused), which the backward takes back. ``seed``: a one-element int64
+    tensor, with dropout_p > 0."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     tiles = config.forward_config(n, head_dim, qkv.dtype, cosine)
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
-    mask_regions = config.MASK_REGIONS and mask is not None and n > tiles.block_n  # key blocks are streamed
-    regions, mask_info = mask_structure(mask) if mask_regions else (qkv, qkv)
+    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask is not None)
+    if used:
+        regions, mask_info = mask_structure(mask)
+    else:
+        regions = qkv.new_empty((0,), dtype=torch.int32)
+        mask_info = qkv.new_empty((0,), dtype=torch.float32)
+    mask_regions = used and n > tiles.block_n  # this kernel streams key blocks
     out = qkv.new_empty((num_windows, n, num_heads * head_dim))
     stats = qkv.new_empty(softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine),
                           dtype=torch.float32)
@@ -104,7 +128,8 @@ def attention_forward(
         per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
     wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
-        qkv, out, stats, bias_ptr, mask_ptr, regions, mask_info, head_scale if head_scale is not None else qkv,
+        qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
+        head_scale if head_scale is not None else qkv,
         seed if dropout_p > 0 else qkv,
         scale, dropout_p,
         *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
@@ -116,7 +141,7 @@ def attention_forward(
         MASK_REGIONS=mask_regions,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return out, stats
+    return out, stats, regions, mask_info
 
 
 def attention_backward(
@@ -124,6 +149,8 @@ def attention_backward(
     qkv: torch.Tensor,
     out: torch.Tensor,
     stats: torch.Tensor,
+    regions: torch.Tensor,
+    mask_info: torch.Tensor,
     bias: Optional[torch.Tensor],
     mask: Optional[torch.Tensor],
     head_scale: Optional[torch.Tensor],
@@ -135,15 +162,16 @@ def attention_backward(
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Regenerates the forward's dropout from the same ``seed``. Returns dqkv (qkv's
-    shape, contiguous), dbias (H, N, N) fp32 and d(head_scale) (H,) fp32; the last two
-    are empty when not asked for."""
+    """Takes the forward's out, stats, regions and mask_info; regenerates the forward's
+    dropout from the same ``seed``. Returns dqkv (qkv's shape, contiguous), dbias (H, N, N)
+    fp32 and d(head_scale) (H,) fp32; the last two are empty when not asked for."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     tiles = config.backward_config(n, head_dim, qkv.dtype, cosine)
-    # the multi-block kernels' mask regions, before the gradients are allocated (see forward)
-    mask_regions = config.MASK_REGIONS and mask is not None and not tiles.single_tile(n)
-    regions, mask_info = mask_structure(mask) if mask_regions else (qkv, qkv)
+    # region ids computed by the forward, for the kernels that stream key blocks
+    mask_regions = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask is not None) and not tiles.single_tile(n)
+    if not mask_regions:
+        regions, mask_info = qkv, qkv
     dqkv = qkv.new_empty(qkv.shape)
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
