@@ -20,3 +20,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+
+
+def _patch_the_language_once_per_launch() -> None:
+    """Under the interpreter, triton re-patches triton.language (inspect.getmembers over
+    the module, about 2 ms) on every call of a @triton.jit helper inside a kernel, though
+    the launch already patched the same module objects: a quarter of the time of a
+    multi-block test (cProfile, triton 3.8). Inside a launch, a helper whose language
+    modules (triton.language, triton.language.core for triton's own helpers) are already
+    patched gets an empty patch scope. Where triton's interpreter lacks these names,
+    nothing is changed."""
+    from triton.runtime import interpreter
+
+    needed = ("_patch_lang", "_LangPatchScope", "GridExecutor")
+    if not all(hasattr(interpreter, name) for name in needed):
+        return
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    language = (interpreter.tl, interpreter.tl.core)
+    state = {"launches": 0, "patched": set()}
+
+    def patch_lang_once(fn):
+        modules = {id(value) for value in fn.__globals__.values() if any(value is lang for lang in language)}
+        if state["launches"] and modules <= state["patched"]:
+            return interpreter._LangPatchScope()  # nothing patched, nothing to restore
+        scope = patch_lang(fn)
+        if state["launches"]:
+            state["patched"] |= modules
+        return scope
+
+    def launch_and_forget(self, *args, **kwargs):
+        state["launches"] += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state["launches"] -= 1
+            state["patched"] = set()
+
+    interpreter._patch_lang = patch_lang_once
+    interpreter.GridExecutor.__call__ = launch_and_forget
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
