@@ -38,9 +38,13 @@ def _patch_the_language_once_per_launch() -> None:
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     language = (interpreter.tl, interpreter.tl.core)
     state = {"launches": 0, "patched": set()}
+    modules_of = {}  # id(a function's globals) -> ids of the language modules among them
 
     def patch_lang_once(fn):
-        modules = {id(value) for value in fn.__globals__.values() if any(value is lang for lang in language)}
+        key = id(fn.__globals__)
+        if key not in modules_of:
+            modules_of[key] = {id(v) for v in fn.__globals__.values() if any(v is lang for lang in language)}
+        modules = modules_of[key]
         if state["launches"] and modules <= state["patched"]:
             return interpreter._LangPatchScope()  # nothing patched, nothing to restore
         scope = patch_lang(fn)

@@ -12,6 +12,7 @@ from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
                      relative_error, shift_mask)
 from timm_flashwin import window_attention
+from timm_flashwin.kernels import config
 from timm_flashwin.op import uses_kernels, window_attention_fwd
 from timm_flashwin.kernels.launch import mask_structure
 from timm_flashwin.reference import LOGIT_SCALE_MAX, window_attention_reference
@@ -94,6 +95,14 @@ def test_many_windows_per_program():
     the bias gradient over them."""
     case = make_case(48, 4, 2, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case), 1e-4)
+
+
+@pytest.mark.parametrize("windows", [1, 5, 6, 7, 64, 1000])
+@pytest.mark.parametrize("parallel", [1, 48, 5000])
+def test_split_windows_puts_every_window_in_one_chunk(windows, parallel):
+    chunks, per_chunk = config.split_windows(windows, parallel, 1056)
+    assert (chunks - 1) * per_chunk < windows <= chunks * per_chunk  # no chunk empty, none missing
+    assert per_chunk >= min(config.MIN_WINDOWS_PER_PROGRAM, windows)
 
 
 def test_strided_qkv_is_read_without_copy():
