@@ -55,8 +55,8 @@ def _backward_impl(
     dropout_p: float,
     seed: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, num_heads, scale, cosine,
-                              bias_grad, scale_grad, dropout_p, seed)
+    return attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, num_heads, scale,
+                              cosine, bias_grad, scale_grad, dropout_p, seed)
 
 
 def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed):
@@ -107,8 +107,8 @@ def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
     bias_grad = bias is not None and ctx.needs_input_grad[2]
     scale_grad = head_scale is not None and ctx.needs_input_grad[4]
     dqkv, dbias, dscale = window_attention_bwd(
-        grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, ctx.num_heads, ctx.scale, ctx.cosine,
-        bias_grad, scale_grad, ctx.dropout_p, seed)
+        grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, ctx.num_heads, ctx.scale,
+        ctx.cosine, bias_grad, scale_grad, ctx.dropout_p, seed)
     return (
         dqkv,
         None,
@@ -249,7 +249,7 @@ def window_attention(
         head_scale = torch.clamp(logit_scale.reshape(num_heads), max=LOGIT_SCALE_MAX).exp()
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed(qkv.device) if dropout_p > 0 else None
-    out = window_attention_fwd(qkv, num_heads, bias, mask, head_scale,
-                               float(scale) if scale is not None else 1.0, logit_scale is not None,
-                               dropout_p, seed)[0]
+    out, _stats, _regions, _mask_info = window_attention_fwd(
+        qkv, num_heads, bias, mask, head_scale, float(scale) if scale is not None else 1.0, logit_scale is not None,
+        dropout_p, seed)
     return out
