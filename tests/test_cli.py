@@ -51,6 +51,37 @@ def test_verify_mismatch_exits_1(capsys, monkeypatch):
     assert code == 1 and json.loads(out)["passed"] is False
 
 
+def test_timm_second_run_moves_every_pixel_one_ulp():
+    """verify runs timm a second time on jittered images; its error is a second draw of
+    timm's rounding noise, and the larger of the two is the one the tolerance uses."""
+    from timm_flashwin.verify import compare, jitter_images, larger_error
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    moved = jitter_images(x)
+    assert torch.equal(jitter_images(x), moved)  # the same images for timm on every run
+    up, down = torch.nextafter(x, torch.full_like(x, 1e9)), torch.nextafter(x, torch.full_like(x, -1e9))
+    assert torch.all((moved == up) | (moved == down)) and (moved == up).any() and (moved == down).any()
+    assert larger_error(1e-5, 3e-5) == 3e-5 and larger_error(3e-5, 1e-5) == 3e-5
+    assert larger_error(1e-5, float("nan")) == 1e-5 and larger_error(1e-5, None) == 1e-5
+    ref = torch.ones(100, dtype=torch.float64)
+    ours, timm_out = ref.float() * (1 + 5e-4), ref.float() * (1 + 1e-4)
+    assert not compare("t", ours, timm_out, ref, 1e-4, 0.0).passed  # 5e-4 > 2 x 1e-4
+    assert compare("t", ours, timm_out, ref, 1e-4, 0.0, timm_again=ref.float() * (1 - 3e-4)).passed
+    assert compare("t", ours, timm_out, ref, 1e-4, 0.0, timm_again=ref.float() * (1 - 3e-4)).err_timm == \
+        pytest.approx(3e-4, rel=1e-3)
+
+
+def test_verify_builds_the_same_model_for_the_same_seed():
+    """A failing verify can be rerun: the random init comes from --seed, and the caller's
+    RNG is left as it was."""
+    from timm_flashwin.verify import build_model
+    state = torch.random.get_rng_state()
+    first, again, other = (build_model("swin_tiny_patch4_window7_224", img_size=56, seed=s).state_dict()
+                           for s in (0, 0, 1))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["layers.0.blocks.0.attn.qkv.weight"], other["layers.0.blocks.0.attn.qkv.weight"])
+
+
 def test_verify_with_checkpoint(capsys, tmp_path):
     model = timm.create_model("swin_tiny_patch4_window7_224", img_size=56)
     path = tmp_path / "weights.pth"

@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--train", action="store_true", help="also compare every parameter's gradient")
     v.add_argument("--checkpoint", default=None, help="local .pth / .safetensors weights")
     v.add_argument("--pretrained", action="store_true", help="timm's hub weights")
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=int, default=0,
+                   help="random init, perturbation, images and dropout: the same seed, the same run")
     v.add_argument("--rtol", type=float, default=None, help="default per dtype (README)")
     v.add_argument("--atol", type=float, default=None, help="default per dtype (README)")
     v.add_argument("--json", action="store_true", help="print one JSON object")

@@ -6,7 +6,8 @@ Every window-attention layer's output (captured with forward hooks, the same ima
 through all three models), the final output (and top-1 agreement) and, with
 ``train=True``, every parameter's gradient are compared. For each quantity:
 
-    err_timm  = ||timm - float64|| / ||float64||       (unpatched, requested dtype)
+    err_timm  = ||timm - float64|| / ||float64||       (unpatched, requested dtype;
+                the larger of two runs, see below)
     err_ours  = ||patched - float64|| / ||float64||
     diff      = ||patched - timm|| / ||timm||
 
@@ -21,6 +22,13 @@ patched/timm ratio on single logit-scale gradients reached 2.5). A tensor whose 
 timm error is 100 % or more (a true value of ~0, such as the gradient of SwinV2-CR's
 meta_mlp output bias, which softmax's shift invariance makes exactly 0) cannot be judged
 at that precision: it is reported as ill-conditioned, not counted.
+
+timm's error on one tensor is one draw of its rounding noise, and the patched model's is
+another: over 12 seeds of the verify test (SwinV2-tiny, float32, 2652 gradients) their
+ratio had a median of 0.95, yet reached 5.3 on single logit-scale gradients, and a CI
+machine whose CPU rounds differently failed one at 5.7x. So timm runs twice, the second
+time on the images moved by one float32 ulp each (``jitter_images``), and err_timm is the
+larger of its two errors: a second draw of the same noise, not a looser factor.
 
 float16 and bfloat16 run under autocast (float32 weights), as in AMP; float16 training
 scales the loss as a GradScaler would (down by 2^8 until timm's own gradients are
@@ -147,11 +155,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def jitter_images(images: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """``images`` with every element moved one ulp up or down at random (its own dtype):
+    the input of timm's second run, whose error is a second draw of timm's rounding noise."""
+    up = torch.rand(images.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+    towards = torch.where(up, math.inf, -math.inf).to(images.device, images.dtype)
+    return torch.nextafter(images, towards)
+
+
+def larger_error(first: float, second: Optional[float]) -> float:
+    """The larger of timm's errors in its two runs; a non-finite second run is not counted."""
+    return second if second is not None and math.isfinite(second) and second > first else first
+
+
 def compare(name: str, ours: torch.Tensor, timm_out: torch.Tensor, ref: torch.Tensor, rtol: float,
-            atol: float, err_floor: float = 0.0, factor: float = 2.0) -> Comparison:
+            atol: float, err_floor: float = 0.0, factor: float = 2.0,
+            timm_again: Optional[torch.Tensor] = None) -> Comparison:
     """err_ours <= max(rtol, factor * err_timm, 2 * err_floor) + atol / rms(ref);
-    ``err_floor``: timm's error on a whole group the tensor belongs to (all gradients)."""
-    err_timm, err_ours = _rel(timm_out, ref), _rel(ours, ref)
+    ``err_floor``: timm's error on a whole group the tensor belongs to (all gradients);
+    ``timm_again``: timm's output from its second run (jittered images), if any; err_timm
+    is then the larger of the two runs' errors."""
+    err_timm = larger_error(_rel(timm_out, ref), None if timm_again is None else _rel(timm_again, ref))
+    err_ours = _rel(ours, ref)
     rms = ref.detach().double().pow(2).mean().sqrt().clamp_min(1e-30).item()
     bound = max(rtol, factor * err_timm, 2 * err_floor) + atol / rms
     ill = bool(err_timm >= 1.0)
@@ -171,7 +196,9 @@ def resolve_device(device: Optional[str]) -> torch.device:
 
 
 def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoint: Optional[str] = None,
-                train: bool = False) -> nn.Module:
+                train: bool = False, seed: int = 0) -> nn.Module:
+    """timm.create_model(name), its random init drawn from ``seed`` (the same seed, the same
+    model: a failure can be rerun) without touching the caller's RNG state."""
     import timm
     if name not in timm.list_models(pretrained=False):
         close = difflib.get_close_matches(name, timm.list_models("swin*"), n=4, cutoff=0.5) or \
@@ -184,7 +211,9 @@ def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoin
     if train:
         kwargs["drop_path_rate"] = 0.0  # stochastic depth would make the two runs differ
     try:
-        model = timm.create_model(name, pretrained=pretrained, **kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = timm.create_model(name, pretrained=pretrained, **kwargs)
     except TypeError as exc:
         raise UsageError(f"{name}: cannot build with {kwargs}: {exc}") from None
     except (OSError, RuntimeError, ValueError) as exc:
@@ -256,7 +285,7 @@ def verify_model(
     dev = resolve_device(device)
     rtol = RTOL[dtype] if rtol is None else rtol
     atol = ATOL[dtype] if atol is None else atol
-    model = build_model(name, img_size=img_size, pretrained=pretrained, checkpoint=checkpoint, train=train)
+    model = build_model(name, img_size=img_size, pretrained=pretrained, checkpoint=checkpoint, train=train, seed=seed)
     if not any(adapter is not None for _, _, adapter, _ in _attention_modules(model)):
         raise UsageError(f"{name} ({type(model).__name__}) has no timm window attention to patch")
     perturbed = not (pretrained or checkpoint)
@@ -275,14 +304,15 @@ def verify_model(
     gen = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, 3, *size, generator=gen).to(dev)
 
-    def run(net: nn.Module, float64: bool, loss_scale: float = 1.0) -> Dict[str, torch.Tensor]:
+    def run(net: nn.Module, float64: bool, loss_scale: float = 1.0, x: torch.Tensor = images
+            ) -> Dict[str, torch.Tensor]:
         captured: Dict[str, torch.Tensor] = {}
         hooks = [module.register_forward_hook(
             lambda mod, args, out, key=mod_name: captured.__setitem__(key, out))
             for mod_name, module, adapter, _ in _attention_modules(net) if adapter is not None]
         try:
             torch.manual_seed(seed)  # same dropout draws in every run (SwinV2-CR's meta_mlp)
-            x = images.double() if float64 else images
+            x = x.double() if float64 else x
             with torch.autocast(dev.type, dtype=DTYPES[dtype], enabled=dtype != "float32" and not float64):
                 out = net(x)
             if train:
@@ -307,6 +337,9 @@ def verify_model(
             loss_scale /= 2 ** 8  # as a GradScaler backs off after an overflow
             timm_model.zero_grad(set_to_none=True)
             timm_out = run(timm_model, False, loss_scale)
+        timm_grads = {n: p.grad.detach().clone() for n, p in timm_model.named_parameters() if p.grad is not None}
+        timm_model.zero_grad(set_to_none=True)
+        timm_again = run(timm_model, False, loss_scale, jitter_images(images, seed))  # module docstring
         our_out = run(ours, False, loss_scale)
 
     settings = dict(img_size=list(size), batch=batch, dtype=dtype, device=str(dev), train=train, seed=seed,
@@ -316,8 +349,10 @@ def verify_model(
     for key in ref_out:
         if key == "<output>":
             continue
-        result.layers.append(compare(key, our_out[key], timm_out[key], ref_out[key], rtol, atol))
-    result.output = compare("<output>", our_out["<output>"], timm_out["<output>"], ref_out["<output>"], rtol, atol)
+        result.layers.append(compare(key, our_out[key], timm_out[key], ref_out[key], rtol, atol,
+                                     timm_again=timm_again[key]))
+    result.output = compare("<output>", our_out["<output>"], timm_out["<output>"], ref_out["<output>"], rtol, atol,
+                            timm_again=timm_again["<output>"])
     top1 = {k: v["<output>"].argmax(-1) for k, v in (("ours", our_out), ("timm", timm_out), ("ref", ref_out))}
     result.top1_agreement = (top1["ours"] == top1["timm"]).float().mean().item()
     result.top1_timm_vs_float64 = (top1["timm"] == top1["ref"]).float().mean().item()
@@ -325,17 +360,19 @@ def verify_model(
     if train:
         grads = [{n: p.grad for n, p in net.named_parameters() if p.grad is not None}
                  for net in (ours, timm_model, reference)]
-        our_grads, timm_grads, ref_grads = grads
+        our_grads, timm_again_grads, ref_grads = grads
+        grads[1] = timm_grads
         if not (our_grads.keys() == timm_grads.keys() == ref_grads.keys()):
             for pname in set().union(*grads) - set.intersection(*(set(g) for g in grads)):
                 result.grads.append(Comparison(pname, math.nan, math.nan, math.nan, math.nan, False))
-        shared = [n for n in ref_grads if n in our_grads and n in timm_grads]
-        floor = group_error({n: timm_grads[n] for n in shared}, {n: ref_grads[n] for n in shared})
+        shared = [n for n in ref_grads if n in our_grads and n in timm_grads and n in timm_again_grads]
+        floor = larger_error(*(group_error({n: g[n] for n in shared}, {n: ref_grads[n] for n in shared})
+                               for g in (timm_grads, timm_again_grads)))
         for pname in shared:
             result.grads.append(compare(pname, our_grads[pname], timm_grads[pname], ref_grads[pname], rtol, atol,
-                                        floor, factor=GRADIENT_FACTOR))
+                                        floor, GRADIENT_FACTOR, timm_again_grads[pname]))
     return result
 
 
-__all__ = ["GRADIENT_FACTOR", "group_error", "Comparison", "RTOL", "ATOL", "UsageError", "VerifyResult", "perturb_", "verify_model",
-           "build_model", "compare"]
+__all__ = ["GRADIENT_FACTOR", "group_error", "jitter_images", "larger_error", "Comparison", "RTOL", "ATOL",
+           "UsageError", "VerifyResult", "perturb_", "verify_model", "build_model", "compare"]
