@@ -185,6 +185,45 @@ def test_opcheck(cosine):
     torch.library.opcheck(window_attention_fwd, args[:-2] + (0.25, seed))
 
 
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_eager_path_equals_the_operator(cosine, monkeypatch):
+    """In eager mode the kernels run through an autograd.Function without the operator
+    dispatch; its outputs and every gradient are bit-equal to the registered operator's,
+    and it leaves no graph for a second backward."""
+    from timm_flashwin import op
+    case = make_case(4, 2, 3, 16, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    ops_called = []
+    real_op = op.window_attention_fwd
+    monkeypatch.setattr(op, "window_attention_fwd", lambda *a: ops_called.append(1) or real_op(*a))
+    eager = forward_backward(window_attention, case)
+    assert not ops_called
+    monkeypatch.setattr(op, "_dispatch_free", lambda qkv: False)
+    dispatched = forward_backward(window_attention, case)
+    assert ops_called
+    assert all(torch.equal(a, b) for a, b in zip(eager, dispatched))
+    qkv = case.qkv.detach().requires_grad_()
+    monkeypatch.undo()
+    out = window_attention(qkv, 3, **case.kwargs())
+    (grad,) = torch.autograd.grad(out.square().sum(), qkv, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()
+
+
+def test_fake_tensors_take_the_operator():
+    """Under FakeTensorMode (shape propagation, memory estimates) the registered
+    operator's fake implementation answers; no kernel runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from timm_flashwin.op import _dispatch_free
+    case = make_case(4, 2, 3, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    assert _dispatch_free(case.qkv)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        qkv = mode.from_tensor(case.qkv)
+        assert not _dispatch_free(qkv)
+        out = window_attention(qkv, 3, bias=mode.from_tensor(case.bias), mask=mode.from_tensor(case.mask),
+                               logit_scale=mode.from_tensor(case.logit_scale))
+    assert out.shape == (4, 16, 48)
+
+
 def test_compiles_without_graph_break():
     """dynamo traces a function calling the op in one graph (fullgraph) and autograd
     goes through the registered backward."""

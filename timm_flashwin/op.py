@@ -3,11 +3,14 @@
 ``window_attention`` is the one entry point. On CUDA tensors (and on CPU tensors when
 ``TRITON_INTERPRET=1``) it calls the ``timm_flashwin::window_attention_fwd`` operator,
 whose autograd formula calls ``timm_flashwin::window_attention_bwd``; both run the
-Triton kernels. Elsewhere (plain CPU, float64) it computes ``reference.py``'s math with
-PyTorch autograd, with the same semantics.
+Triton kernels. In eager mode on plain tensors the same forward, backward and autograd
+formula run through a ``torch.autograd.Function`` instead, without the operator dispatch
+(``_EagerWindowAttention``). Elsewhere (plain CPU, float64) it computes ``reference.py``'s
+math with PyTorch autograd, with the same semantics.
 """
 from __future__ import annotations
 
+import contextlib
 from numbers import Real
 from typing import Optional, Tuple
 
@@ -103,10 +106,16 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
+    return _input_grads(window_attention_bwd, ctx, grad_out)
+
+
+def _input_grads(backward_op, ctx, grad_out):
+    """The gradients of the forward's inputs, with ``backward_op`` (the registered op, or
+    its implementation in eager mode) computing them."""
     qkv, out, stats, regions, mask_info, bias, mask, head_scale, seed = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[2]
     scale_grad = head_scale is not None and ctx.needs_input_grad[4]
-    dqkv, dbias, dscale = window_attention_bwd(
+    dqkv, dbias, dscale = backward_op(
         grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, ctx.num_heads, ctx.scale,
         ctx.cosine, bias_grad, scale_grad, ctx.dropout_p, seed)
     return (
@@ -123,6 +132,53 @@ def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
 
 
 window_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerWindowAttention(torch.autograd.Function):
+    """The operator's forward and backward without the operator dispatch around them.
+
+    In eager mode the dispatch of a ``triton_op`` (custom-op dispatch, its autograd
+    wrapper, the redispatch and dynamo's disable guard, once per pass) costs host time,
+    and eager training steps of the tiny models are bound by host time
+    (benchmarks/RESULTS.md). benchmarks/bench_dispatch.py, kernels stubbed out, on a CPU:
+    forward + backward 440 -> 236 us per call. torch.compile, fake tensors and tensor
+    subclasses still get the registered operators (``_dispatch_free``).
+    """
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        with _direct_launches():
+            output = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
+        with _direct_launches():
+            return _input_grads(_backward_impl, ctx, grad_out)
+
+
+_set_wrap_triton_enabled = getattr(getattr(torch._library, "triton", None), "set_wrap_triton_enabled", None)
+
+
+def _direct_launches():
+    """Launch the kernels as they are, not through wrap_triton's higher-order op, which
+    only tracing needs (a triton_op's eager call does the same). Measured on an H100
+    (benchmarks/bench_host.py): left on, a patched swin_tiny attention module's forward
+    took 780 to 920 us of host time, against 270 to 360 us through the operator."""
+    return _set_wrap_triton_enabled(False) if _set_wrap_triton_enabled is not None else contextlib.nullcontext()
+
+
+def _dispatch_free(qkv: torch.Tensor) -> bool:
+    """Whether the op can skip the operator dispatch: eager mode on plain tensors, with no
+    torch.compile tracing and no dispatch mode (FakeTensorMode, ...) in effect."""
+    if _set_wrap_triton_enabled is None and hasattr(torch.library, "wrap_triton"):
+        return False  # a torch whose wrap_triton cannot be switched off
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or type(qkv) is not torch.Tensor:
+        return False
+    dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return dispatch_modes is not None and dispatch_modes() == 0
 
 
 # --------------------------------------------------------------------------- validation
@@ -249,7 +305,8 @@ def window_attention(
         head_scale = torch.clamp(logit_scale.reshape(num_heads), max=LOGIT_SCALE_MAX).exp()
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed(qkv.device) if dropout_p > 0 else None
-    out, _stats, _regions, _mask_info = window_attention_fwd(
+    forward = _EagerWindowAttention.apply if _dispatch_free(qkv) else window_attention_fwd
+    out, _stats, _regions, _mask_info = forward(
         qkv, num_heads, bias, mask, head_scale, float(scale) if scale is not None else 1.0, logit_scale is not None,
         dropout_p, seed)
     return out
