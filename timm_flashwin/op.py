@@ -134,6 +134,17 @@ def _input_grads(backward_op, ctx, grad_out):
 window_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+_set_wrap_triton_enabled = getattr(getattr(torch._library, "triton", None), "set_wrap_triton_enabled", None)
+
+
+def _direct_launches():
+    """Launch the kernels as they are, not through wrap_triton's higher-order op, which
+    only tracing needs (a triton_op's eager call does the same). Measured on an H100
+    (benchmarks/bench_host.py): left on, a patched swin_tiny attention module's forward
+    took 780 to 920 us of host time, against 270 to 360 us through the operator."""
+    return _set_wrap_triton_enabled(False) if _set_wrap_triton_enabled is not None else contextlib.nullcontext()
+
+
 class _EagerWindowAttention(torch.autograd.Function):
     """The operator's forward and backward without the operator dispatch around them.
 
@@ -157,17 +168,6 @@ class _EagerWindowAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
         with _direct_launches():
             return _input_grads(_backward_impl, ctx, grad_out)
-
-
-_set_wrap_triton_enabled = getattr(getattr(torch._library, "triton", None), "set_wrap_triton_enabled", None)
-
-
-def _direct_launches():
-    """Launch the kernels as they are, not through wrap_triton's higher-order op, which
-    only tracing needs (a triton_op's eager call does the same). Measured on an H100
-    (benchmarks/bench_host.py): left on, a patched swin_tiny attention module's forward
-    took 780 to 920 us of host time, against 270 to 360 us through the operator."""
-    return _set_wrap_triton_enabled(False) if _set_wrap_triton_enabled is not None else contextlib.nullcontext()
 
 
 def _dispatch_free(qkv: torch.Tensor) -> bool:

@@ -358,10 +358,9 @@ def verify_model(
     result.top1_timm_vs_float64 = (top1["timm"] == top1["ref"]).float().mean().item()
     result.top1_ours_vs_float64 = (top1["ours"] == top1["ref"]).float().mean().item()
     if train:
-        grads = [{n: p.grad for n, p in net.named_parameters() if p.grad is not None}
-                 for net in (ours, timm_model, reference)]
-        our_grads, timm_again_grads, ref_grads = grads
-        grads[1] = timm_grads
+        our_grads, timm_again_grads, ref_grads = ({n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+                                                  for net in (ours, timm_model, reference))
+        grads = [our_grads, timm_grads, ref_grads]
         if not (our_grads.keys() == timm_grads.keys() == ref_grads.keys()):
             for pname in set().union(*grads) - set.intersection(*(set(g) for g in grads)):
                 result.grads.append(Comparison(pname, math.nan, math.nan, math.nan, math.nan, False))
