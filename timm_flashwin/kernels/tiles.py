@@ -152,26 +152,33 @@ def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols
     """(B[h] + M[w]) * log2(e) for one (rows, cols) tile, fp32; -inf on padded columns.
 
     FROM_REGIONS: the mask is value * [region_i != region_j], computed from the (nW, N)
-    region ids (the launcher found it so, ``mask_structure``) instead of read; both give
-    the same fp32 values. The kind is known only at run time (``load_mask_regions``): the
-    forward branches once around its loops, the backward per tile
-    (``load_bias_mask_either``).
+    region ids (the launcher found it so, ``mask_structure``) instead of read. The kind is
+    known only at run time (``load_mask_regions``): the forward branches once around its
+    loops, the backward per tile (``load_bias_mask_either``).
+
+    Every kernel computes its logits from this tile once per (query block, key block),
+    so each elementwise operation here costs about as much as one of the softmax's own:
+    B and M are scaled by log2(e) separately (a multiply-add each, not an add and a
+    multiply), the region mask adds value * log2(e) where the regions differ, and the
+    padded-column select is compiled only where N is not a multiple of BLOCK_N.
     """
     inside = (rows[:, None] < N) & (cols[None, :] < N)
-    bm = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if HAS_BIAS:
         ptrs = bias_ptr + h * stride_bias_h + rows[:, None] * stride_bias_i + cols[None, :] * stride_bias_j
-        bm += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        bm = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    else:
+        bm = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if HAS_MASK:
         if FROM_REGIONS:
             region_rows = tl.load(regions_ptr + w * N + rows, mask=rows < N, other=0)
             region_cols = tl.load(regions_ptr + w * N + cols, mask=cols < N, other=0)
-            bm += tl.where(region_rows[:, None] == region_cols[None, :], 0.0, mask_value)
+            bm = tl.where(region_rows[:, None] == region_cols[None, :], bm, bm + mask_value * LOG2E)
         else:
             ptrs = mask_ptr + w * stride_mask_w + rows[:, None] * stride_mask_i + cols[None, :] * stride_mask_j
-            bm += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
-    bm = bm * LOG2E
-    return tl.where(cols[None, :] < N, bm, float("-inf"))
+            bm += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    if N % BLOCK_N != 0:
+        bm = tl.where(cols[None, :] < N, bm, float("-inf"))
+    return bm
 
 
 @triton.jit
