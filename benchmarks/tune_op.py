@@ -23,6 +23,7 @@ from common import write_json  # noqa: E402
 from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
 from timm_flashwin.kernels.launch import attention_backward, attention_forward  # noqa: E402
+from timm_flashwin.op import _direct_launches  # noqa: E402
 from timm_flashwin.reference import LOGIT_SCALE_MAX  # noqa: E402
 
 
@@ -82,6 +83,11 @@ def main() -> None:
                         help="ablation: read the mask densely, without region ids (kernels/config.MASK_REGIONS)")
     parser.add_argument("--bias-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype of the dense bias the kernels read (timm's modules give float32 under autocast)")
+    parser.add_argument("--maxnreg", nargs="*", type=int, default=[-1],
+                        help="with --only-default: register caps per thread to time (-1: the default's, "
+                             "0: none, the compiler's choice)")
+    parser.add_argument("--stages", nargs="*", type=int, default=[0],
+                        help="with --only-default: pipeline depths to time (0: the default's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config.MASK_REGIONS = "mask" not in args.dense
@@ -103,16 +109,25 @@ def main() -> None:
             bwd_kernels.window_attention_bwd_dq_kernel, bwd_kernels.window_attention_bwd_dbias_kernel]
         out, stats, regions, mask_info = attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)
         best = None
-        for cfg in [base] if args.only_default else candidates(n, head_dim, base, which, args.quick):
+        if args.only_default:
+            configs = [config.with_changes(base, maxnreg=base.maxnreg if regs < 0 else regs or None, num_stages=stages or base.num_stages)
+                       for regs in args.maxnreg for stages in args.stages]
+        else:
+            configs = list(candidates(n, head_dim, base, which, args.quick))
+        for cfg in configs:
             config.OVERRIDES[key] = cfg
             before = {id(k): dict(_compiled(k)) for k in kernels}
             try:
                 if which == "fwd":
-                    fn = lambda: attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)  # noqa
+                    launch = lambda: attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)  # noqa
                 else:
-                    fn = lambda: attention_backward(inp["grad"], qkv, out, stats, regions, mask_info,  # noqa
-                                                    bias, mask, head_scale, heads, inp["scale"], cosine,
-                                                    bias is not None, cosine)
+                    launch = lambda: attention_backward(inp["grad"], qkv, out, stats, regions, mask_info,  # noqa
+                                                        bias, mask, head_scale, heads, inp["scale"], cosine,
+                                                        bias is not None, cosine)
+
+                def fn(launch=launch):
+                    with _direct_launches():  # as in eager use: launch options include the register cap
+                        return launch()
                 fn()
                 torch.cuda.synchronize()
                 us = 1e3 * do_bench_cudagraph(fn, rep=50, return_mode="median")
@@ -127,7 +142,7 @@ def main() -> None:
             results.append(row)
             mark = "*" if cfg == base else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
-                  f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} {' '.join(info)}", flush=True)
+                  f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} regs<={cfg.maxnreg} {' '.join(info)}", flush=True)
             if best is None or us < best[0]:
                 best = (us, cfg)
         default_us = next((r["us"] for r in results if r["is_default"] and r["shape"] == shape_name

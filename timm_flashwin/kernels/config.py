@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -36,6 +36,9 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     programs_per_sm: int
+    #: cap on registers per thread (Triton's ``maxnreg``), None for the compiler's choice;
+    #: applied where the kernels are launched directly (``launch.launch_options``)
+    maxnreg: Optional[int] = None
 
     def single_tile(self, n: int) -> bool:
         return self.block_m >= n and self.block_n >= n
@@ -64,6 +67,21 @@ def _streamed_block(n: int, block: int) -> int:
     return 128 if INTERPRET and n > 128 else block
 
 
+def _streamed_maxnreg(block_d: int, dtype: torch.dtype) -> Optional[int]:
+    """The register cap of the kernels that stream key blocks (64x64 tiles, 4 warps).
+
+    Left to itself the compiler takes 222 to 255 registers per thread: two programs per
+    SM. Capped at 168, three fit (the region-mask forward's 62 to 70 KB of shared memory
+    too), for 12 to 70 bytes of spilled registers per thread. H100, bf16, D = 32, cap
+    against none in one run (benchmarks/tune_op.py --only-default --maxnreg -1 0,
+    2026-11-23), forward / backward us: window 24 V1 618 -> 546 / 1361 -> 1300, cosine
+    844 -> 712 / 2210 -> 1947; window 16 V1 218 -> 205 / 467 -> 449, cosine 279 -> 259 /
+    745 -> 658; window 12 V1 196 -> 188 / 394 -> 376, cosine 242 -> 242 / 627 -> 552.
+    Measured for head_dim 32 and 16-bit inputs only; float32 products take other registers.
+    """
+    return 168 if block_d <= 32 and dtype != torch.float32 else None
+
+
 def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
     n, head_dim = int(n), int(head_dim)  # compile-time constants of the kernels, even when traced
     found = OVERRIDES.get(("fwd", n, head_dim, dtype, cosine))
@@ -85,7 +103,7 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> L
     # Wider heads keep the shallower pipelines (shared memory).
     stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
     block = _streamed_block(n, max_block)
-    return LaunchConfig(block, block, block_d, 4, stages, 8)
+    return LaunchConfig(block, block, block_d, 4, stages, 8, _streamed_maxnreg(block_d, dtype))
 
 
 def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
@@ -107,7 +125,7 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
     block = _streamed_block(n, 64 if block_d <= 64 else 32)
     # the same sweep (D = 32): 3 stages beat 2 by 1.05x to 1.1x on the multi-block backward
     stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
-    return LaunchConfig(block, block, block_d, 4, stages, 4)
+    return LaunchConfig(block, block, block_d, 4, stages, 4, _streamed_maxnreg(block_d, dtype))
 
 
 def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:

@@ -25,8 +25,30 @@ if config.INTERPRET or not hasattr(torch.library, "wrap_triton"):
     # before 2.6 has no wrap_triton and launches kernels directly too
     def wrap_triton(kernel):
         return kernel
+
+    def _traced_launch() -> bool:
+        return False
 else:
     from torch.library import wrap_triton
+    # whether wrap_triton records launches for tracing (else they run as they are); where
+    # a torch cannot say, launches count as traced
+    _traced_launch = getattr(getattr(torch._library, "triton", None), "is_wrap_triton_enabled", lambda: True)
+
+
+def launch_options(tiles: config.LaunchConfig, dropout: bool) -> dict:
+    """Warps, stages and, where the kernel is launched directly, the register cap.
+
+    A launch traced for torch.compile ends in inductor's own launcher, which takes a user
+    kernel's warps and stages but not ``maxnreg`` (torch 2.11 to 2.14: config_to_dict
+    drops it), so traced launches go without it: compiled models run those kernels at the
+    compiler's register count. Nor with attention dropout: its random numbers keep more
+    registers live, and under the cap 0.4 to 2.2 KB per thread would spill (sm_90 build,
+    tests/sm90_build.py).
+    """
+    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if tiles.maxnreg is not None and not dropout and not _traced_launch():
+        options["maxnreg"] = tiles.maxnreg
+    return options
 
 
 def _fp32_dot(dtype: torch.dtype) -> bool:
@@ -67,13 +89,17 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return regions, torch.stack((exact.to(torch.float32), value.to(torch.float32)))
 
 
+def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> bool:
+    """Whether a kernel of either pass streams key blocks, reading a tile of the bias
+    (and mask) for every (window, query block, key block) rather than once per program."""
+    return (n > config.forward_config(n, head_dim, dtype, cosine).block_n
+            or not config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
+
+
 def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, has_mask: bool) -> bool:
     """Whether a kernel of either pass streams key blocks over a mask, and so uses its
     region ids (``mask_structure``), which the forward then computes for both passes."""
-    if not (config.MASK_REGIONS and has_mask):
-        return False
-    return (n > config.forward_config(n, head_dim, dtype, cosine).block_n
-            or not config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
+    return config.MASK_REGIONS and has_mask and streams_key_blocks(n, head_dim, dtype, cosine)
 
 
 def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
@@ -127,20 +153,23 @@ def attention_forward(
     chunks, per_chunk = config.split_windows(
         per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
-    wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
-        qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
-        head_scale if head_scale is not None else qkv,
-        seed if dropout_p > 0 else qkv,
-        scale, dropout_p,
-        *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
-        periods, per_period, per_chunk,
-        H=num_heads, N=n, D=head_dim,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
-        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=cosine,
-        FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
-        MASK_REGIONS=mask_regions,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    # With region ids, two launches, one per kind of mask: each kernel is built for its own
+    # kind, and the programs of the launch whose kind the mask is not return at once.
+    for from_regions in (True, False) if mask_regions else (False,):
+        wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
+            qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
+            head_scale if head_scale is not None else qkv,
+            seed if dropout_p > 0 else qkv,
+            scale, dropout_p,
+            *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
+            periods, per_period, per_chunk,
+            H=num_heads, N=n, D=head_dim,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
+            HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=cosine,
+            FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
+            MASK_REGIONS=mask_regions, FROM_REGIONS=from_regions,
+            **launch_options(tiles, dropout_p > 0),
+        )
     return out, stats, regions, mask_info
 
 
@@ -193,7 +222,7 @@ def attention_backward(
             qkv, dout, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv, dbias, dscale,
             scale, dropout_p, *strides, periods, per_period, per_chunk,
             BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **flags,
+            **launch_options(tiles, dropout_p > 0), **flags,
         )
         return dqkv, dbias.sum(0) if bias_grad else dbias, dscale.sum(0) if scale_grad else dscale
 
@@ -201,7 +230,7 @@ def attention_backward(
     n_blocks = -(-n // tiles.block_n)
     blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d)
     flags["MASK_REGIONS"] = mask_regions
-    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    launch = launch_options(tiles, dropout_p > 0)
     delta = qkv.new_empty((num_windows, num_heads, n), dtype=torch.float32)
     wrap_triton(window_attention_bwd_delta_kernel)[(num_windows * num_heads * m_blocks,)](
         out, dout, delta, *out.stride(), *dout.stride(),
