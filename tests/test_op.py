@@ -116,6 +116,29 @@ def test_strided_qkv_is_read_without_copy():
     torch.testing.assert_close(out, window_attention(case.qkv, 3, **case.kwargs()), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("n", [49, 144])
+def test_transposed_bias_reaches_streaming_kernels_contiguous(n, monkeypatch):
+    """SwinV2-CR's bias is a transposed view (column stride H). Kernels that stream key
+    blocks (N = 144) get it copied into rows; one-tile windows (N = 49) read it as it is.
+    Either way, the same output and bias gradient as with a contiguous bias."""
+    import timm_flashwin.op as op_module
+    case = make_case(4, 2, 3, n, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    transposed = case.bias.permute(1, 2, 0).contiguous().permute(2, 0, 1).detach().requires_grad_()
+    assert not transposed.is_contiguous()
+    seen = []
+    forward = op_module.attention_forward
+    monkeypatch.setattr(op_module, "attention_forward", lambda qkv, heads, bias, *rest: (
+        seen.append(bias.is_contiguous()), forward(qkv, heads, bias, *rest))[1])
+    out = window_attention(case.qkv, 3, **dict(case.kwargs(), bias=transposed))
+    out.backward(case.grad_out)
+    assert seen == [n == 144]
+    expected_bias = case.bias.detach().clone().requires_grad_()
+    expected = window_attention(case.qkv, 3, **dict(case.kwargs(), bias=expected_bias))
+    expected.backward(case.grad_out)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(transposed.grad, expected_bias.grad, rtol=0, atol=0)
+
+
 def test_logit_scale_gradient_stops_at_the_clamp():
     case = make_case(4, 2, 3, 16, 16, cosine=True, masked=False, dtype=torch.float32, device=KERNEL_DEVICE)
     case.logit_scale = torch.tensor([1.0, LOGIT_SCALE_MAX - 1e-3, LOGIT_SCALE_MAX + 0.5], device=KERNEL_DEVICE)
