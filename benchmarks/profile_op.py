@@ -1,0 +1,73 @@
+"""GPU time per kernel of one implementation's forward+backward in bench_op.py.
+
+    python benchmarks/profile_op.py --shapes v1_s3_b64 w24_s1_b16 --impl ours --out results/p.json
+
+Runs bench_op's case (inputs, the table gather, the gradients to qkv, table and logit
+scale) a few times under torch.profiler and lists every CUDA kernel with its time per
+forward+backward: what bench_op's cell is made of. GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_op import SHAPES, implementation, make_inputs  # noqa: E402
+from common import write_json  # noqa: E402
+
+
+def profile_case(shape_name: str, kind: str, impl: str, steps: int):
+    from torch.profiler import ProfilerActivity, profile
+    inp = make_inputs(SHAPES[shape_name], kind == "cosine")
+    fn = implementation(impl)
+    leaves = [t for t in (inp["qkv"], inp["bias"], inp["logit_scale"]) if t is not None]
+
+    def step():
+        out = fn(inp["qkv"], inp["bias"], inp["mask"], inp["logit_scale"], inp["heads"], inp["scale"])
+        torch.autograd.grad(out, leaves, inp["grad"])
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name][0] += 1
+            kernels[event.name][1] += event.device_time_total
+    rows = [dict(kernel=name[:140], calls=c / steps, us=t / steps)
+            for name, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="*", default=["v1_s3_b64"])
+    parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"])
+    parser.add_argument("--impl", default="ours")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = []
+    for shape_name, kind in itertools.product(args.shapes, args.kinds):
+        rows = profile_case(shape_name, kind, args.impl, args.steps)
+        total = sum(r["us"] for r in rows)
+        print(f"{shape_name} {kind} {args.impl}: {total:.1f} us of kernels per forward+backward", flush=True)
+        for r in rows:
+            print(f"  {r['us']:8.1f} us {r['calls']:4.0f}x  {r['kernel'][:100]}")
+        results.append(dict(shape=shape_name, kind=kind, impl=args.impl, kernel_us=total, kernels=rows,
+                            device=torch.cuda.get_device_name(), torch=torch.__version__))
+        if args.out:
+            write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

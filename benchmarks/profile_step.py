@@ -1,0 +1,119 @@
+"""Where one model step spends its time: host against GPU, timm against patched.
+
+    python benchmarks/profile_step.py --model swinv2_cr_tiny_224 --mode train [--compile] --out results/p.json
+
+For each variant (timm, patched), after warm-up: the wall time per step (synchronized),
+the host time to enqueue one step (the step call alone, the GPU left to catch up
+between steps), and under torch.profiler the GPU kernel time and the number of kernel
+launches per step, with the operators that take the most host (self CPU) time and the
+kernels that take the most GPU time. A step whose enqueue time exceeds its GPU time is
+bound by the host. GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_models import MODELS  # noqa: E402
+from common import write_json  # noqa: E402
+from timm_flashwin import patch_model  # noqa: E402
+from timm_flashwin.bench import _step_fn  # noqa: E402
+from timm_flashwin.verify import build_model  # noqa: E402
+
+
+def _wall_and_enqueue_ms(step, repeats: int):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / repeats * 1e3
+    enqueue = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        time.sleep(0.002)
+        t0 = time.perf_counter()
+        step()
+        enqueue.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return wall, sorted(enqueue)[len(enqueue) // 2]
+
+
+def _profile(step, steps: int, top: int):
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name][0] += 1
+            kernels[event.name][1] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
+    launches = sum(c for c, _ in kernels.values()) / steps
+    gpu_ms = sum(t for _, t in kernels.values()) / steps / 1e3
+    by_gpu = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    host_ops = [dict(name=e.key, calls_per_step=e.count / steps, self_cpu_us_per_step=e.self_cpu_time_total / steps)
+                for e in ops]
+    gpu_kernels = [dict(name=name[:120], calls_per_step=c / steps, us_per_step=t / steps) for name, (c, t) in by_gpu]
+    return launches, gpu_ms, host_ops, gpu_kernels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="swinv2_cr_tiny_224", choices=list(MODELS))
+    parser.add_argument("--mode", default="train", choices=["infer", "train"])
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile-mode", default=None)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    train = args.mode == "train"
+    batch = MODELS[args.model][train]
+    base = build_model(args.model)
+    size = base.pretrained_cfg["input_size"][1:]
+    images = torch.randn(batch, 3, *size, device="cuda")
+    rows = []
+    for variant in ("timm", "flashwin"):
+        model = copy.deepcopy(base).cuda().train(train)
+        if variant == "flashwin":
+            patch_model(model)
+        x = images
+        if not train:
+            model, x = model.to(torch.bfloat16), images.to(torch.bfloat16)
+        if args.compile:
+            model = torch.compile(model, mode=args.compile_mode)
+        step = _step_fn(model, x, torch.bfloat16, train)
+        for _ in range(5):
+            step()
+        wall, enqueue = _wall_and_enqueue_ms(step, args.repeats)
+        launches, gpu_ms, host_ops, gpu_kernels = _profile(step, 2, args.top)
+        row = dict(model=args.model, mode=args.mode, compile=args.compile, compile_mode=args.compile_mode,
+                   variant=variant, batch=batch, wall_ms=wall, enqueue_ms=enqueue, gpu_kernel_ms=gpu_ms,
+                   launches_per_step=launches, host_ops=host_ops, gpu_kernels=gpu_kernels,
+                   device=torch.cuda.get_device_name(), torch=torch.__version__)
+        rows.append(row)
+        print(f"{args.model} {args.mode} compile={args.compile} {variant}: wall {wall:.1f} ms, enqueue {enqueue:.1f} ms,"
+              f" GPU kernels {gpu_ms:.1f} ms, {launches:.0f} launches per step", flush=True)
+        for op in host_ops:
+            print(f"    host {op['self_cpu_us_per_step']:9.0f} us {op['calls_per_step']:6.0f}x  {op['name'][:90]}")
+        for k in gpu_kernels[:8]:
+            print(f"    gpu  {k['us_per_step']:9.0f} us {k['calls_per_step']:6.0f}x  {k['name'][:90]}")
+        if args.out:
+            write_json(args.out, rows)
+        del model, step
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
