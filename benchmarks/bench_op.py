@@ -38,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import write_json  # noqa: E402
 from timm_flashwin import window_attention  # noqa: E402
+from timm_flashwin.position_bias import gather_position_bias  # noqa: E402
 from timm_flashwin.reference import LOGIT_SCALE_MAX  # noqa: E402
 
 # (B_, H, N, D, nW): the issue's shapes. nW is the number of windows per image at the
@@ -93,21 +94,21 @@ _INDEX: Dict = {}
 
 
 def relative_position_index(n: int, device) -> torch.Tensor:
-    """timm's relative_position_index of a square W x W window, flattened (N*N,): made
-    once, as timm keeps it in a buffer."""
+    """timm's relative_position_index (N, N) of a square W x W window: made once, as timm
+    keeps it in a buffer."""
     if (n, str(device)) not in _INDEX:
         win = math.isqrt(n)
         y, x = torch.meshgrid(torch.arange(win, device=device), torch.arange(win, device=device), indexing="ij")
         y, x = y.flatten(), x.flatten()
         index = (y[:, None] - y[None, :] + win - 1) * (2 * win - 1) + (x[:, None] - x[None, :] + win - 1)
-        _INDEX[(n, str(device))] = index.view(-1)
+        _INDEX[(n, str(device))] = index  # (N, N), one tensor: gather_position_bias keeps its sorted rows on it
     return _INDEX[(n, str(device))]
 
 
 def dense_bias(table, n):
     """timm's gather of the (H, N, N) bias from the table ((2W-1)^2, H), every call, made
     contiguous as timm's ``_get_rel_pos_bias`` does."""
-    return table[relative_position_index(n, table.device)].view(n, n, -1).permute(2, 0, 1).contiguous()
+    return table[relative_position_index(n, table.device).view(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
 
 
 def eager_math(qkv, table, mask, logit_scale, heads, scale):
@@ -174,8 +175,10 @@ def flex_math(qkv, table, mask, logit_scale, heads, scale):
 
 
 def ours(qkv, table, mask, logit_scale, heads, scale):
+    """As the adapters run it: the bias gathered by gather_position_bias."""
     kwargs = dict(logit_scale=logit_scale) if logit_scale is not None else dict(scale=scale)
-    return window_attention(qkv, heads, bias=dense_bias(table, qkv.shape[1]), mask=mask, **kwargs)
+    bias = gather_position_bias(table, relative_position_index(qkv.shape[1], qkv.device))
+    return window_attention(qkv, heads, bias=bias, mask=mask, **kwargs)
 
 
 _compiled: Dict[str, Callable] = {}

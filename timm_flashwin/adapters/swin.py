@@ -1,20 +1,22 @@
 """Swin Transformer V1 (and swin_s3): ``timm.models.swin_transformer.WindowAttention``.
 
-S = scale * Q K^T; the bias is timm's own ``_get_rel_pos_bias()``, a gather from
-relative_position_bias_table ((2Wh-1)(2Ww-1), H) by relative_position_index.
+S = scale * Q K^T; the bias is what timm's ``_get_rel_pos_bias()`` computes, a gather from
+relative_position_bias_table ((2Wh-1)(2Ww-1), H) by relative_position_index, through
+``gather_position_bias`` (whose backward sums the table gradient in one kernel).
 """
 from typing import Dict, Type
 
 import torch
 from torch import nn
 
+from ..position_bias import gather_position_bias
 from .base import WindowAttentionAdapter, inference_cache
 
 
 class SwinAdapter(WindowAttentionAdapter):
     family = "swin"
     required = ("qkv", "proj", "proj_drop", "attn_drop", "scale", "num_heads", "window_size",
-                "relative_position_bias_table", "relative_position_index", "_get_rel_pos_bias")
+                "relative_position_bias_table", "relative_position_index")
 
     @staticmethod
     def module_type() -> Type[nn.Module]:
@@ -22,8 +24,8 @@ class SwinAdapter(WindowAttentionAdapter):
         return WindowAttention
 
     def position_bias(self, module: nn.Module) -> torch.Tensor:
-        return inference_cache(module, (module.relative_position_bias_table, module.relative_position_index),
-                               module._get_rel_pos_bias)
+        table, index = module.relative_position_bias_table, module.relative_position_index
+        return inference_cache(module, (table, index), lambda: gather_position_bias(table, index))
 
     def score_scale(self, module: nn.Module) -> Dict:
         return dict(scale=float(module.scale))

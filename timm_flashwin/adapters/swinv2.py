@@ -2,7 +2,7 @@
 
 S = exp(min(logit_scale, ln 100)) * Q^ K^^T (cosine attention); the bias is
 16 * sigmoid(cpb_mlp(relative_coords_table)) gathered by relative_position_index, in the
-order timm computes it. The qkv bias is cat(q_bias, k_bias (a zero buffer), v_bias).
+order timm computes it (the gather through ``gather_position_bias``). The qkv bias is cat(q_bias, k_bias (a zero buffer), v_bias).
 """
 from typing import Dict, Type
 
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..position_bias import gather_position_bias
 from .base import WindowAttentionAdapter, inference_cache
 
 
@@ -38,10 +39,8 @@ class SwinV2Adapter(WindowAttentionAdapter):
 
     def position_bias(self, module: nn.Module) -> torch.Tensor:
         def compute() -> torch.Tensor:
-            n = module.window_size[0] * module.window_size[1]
             table = module.cpb_mlp(module.relative_coords_table).view(-1, module.num_heads)
-            bias = table[module.relative_position_index.view(-1)].view(n, n, -1)
-            return 16 * torch.sigmoid(bias.permute(2, 0, 1).contiguous())
+            return 16 * torch.sigmoid(gather_position_bias(table, module.relative_position_index))
 
         sources = (module.relative_coords_table, module.relative_position_index, *module.cpb_mlp.parameters())
         return inference_cache(module, sources, compute)

@@ -19,6 +19,7 @@ from .backward import (
     window_attention_bwd_fused_kernel,
 )
 from .forward import window_attention_fwd_kernel
+from .position_bias import relative_bias_gather_kernel, relative_bias_table_grad_kernel
 
 if config.INTERPRET or not hasattr(torch.library, "wrap_triton"):
     # interpreted kernels are plain Python, launched as they are (on CPU tensors); torch
@@ -258,3 +259,39 @@ def attention_backward(
     else:
         dbias = qkv.new_empty((0,), dtype=torch.float32)
     return dqkv, dbias, dscale.sum((0, 2)) if scale_grad else dscale
+
+
+def relative_bias_gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The dense bias (H, N, N), contiguous, table[index] from a table (T, H) and an index
+    (N, N) of table rows: ``table[index.view(-1)].view(N, N, H).permute(2, 0, 1)``."""
+    n, heads = index.shape[0], table.shape[1]
+    out = table.new_empty((heads, n, n))
+    block_h = max(2, 1 << (heads - 1).bit_length())
+    block_p = max(16, (8192 if config.INTERPRET else 2048) // block_h)
+    wrap_triton(relative_bias_gather_kernel)[(-(-(n * n) // block_p),)](
+        table, index.reshape(-1), out, n * n, *table.stride(), out.stride(0),
+        H=heads, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
+def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, max_count: int,
+                             num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """Gradient (num_rows, H) in ``dtype`` of a table gathered into a dense bias (H, N, N)
+    whose gradient is ``grad``; order, offsets and max_count group the pairs by table row
+    (``position_bias.TableRows``)."""
+    heads = grad.shape[0]
+    grad = grad.reshape(heads, -1)
+    if grad.stride(1) != 1:
+        grad = grad.contiguous()
+    out = grad.new_empty((num_rows, heads), dtype=dtype)
+    block_h = max(2, 1 << (heads - 1).bit_length())
+    if config.INTERPRET:  # few programs: the interpreter's cost is per operation
+        block_t, block_j = max(16, 1024 // block_h), 16
+    else:  # many programs, each taking its rows' pairs in one to a few latency-bound steps
+        block_t, block_j = 4, 64
+    wrap_triton(relative_bias_table_grad_kernel)[(-(-num_rows // block_t),)](
+        grad, order, offsets, out, num_rows, max_count, grad.stride(0), *out.stride(),
+        H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, num_warps=4,
+    )
+    return out

@@ -1,0 +1,71 @@
+"""gather_position_bias: timm's gather of the dense bias from its table, with the table
+gradient summed by the kernel (interpreter on CPU in CI) against float64."""
+import pytest
+import torch
+
+from conftest import KERNEL_DEVICE
+from timm_flashwin.position_bias import TableRows, gather_position_bias
+
+
+def relative_position_index(win_h: int, win_w: int) -> torch.Tensor:
+    """timm's relative_position_index (N, N) of a win_h x win_w window."""
+    y, x = torch.meshgrid(torch.arange(win_h), torch.arange(win_w), indexing="ij")
+    y, x = y.flatten(), x.flatten()
+    return (y[:, None] - y[None, :] + win_h - 1) * (2 * win_w - 1) + (x[:, None] - x[None, :] + win_w - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window, heads", [((7, 7), 3), ((8, 8), 12), ((6, 7), 1), ((12, 12), 4), ((7, 7), 48)])
+def test_matches_pytorch_forward_and_float64_table_gradient(window, heads, dtype):
+    g = torch.Generator().manual_seed(heads)
+    index = relative_position_index(*window).to(KERNEL_DEVICE)
+    rows, n = (2 * window[0] - 1) * (2 * window[1] - 1), index.shape[0]
+    table = torch.randn(rows, heads, generator=g).to(dtype).to(KERNEL_DEVICE).requires_grad_()
+    grad = torch.randn(n, n, heads, generator=g).to(dtype).to(KERNEL_DEVICE).permute(2, 0, 1)  # not contiguous
+    bias = gather_position_bias(table, index)
+    assert bias.shape == (heads, n, n) and bias.is_contiguous()
+    torch.testing.assert_close(bias, table[index.view(-1)].view(n, n, -1).permute(2, 0, 1), rtol=0, atol=0)
+    bias.backward(grad)
+    expected = torch.zeros(rows, heads, dtype=torch.float64).index_add_(
+        0, index.view(-1).cpu(), grad.permute(1, 2, 0).reshape(n * n, heads).double().cpu())
+    assert table.grad.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(table.grad.double().cpu(), expected, rtol=tol, atol=tol)
+
+
+def test_rows_are_sorted_once_per_index_and_again_after_an_in_place_change():
+    index = relative_position_index(7, 7).to(KERNEL_DEVICE)
+    first = TableRows.of(index, 169)
+    assert TableRows.of(index, 169) is first
+    index.copy_(index.flip(0))  # a new version
+    again = TableRows.of(index, 169)
+    assert again is not first
+    assert first.max_count == again.max_count == 49  # the zero offset: every token with itself
+
+
+def test_gradient_is_reproducible_and_nan_reaches_only_its_row():
+    index = relative_position_index(7, 7).to(KERNEL_DEVICE)
+    table = torch.randn(169, 3).to(KERNEL_DEVICE).requires_grad_()
+    grad = torch.randn(3, 49, 49).to(KERNEL_DEVICE)
+    grads = []
+    for _ in range(2):
+        table.grad = None
+        gather_position_bias(table, index).backward(grad)
+        grads.append(table.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+    grad[1, 0, 5] = float("nan")
+    table.grad = None
+    gather_position_bias(table, index).backward(grad)
+    nan_rows, nan_heads = torch.nonzero(table.grad.isnan(), as_tuple=True)
+    assert nan_rows.tolist() == [index[0, 5].item()] and nan_heads.tolist() == [1]
+
+
+@pytest.mark.parametrize("index, table, message", [
+    (torch.zeros(4, 5, dtype=torch.long), torch.zeros(9, 2), "`index` must be of shape (N, N)"),
+    (torch.zeros(4, 4, dtype=torch.long), torch.zeros(9), "`table` must be of shape (rows, heads)"),
+    (torch.full((4, 4), 9, dtype=torch.long), torch.zeros(9, 2), "`index` must hold table rows in [0, 9)"),
+])
+def test_bad_input_names_the_argument(index, table, message):
+    table = table.to(KERNEL_DEVICE).requires_grad_()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        gather_position_bias(table, index.to(KERNEL_DEVICE))
