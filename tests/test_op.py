@@ -90,6 +90,24 @@ def test_mask_structure_recognizes_region_masks_only():
         assert mask_structure(other)[1][0] == 0
 
 
+def test_mask_structure_is_kept_on_the_mask_until_it_changes(monkeypatch):
+    """Eager calls with the same mask tensor find its region structure once; an in-place
+    change of the mask (here: no longer region-structured) is seen by the next call, whose
+    output follows the new mask (multi-block path, N = 144)."""
+    from timm_flashwin.kernels import launch
+    found = []
+    monkeypatch.setattr(launch, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
+    case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    first = window_attention(case.qkv, 3, **case.kwargs())
+    assert torch.equal(window_attention(case.qkv, 3, **case.kwargs()), first) and len(found) == 1
+    with torch.no_grad():
+        case.mask[1, :, :5] -= 7.0
+    changed = window_attention(case.qkv, 3, **case.kwargs())
+    assert len(found) == 2
+    expected = window_attention_reference(case.qkv.double(), 3, **case.kwargs(mask=case.mask.double()))
+    assert relative_error(changed, expected) < TOLERANCE[torch.float32]
+
+
 def test_many_windows_per_program():
     """More windows than programs: each program loops over several windows and sums
     the bias gradient over them."""

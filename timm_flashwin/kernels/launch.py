@@ -97,6 +97,22 @@ def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) 
             or not config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
 
 
+def _mask_structure_kept(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``mask_structure(mask)``, kept on the mask tensor between eager calls: timm's shift
+    masks are buffers, the same tensor in every call, and the check reads and writes the
+    (nW, N, N) mask some ten times (a dozen small kernels in every forward).
+    An in-place change of the mask (its version) or another tensor computes it again;
+    traced launches (torch.compile) compute it in the graph."""
+    if _traced_launch() or type(mask) is not torch.Tensor:
+        return mask_structure(mask)
+    key = (mask._version, mask.data_ptr(), mask.shape, mask.stride())
+    kept = mask.__dict__.get("_flashwin_mask_structure")
+    if kept is None or kept[0] != key:
+        kept = (key, mask_structure(mask))
+        mask.__dict__["_flashwin_mask_structure"] = kept
+    return kept[1]
+
+
 def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, has_mask: bool) -> bool:
     """Whether a kernel of either pass streams key blocks over a mask, and so uses its
     region ids (``mask_structure``), which the forward then computes for both passes."""
@@ -140,7 +156,7 @@ def attention_forward(
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
     used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask is not None)
     if used:
-        regions, mask_info = mask_structure(mask)
+        regions, mask_info = _mask_structure_kept(mask)
     else:
         regions = qkv.new_empty((0,), dtype=torch.int32)
         mask_info = qkv.new_empty((0,), dtype=torch.float32)
