@@ -7,52 +7,59 @@ backward, where PyTorch sums the bias gradient into the table with a sort of the
 in every call (index_put with accumulation, about ten small kernels: 27 us of GPU time
 per layer on an H100, ``benchmarks/profile_op.py``), sums each table row's pairs, sorted
 once per index tensor (``TableRows``), in one deterministic kernel
-(kernels/position_bias.py). Under torch.compile, on plain CPU tensors and without a
-gradient it is the PyTorch expression itself.
+(kernels/position_bias.py). Under torch.compile the same kernels run as registered
+operators, the pairs sorted in the graph (inductor's own scatter of that gradient, atomic
+adds into the small table, took 219 of the 284 ms of GPU time of a compiled
+swinv2_base_window12to24 training step on an H100, benchmarks/profile_step.py). On plain
+CPU tensors and without a gradient it is the PyTorch expression itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 
 from .kernels.launch import relative_bias_gather, relative_bias_table_grad
-from .op import _direct_launches, _dispatch_free, uses_kernels
+from .op import _direct_launches, _dispatch_free, _register, uses_kernels
+
+
+def _sorted_pairs(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets): the pairs of ``index`` (N, N) sorted by the table row they read,
+    ascending pairs within a row (N*N,) int32, and where each row's pairs start (T + 1,)."""
+    rows, order = torch.sort(index.reshape(-1), stable=True)
+    starts = torch.arange(num_rows + 1, device=index.device, dtype=rows.dtype)
+    return order.to(torch.int32), torch.searchsorted(rows, starts).to(torch.int32)
 
 
 @dataclass(frozen=True)
 class TableRows:
-    """The pairs p = (i, j) of an index (N, N) grouped by the table row they read:
-    ``order`` (N*N,) int32 sorts the pairs by row (ascending pairs within a row), row t's
-    pairs are order[offsets[t]:offsets[t + 1]]; ``max_count`` is the most pairs of a row."""
+    """``_sorted_pairs`` of an index, computed once per index tensor in eager mode."""
 
     order: torch.Tensor
     offsets: torch.Tensor
-    max_count: int
 
     @staticmethod
     def of(index: torch.Tensor, num_rows: int) -> "TableRows":
-        """Computed once per index tensor and kept on it (an in-place change of the index,
-        a new device or table size computes them again). Its one host synchronization
-        (the row counts' maximum, the range check) happens on that first call only."""
+        """Kept on the index tensor (an in-place change of the index, a new device or
+        table size computes them again). The first call checks the index's range, one host
+        synchronization per index tensor."""
         key = (index._version, index.data_ptr(), num_rows)
         cached = index.__dict__.get("_flashwin_table_rows")
         if cached is not None and cached[0] == key:
             return cached[1]
-        flat = index.reshape(-1)
-        low, high = int(flat.min()), int(flat.max())
+        low, high = int(index.min()), int(index.max())
         if low < 0 or high >= num_rows:
             raise ValueError(f"gather_position_bias: `index` must hold table rows in [0, {num_rows}), "
                              f"got values in [{low}, {high}]")
-        counts = torch.bincount(flat, minlength=num_rows)
-        offsets = torch.zeros(num_rows + 1, dtype=torch.int32, device=index.device)
-        offsets[1:] = counts.cumsum(0)
-        rows = TableRows(torch.argsort(flat, stable=True).to(torch.int32), offsets, int(counts.max()))
+        rows = TableRows(*_sorted_pairs(index, num_rows))
         index.__dict__["_flashwin_table_rows"] = (key, rows)
         return rows
 
 
 class _GatherFromTable(torch.autograd.Function):
+    """The eager path: the operators' kernels without their dispatch, the pairs sorted once."""
+
     @staticmethod
     def forward(ctx, table: torch.Tensor, index: torch.Tensor, rows: TableRows) -> torch.Tensor:
         ctx.rows, ctx.num_rows, ctx.table_dtype = rows, table.shape[0], table.dtype
@@ -63,11 +70,47 @@ class _GatherFromTable(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         with _direct_launches():
-            dtable = relative_bias_table_grad(grad, ctx.rows.order, ctx.rows.offsets, ctx.rows.max_count,
-                                              ctx.num_rows, ctx.table_dtype)
+            dtable = relative_bias_table_grad(grad, ctx.rows.order, ctx.rows.offsets, ctx.num_rows, ctx.table_dtype)
         return dtable, None, None
 
 
+# ----------------------------------------------------------------- registered operators
+def _gather_impl(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return relative_bias_gather(table, index)
+
+
+def _gather_fake(table, index):
+    return table.new_empty((table.shape[1], index.shape[0], index.shape[0]))
+
+
+def _table_grad_impl(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    order, offsets = _sorted_pairs(index, num_rows)
+    return relative_bias_table_grad(grad, order, offsets, num_rows, dtype)
+
+
+def _table_grad_fake(grad, index, num_rows, dtype):
+    return grad.new_empty((num_rows, grad.shape[0]), dtype=dtype)
+
+
+gather_position_bias_op = _register("gather_position_bias", _gather_impl, _gather_fake)
+position_bias_table_grad_op = _register("position_bias_table_grad", _table_grad_impl, _table_grad_fake)
+
+
+def _gather_setup_context(ctx, inputs, output):
+    table, index = inputs
+    ctx.save_for_backward(index)
+    ctx.num_rows, ctx.table_dtype = table.shape[0], table.dtype
+
+
+def _gather_backward(ctx, grad):
+    (index,) = ctx.saved_tensors
+    return position_bias_table_grad_op(grad, index, ctx.num_rows, ctx.table_dtype), None
+
+
+gather_position_bias_op.register_autograd(_gather_backward, setup_context=_gather_setup_context)
+
+
+# ----------------------------------------------------------------------- public function
 def gather_position_bias(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """(H, N, N) contiguous bias ``table[index]`` from a table (T, H) and an index (N, N)
     of table rows (timm's ``relative_position_index``)."""
@@ -75,7 +118,9 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor) -> torch.Tens
         raise ValueError(f"gather_position_bias: `index` must be of shape (N, N), got {tuple(index.shape)}")
     if table.dim() != 2:
         raise ValueError(f"gather_position_bias: `table` must be of shape (rows, heads), got {tuple(table.shape)}")
-    if table.requires_grad and torch.is_grad_enabled() and uses_kernels(table) and _dispatch_free(table):
-        return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]))
+    if table.requires_grad and torch.is_grad_enabled() and uses_kernels(table):
+        if _dispatch_free(table):
+            return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]))
+        return gather_position_bias_op(table, index)
     n = index.shape[0]
     return table[index.reshape(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()

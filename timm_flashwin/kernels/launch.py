@@ -291,10 +291,10 @@ def relative_bias_gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tens
     return out
 
 
-def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, max_count: int,
-                             num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, num_rows: int,
+                             dtype: torch.dtype) -> torch.Tensor:
     """Gradient (num_rows, H) in ``dtype`` of a table gathered into a dense bias (H, N, N)
-    whose gradient is ``grad``; order, offsets and max_count group the pairs by table row
+    whose gradient is ``grad``; order and offsets group the pairs by table row
     (``position_bias.TableRows``)."""
     heads = grad.shape[0]
     grad = grad.reshape(heads, -1)
@@ -307,7 +307,7 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
     else:  # many programs, each taking its rows' pairs in one to a few latency-bound steps
         block_t, block_j = 4, 64
     wrap_triton(relative_bias_table_grad_kernel)[(-(-num_rows // block_t),)](
-        grad, order, offsets, out, num_rows, max_count, grad.stride(0), *out.stride(),
+        grad, order, offsets, out, num_rows, grad.stride(0), *out.stride(),
         H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, num_warps=4,
     )
     return out

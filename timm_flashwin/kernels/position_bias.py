@@ -17,19 +17,20 @@ import triton.language as tl
 @triton.jit
 def relative_bias_table_grad_kernel(
     grad_ptr, order_ptr, offsets_ptr, out_ptr,
-    num_rows, max_count, stride_grad_h, stride_out_t, stride_out_h,
+    num_rows, stride_grad_h, stride_out_t, stride_out_h,
     H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Grid: (table rows / BLOCK_T,). grad (H, N*N) fp32 or the bias dtype; order (N*N,)
     the pairs sorted by table row, offsets (T + 1,) where each row's pairs start in it;
-    out (T, H). Each row's pairs are summed BLOCK_J at a time, the blocks in order."""
+    out (T, H). Each row's pairs are summed BLOCK_J at a time, the blocks in order, up to
+    the longest row of the program's rows."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     heads = tl.arange(0, BLOCK_H)
     in_table = rows < num_rows
     start = tl.load(offsets_ptr + rows, mask=in_table, other=0)
     count = tl.load(offsets_ptr + rows + 1, mask=in_table, other=0) - start
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
-    for j0 in range(0, max_count, BLOCK_J):
+    for j0 in range(0, tl.max(count, 0), BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         taken = j[None, :] < count[:, None]  # (BLOCK_T, BLOCK_J)
         pair = tl.load(order_ptr + start[:, None] + j[None, :], mask=taken, other=0)
