@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--compile-mode", default=None)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"], choices=["timm", "flashwin"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     train = args.mode == "train"
@@ -84,7 +85,7 @@ def main() -> None:
     size = base.pretrained_cfg["input_size"][1:]
     images = torch.randn(batch, 3, *size, device="cuda")
     rows = []
-    for variant in ("timm", "flashwin"):
+    for variant in args.variants:
         model = copy.deepcopy(base).cuda().train(train)
         if variant == "flashwin":
             patch_model(model)
