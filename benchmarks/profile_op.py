@@ -12,13 +12,12 @@ import argparse
 import itertools
 import os
 import sys
-from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_op import SHAPES, implementation, make_inputs  # noqa: E402
-from common import write_json  # noqa: E402
+from common import cuda_kernel_times, write_json  # noqa: E402
 
 
 def profile_case(shape_name: str, kind: str, impl: str, steps: int):
@@ -38,11 +37,7 @@ def profile_case(shape_name: str, kind: str, impl: str, steps: int):
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name][0] += 1
-            kernels[event.name][1] += event.device_time_total
+    kernels = cuda_kernel_times(prof)
     rows = [dict(kernel=name[:140], calls=c / steps, us=t / steps)
             for name, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]
     return rows

@@ -16,13 +16,12 @@ import copy
 import os
 import sys
 import time
-from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
-from common import write_json  # noqa: E402
+from common import cuda_kernel_times, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
 from timm_flashwin.verify import build_model  # noqa: E402
@@ -53,11 +52,7 @@ def _profile(step, steps: int, top: int):
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name][0] += 1
-            kernels[event.name][1] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
+    kernels = cuda_kernel_times(prof)
     launches = sum(c for c, _ in kernels.values()) / steps
     gpu_ms = sum(t for _, t in kernels.values()) / steps / 1e3
     by_gpu = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
