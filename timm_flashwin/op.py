@@ -300,8 +300,8 @@ def window_attention(
                                           dropout_p=dropout_p)
     if bias is not None and bias.dim() == 4:
         bias = bias[0]
-    streams = streams_key_blocks(n, head_dim, qkv.dtype, logit_scale is not None)
-    if bias is not None and streams and not bias.is_contiguous():
+    if (bias is not None and not bias.is_contiguous()
+            and streams_key_blocks(n, head_dim, qkv.dtype, logit_scale is not None)):
         # Kernels that stream key blocks read a bias tile per (window, query block, key
         # block): with SwinV2-CR's bias (a transposed view, column stride H) those reads
         # would gather single elements; one copy per call makes them coalesced rows.

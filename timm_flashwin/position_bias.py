@@ -20,7 +20,7 @@ from typing import Tuple
 
 import torch
 
-from .kernels.launch import relative_bias_gather, relative_bias_table_grad
+from .kernels.launch import kept_on, relative_bias_gather, relative_bias_table_grad
 from .op import _direct_launches, _dispatch_free, _register, uses_kernels
 
 
@@ -41,20 +41,17 @@ class TableRows:
 
     @staticmethod
     def of(index: torch.Tensor, num_rows: int) -> "TableRows":
-        """Kept on the index tensor (an in-place change of the index, a new device or
-        table size computes them again). The first call checks the index's range, one host
-        synchronization per index tensor."""
-        key = (index._version, index.data_ptr(), num_rows)
-        cached = index.__dict__.get("_flashwin_table_rows")
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        low, high = int(index.min()), int(index.max())
-        if low < 0 or high >= num_rows:
-            raise ValueError(f"gather_position_bias: `index` must hold table rows in [0, {num_rows}), "
-                             f"got values in [{low}, {high}]")
-        rows = TableRows(*_sorted_pairs(index, num_rows))
-        index.__dict__["_flashwin_table_rows"] = (key, rows)
-        return rows
+        """Kept on the index tensor (``launch.kept_on``: an in-place change of the index,
+        a new device or table size computes them again). The first call checks the index's
+        range, one host synchronization per index tensor."""
+        def compute() -> "TableRows":
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= num_rows:
+                raise ValueError(f"gather_position_bias: `index` must hold table rows in [0, {num_rows}), "
+                                 f"got values in [{low}, {high}]")
+            return TableRows(*_sorted_pairs(index, num_rows))
+
+        return kept_on(index, "_flashwin_table_rows", compute, num_rows)
 
 
 class _GatherFromTable(torch.autograd.Function):

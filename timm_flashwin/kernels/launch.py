@@ -97,6 +97,18 @@ def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) 
             or not config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
 
 
+def kept_on(tensor: torch.Tensor, name: str, compute, *key):
+    """``compute()``, kept on ``tensor`` (in its ``__dict__`` under ``name``) and computed
+    again when the tensor's version counter (in-place changes), storage, shape or strides,
+    or ``key``, differ from those it was computed for."""
+    full_key = (tensor._version, tensor.data_ptr(), tensor.shape, tensor.stride(), *key)
+    kept = tensor.__dict__.get(name)
+    if kept is None or kept[0] != full_key:
+        kept = (full_key, compute())
+        tensor.__dict__[name] = kept
+    return kept[1]
+
+
 def _mask_structure_kept(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``mask_structure(mask)``, kept on the mask tensor between eager calls: timm's shift
     masks are buffers, the same tensor in every call, and the check reads and writes the
@@ -105,12 +117,7 @@ def _mask_structure_kept(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     traced launches (torch.compile) compute it in the graph."""
     if _traced_launch() or type(mask) is not torch.Tensor:
         return mask_structure(mask)
-    key = (mask._version, mask.data_ptr(), mask.shape, mask.stride())
-    kept = mask.__dict__.get("_flashwin_mask_structure")
-    if kept is None or kept[0] != key:
-        kept = (key, mask_structure(mask))
-        mask.__dict__["_flashwin_mask_structure"] = kept
-    return kept[1]
+    return kept_on(mask, "_flashwin_mask_structure", lambda: mask_structure(mask))
 
 
 def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, has_mask: bool) -> bool:
@@ -277,12 +284,17 @@ def attention_backward(
     return dqkv, dbias, dscale.sum((0, 2)) if scale_grad else dscale
 
 
+def _heads_block(heads: int) -> int:
+    """The power of two (at least 2) that holds every head of a position-bias table."""
+    return max(2, 1 << (heads - 1).bit_length())
+
+
 def relative_bias_gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The dense bias (H, N, N), contiguous, table[index] from a table (T, H) and an index
     (N, N) of table rows: ``table[index.view(-1)].view(N, N, H).permute(2, 0, 1)``."""
     n, heads = index.shape[0], table.shape[1]
     out = table.new_empty((heads, n, n))
-    block_h = max(2, 1 << (heads - 1).bit_length())
+    block_h = _heads_block(heads)
     block_p = max(16, (8192 if config.INTERPRET else 2048) // block_h)
     wrap_triton(relative_bias_gather_kernel)[(-(-(n * n) // block_p),)](
         table, index.reshape(-1), out, n * n, *table.stride(), out.stride(0),
@@ -301,7 +313,7 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
     if grad.stride(1) != 1:
         grad = grad.contiguous()
     out = grad.new_empty((num_rows, heads), dtype=dtype)
-    block_h = max(2, 1 << (heads - 1).bit_length())
+    block_h = _heads_block(heads)
     if config.INTERPRET:  # few programs: the interpreter's cost is per operation
         block_t, block_j = max(16, 1024 // block_h), 16
     else:  # many programs, each taking its rows' pairs in one to a few latency-bound steps
