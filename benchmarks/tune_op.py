@@ -88,6 +88,10 @@ def main() -> None:
                              "0: none, the compiler's choice)")
     parser.add_argument("--stages", nargs="*", type=int, default=[0],
                         help="with --only-default: pipeline depths to time (0: the default's)")
+    parser.add_argument("--dq", nargs="*", default=None, choices=["atomic", "kernel"],
+                        help="multi-block backward: time each candidate with dQ by atomic adds in the dkdv "
+                             "kernel, by its own kernel (what torch.use_deterministic_algorithms(True) runs), "
+                             "or both (default: the configuration's own choice)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config.MASK_REGIONS = "mask" not in args.dense
@@ -106,7 +110,8 @@ def main() -> None:
                                                                                    cosine)
         kernels = [fwd_kernels.window_attention_fwd_kernel] if which == "fwd" else [
             bwd_kernels.window_attention_bwd_fused_kernel, bwd_kernels.window_attention_bwd_dkdv_kernel,
-            bwd_kernels.window_attention_bwd_dq_kernel, bwd_kernels.window_attention_bwd_dbias_kernel]
+            bwd_kernels.window_attention_bwd_dq_kernel, bwd_kernels.window_attention_bwd_dq_finish_kernel,
+            bwd_kernels.window_attention_bwd_dbias_kernel]
         out, stats, regions, mask_info = attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)
         best = None
         if args.only_default:
@@ -114,7 +119,11 @@ def main() -> None:
                        for regs in args.maxnreg for stages in args.stages]
         else:
             configs = list(candidates(n, head_dim, base, which, args.quick))
+        dq_paths = args.dq if args.dq and which == "bwd" and not base.single_tile(n) else [None]
+        configs = [cfg if dq_path is None else config.with_changes(cfg, dq_atomic=dq_path == "atomic")
+                   for cfg in configs for dq_path in dq_paths]
         for cfg in configs:
+            dq_path = "atomic" if cfg.dq_atomic else "kernel"
             config.OVERRIDES[key] = cfg
             before = {id(k): dict(_compiled(k)) for k in kernels}
             try:
@@ -138,11 +147,13 @@ def main() -> None:
                 config.OVERRIDES.pop(key, None)
             info = _stats(kernels, before)
             row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=cfg == base,
+                       dq=dq_path,
                        without=args.without, dense=args.dense, bias_dtype=args.bias_dtype, **cfg.__dict__)
             results.append(row)
             mark = "*" if cfg == base else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
-                  f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} regs<={cfg.maxnreg} {' '.join(info)}", flush=True)
+                  f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} regs<={cfg.maxnreg} dq={dq_path} "
+                  f"{' '.join(info)}", flush=True)
             if best is None or us < best[0]:
                 best = (us, cfg)
         default_us = next((r["us"] for r in results if r["is_default"] and r["shape"] == shape_name

@@ -15,6 +15,21 @@ HAS_CUDA = torch.cuda.is_available()
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+@pytest.fixture
+def deterministic_algorithms(monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` for one test, then the previous setting.
+    cuBLAS is deterministic only with a fixed workspace, hence CUBLAS_WORKSPACE_CONFIG
+    (PyTorch refuses matmuls on CUDA in this mode without it)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = torch.are_deterministic_algorithms_enabled()
+    previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

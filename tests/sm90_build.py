@@ -95,7 +95,7 @@ def build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchCon
     types, constexprs, attrs = as_launched(kernel, signature(kernel, dtype, constexprs), constexprs)
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs)
     with _direct_launches():  # the options of an eager launch: the register cap included
-        options = launch_options(launch, constexprs["HAS_DROPOUT"])
+        options = launch_options(launch, constexprs.get("HAS_DROPOUT", False))
     compiled = triton.compile(source, target=TARGET, options=options)
     print(f"  {kernel.fn.__name__:40s} {resource_usage(compiled.asm['cubin'])}", flush=True)
 
@@ -121,7 +121,12 @@ def main() -> int:
                   dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine), bwd)
             continue
         blocks = dict(flags, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, MASK_REGIONS=True)
-        build(backward.window_attention_bwd_dkdv_kernel, dtype, blocks, bwd)
+        for dq_atomic in (True, False):  # dQ by atomic adds (the default), or the deterministic dq kernel
+            build(backward.window_attention_bwd_dkdv_kernel, dtype, dict(blocks, DQ_ATOMIC=dq_atomic,
+                                                                         SCALE_GRAD=cosine), bwd)
+        build(backward.window_attention_bwd_dq_finish_kernel, dtype,
+              dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine,
+                   SCALE_GRAD=cosine), config.with_changes(bwd, num_warps=4, maxnreg=None))
         build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine), bwd)
         build(backward.window_attention_bwd_dbias_kernel, dtype, blocks, bwd)
     return 0

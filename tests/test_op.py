@@ -14,7 +14,7 @@ from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make
 from timm_flashwin import window_attention
 from timm_flashwin.kernels import config
 from timm_flashwin.op import uses_kernels, window_attention_fwd
-from timm_flashwin.kernels.launch import mask_structure
+from timm_flashwin.kernels.launch import dq_by_atomic_adds, mask_structure
 from timm_flashwin.reference import LOGIT_SCALE_MAX, window_attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -41,6 +41,32 @@ def test_matches_float64_reference(cosine, masked, n, head_dim, dtype):
     assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
                              TOLERANCE[dtype])
 
+
+
+@pytest.mark.parametrize("dq_atomic", [True, False], ids=["dq-atomic-adds", "dq-kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_multi_block_dq_paths_match_reference(cosine, dtype, dq_atomic, monkeypatch):
+    """Both ways of the multi-block backward to dQ (and to the cosine scale gradient): atomic
+    adds in the dkdv kernel, or a dq kernel of its own; each (N, D, dtype, kind) takes one
+    of them by default (config.backward_config), forced here."""
+    key = ("bwd", 144, 32, dtype, cosine)
+    monkeypatch.setitem(config.OVERRIDES, key, config.with_changes(config.backward_config(*key[1:]),
+                                                                   dq_atomic=dq_atomic))
+    assert dq_by_atomic_adds(config.backward_config(*key[1:])) == dq_atomic
+    case = make_case(4, 2, 3, 144, 32, cosine=cosine, masked=True, dtype=dtype, device=KERNEL_DEVICE, seed=7)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
+                             TOLERANCE[dtype])
+
+
+def test_deterministic_mode_takes_the_dq_kernel(deterministic_algorithms):
+    """Under torch.use_deterministic_algorithms(True), no atomic adds: V1's multi-block
+    backward, which adds dQ up with them by default, runs its dq kernel instead."""
+    tiles = config.backward_config(144, 32, torch.bfloat16, False)
+    assert tiles.dq_atomic and not dq_by_atomic_adds(tiles)
+    case = make_case(4, 2, 3, 144, 32, cosine=False, masked=True, dtype=torch.bfloat16, device=KERNEL_DEVICE, seed=8)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
+                             TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.parametrize("n", [42, 144])

@@ -124,21 +124,6 @@ def test_grad_checkpointing(family, reentrant_checkpoints):
 
 
 # ------------------------------------------------------------------ deterministic gradients
-@pytest.fixture
-def deterministic_algorithms(monkeypatch) -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(True)`` for one test, then the previous setting.
-    cuBLAS is deterministic only with a fixed workspace, hence CUBLAS_WORKSPACE_CONFIG
-    (PyTorch refuses matmuls on CUDA in this mode without it)."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    previous = torch.are_deterministic_algorithms_enabled()
-    previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
-
-
 @pytest.mark.parametrize("family", MODELS)
 def test_model_gradients_are_bit_reproducible(family, deterministic_algorithms, monkeypatch):
     """Two identical forward and backward passes of a patched model give bit-identical

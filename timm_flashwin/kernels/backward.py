@@ -17,11 +17,15 @@ Two paths, picked by the launcher:
 * N fits one tile: ``window_attention_bwd_fused_kernel`` does everything for a run of
   windows sharing (head, mask window); it sums dZ over those windows in registers and
   writes one partial bias gradient per program, summed afterwards by the launcher.
-* Larger N: ``delta`` (rowsum(dO * O)), then ``dkdv``, ``dq`` and ``dbias`` kernels, each
-  over its own output tiles. The bias kernel again loops over windows sharing a tile of
-  B + M and writes partials.
+* Larger N: ``delta`` (rowsum(dO * O)), then ``dkdv`` and ``dbias`` kernels, each over
+  its own output tiles; the bias kernel again loops over windows sharing a tile of B + M
+  and writes partials. dQ is either added by the ``dkdv`` kernel, tile by tile, into an
+  fp32 buffer with atomic adds and finished (scaled, normalized, cast) by
+  ``dq_finish``, or, under ``torch.use_deterministic_algorithms(True)``, computed by
+  its own ``dq`` kernel, which recomputes every tile of P once more.
 
-Neither path uses atomics: the gradients are bit-for-bit reproducible.
+Atomics are used for dQ (and its rows' sums for the cosine scale gradient) only, and only
+outside the deterministic mode: there, both paths give bit-for-bit reproducible gradients.
 """
 import triton
 import triton.language as tl
@@ -84,6 +88,25 @@ def input_grad(dx_acc, s, x_hat, x_inv, x_norm, COSINE: tl.constexpr):
     if COSINE:
         dx = normalize_backward(dx, x_hat, x_inv, x_norm)
     return dx
+
+
+@triton.jit
+def store_dq(dq_acc, s, q_hat, q_inv, q_norm, dq_base, rows, dims, stride_n, stride_c,
+             N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr):
+    """Store dQ of a query block from dq_acc = dZ K^ (fp32, summed over all key blocks)."""
+    dq = input_grad(dq_acc, s, q_hat, q_inv, q_norm, COSINE)
+    store_rows(dq_base, dq, rows, dims, stride_n, stride_c, N, D)
+
+
+@triton.jit
+def scale_grad_partial(ds_r, ds_sum, p_r, p_sum, rows, N: tl.constexpr):
+    """A query block's share of d(head scale) from its rows' sums over all keys of dZ * R,
+    dZ, P * R and P: sum_i (sum_j dZ R - sum_j dZ * rbar_i), rbar_i = sum_j P R / sum_j P.
+    Equal to sum dZ R since sum_j dZ_ij = 0, but insensitive to the rounding of delta
+    (rowsum(dO * O) is not bit-equal to rowsum(P * dP)), which the cancelling sum of a
+    large logit scale would otherwise amplify."""
+    rbar = p_r / tl.where(p_sum == 0.0, 1.0, p_sum)
+    return tl.sum(tl.where(rows < N, ds_r - ds_sum * rbar, 0.0), 0)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
@@ -159,13 +182,17 @@ def window_attention_bwd_fused_kernel(
 
 @triton.jit
 def window_attention_bwd_delta_kernel(
-    out_ptr, dout_ptr, delta_ptr,
+    out_ptr, dout_ptr, delta_ptr, dq_acc_ptr, row_sums_ptr, row_sums_stride,
     stride_out_b, stride_out_n, stride_out_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO * O (fp32), for the multi-block path."""
+    """delta[b, h, i] = sum_d dO * O (fp32), for the multi-block path. With DQ_ATOMIC it
+    also zeroes the same rows of the buffers the dkdv kernel adds dQ (B_ * H, N, D) and,
+    with SCALE_GRAD, the four row sums (4, B_ * H * N) into: one pass over them, not a
+    memset launch each."""
     NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
     pid = tl.program_id(0)
     m_block = pid % NUM_M_BLOCKS
@@ -179,13 +206,20 @@ def window_attention_bwd_delta_kernel(
     do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                    stride_dout_n, stride_dout_c, N, D).to(tl.float32)
     tl.store(delta_ptr + bh * N + rows, tl.sum(o * do, 1), mask=rows < N)
+    if DQ_ATOMIC:
+        acc_ptrs = dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :]
+        tl.store(acc_ptrs, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), mask=(rows[:, None] < N) & (dims[None, :] < D))
+        if SCALE_GRAD:
+            zeros = tl.zeros((BLOCK_M,), tl.float32)
+            for which in tl.static_range(4):
+                tl.store(row_sums_ptr + which * row_sums_stride + bh * N + rows, zeros, mask=rows < N)
 
 
 @triton.jit
 def window_attention_bwd_dkdv_kernel(
     qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
-    dqkv_ptr,
-    scale, dropout_p, num_periods, stats_stride,
+    dqkv_ptr, dq_acc_ptr, row_sums_ptr,
+    scale, dropout_p, num_periods, stats_stride, row_sums_stride,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
@@ -194,9 +228,15 @@ def window_attention_bwd_dkdv_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
 ):
-    """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks."""
+    """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks.
+
+    DQ_ATOMIC: also adds each tile's dZ K^ to dq_acc (B_ * H, N, D) fp32 and, with
+    SCALE_GRAD, the tile's row sums of dZ * R, dZ, P * R and P to row_sums (4, B_ * H * N)
+    (``scale_grad_partial``), with atomic adds: the dq kernel, which would compute every
+    tile of P once more, is then not needed. The key blocks of a window run as neighbouring
+    programs, each at its own query block, so few adds meet on one address."""
     NUM_N_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     n_block = pid % NUM_N_BLOCKS
@@ -230,8 +270,19 @@ def window_attention_bwd_dkdv_kernel(
         p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
                                                 bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                 COSINE, FP32_DOT, False, HAS_DROPOUT)
+        ds_lowp = ds.to(q_lowp.dtype)
         dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
-        dk_acc = mma(tl.trans(ds.to(q_lowp.dtype)), q_lowp, dk_acc, FP32_DOT)
+        dk_acc = mma(tl.trans(ds_lowp), q_lowp, dk_acc, FP32_DOT)
+        if DQ_ATOMIC:
+            dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
+            tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,
+                          mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
+            if SCALE_GRAD:
+                sums_ptrs = row_sums_ptr + bh * N + rows
+                tl.atomic_add(sums_ptrs, tl.sum(ds * raw, 1), mask=rows < N, sem="relaxed")
+                tl.atomic_add(sums_ptrs + row_sums_stride, tl.sum(ds, 1), mask=rows < N, sem="relaxed")
+                tl.atomic_add(sums_ptrs + 2 * row_sums_stride, tl.sum(p * raw, 1), mask=rows < N, sem="relaxed")
+                tl.atomic_add(sums_ptrs + 3 * row_sums_stride, tl.sum(p, 1), mask=rows < N, sem="relaxed")
 
     dk = input_grad(dk_acc, s, k_hat, k_inv, k_norm, COSINE)
     dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
@@ -278,10 +329,7 @@ def window_attention_bwd_dq_kernel(
                    stride_dout_n, stride_dout_c, N, D)
     row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
     dq_acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    # Row sums for d(head scale) = sum_j dZ_ij (R_ij - rbar_i), rbar_i = sum_j P R / sum_j P.
-    # Equal to sum dZ R since sum_j dZ_ij = 0, but insensitive to the rounding of delta
-    # (rowsum(dO * O) is not bit-equal to rowsum(P * dP)), which the cancelling sum of
-    # a large logit scale would otherwise amplify.
+    # the rows' sums of scale_grad_partial
     ds_r = tl.zeros((BLOCK_M,), tl.float32)
     ds_sum = tl.zeros((BLOCK_M,), tl.float32)
     p_r = tl.zeros((BLOCK_M,), tl.float32)
@@ -304,12 +352,45 @@ def window_attention_bwd_dq_kernel(
             p_r += tl.sum(p * raw, 1)
             p_sum += tl.sum(p, 1)
 
-    dq = input_grad(dq_acc, s, q_hat, q_inv, q_norm, COSINE)
-    store_rows(dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, dq, rows, dims,
-               stride_dqkv_n, stride_dqkv_c, N, D)
+    store_dq(dq_acc, s, q_hat, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
+             stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
     if SCALE_GRAD:
-        rbar = p_r / tl.where(p_sum == 0.0, 1.0, p_sum)
-        tl.store(dscale_partial_ptr + pid, tl.sum(tl.where(rows < N, ds_r - ds_sum * rbar, 0.0), 0))
+        tl.store(dscale_partial_ptr + pid, scale_grad_partial(ds_r, ds_sum, p_r, p_sum, rows, N))
+
+
+@triton.jit
+def window_attention_bwd_dq_finish_kernel(
+    qkv_ptr, head_scale_ptr, dq_acc_ptr, row_sums_ptr, dqkv_ptr, dscale_partial_ptr,
+    scale, row_sums_stride,
+    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
+    H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    COSINE: tl.constexpr, SCALE_GRAD: tl.constexpr,
+):
+    """Grid: (B_ * H * query blocks,), as the dq kernel's, whose outputs it writes from what
+    the dkdv kernel added up with DQ_ATOMIC: dQ of one query block from dq_acc, and the
+    block's share of d(head scale) from the row sums."""
+    NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
+    pid = tl.program_id(0)
+    m_block = pid % NUM_M_BLOCKS
+    bh = (pid // NUM_M_BLOCKS).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    s = head_scale(head_scale_ptr, h, scale, COSINE)
+    q_hat, q_lowp, q_inv, q_norm = load_qk(qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c, rows, dims,
+                                           stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    dq_acc = load_rows(dq_acc_ptr + bh * N * D, rows, dims, D, 1, N, D)
+    store_dq(dq_acc, s, q_hat, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
+             stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
+    if SCALE_GRAD:
+        sums_ptrs = row_sums_ptr + bh * N + rows
+        ds_r = tl.load(sums_ptrs, mask=rows < N, other=0.0)
+        ds_sum = tl.load(sums_ptrs + row_sums_stride, mask=rows < N, other=0.0)
+        p_r = tl.load(sums_ptrs + 2 * row_sums_stride, mask=rows < N, other=0.0)
+        p_sum = tl.load(sums_ptrs + 3 * row_sums_stride, mask=rows < N, other=0.0)
+        tl.store(dscale_partial_ptr + pid, scale_grad_partial(ds_r, ds_sum, p_r, p_sum, rows, N))
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])

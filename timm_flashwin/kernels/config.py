@@ -39,6 +39,9 @@ class LaunchConfig:
     #: cap on registers per thread (Triton's ``maxnreg``), None for the compiler's choice;
     #: applied where the kernels are launched directly (``launch.launch_options``)
     maxnreg: Optional[int] = None
+    #: multi-block backward: dQ added up by the dkdv kernel with atomic adds rather than by
+    #: a dq kernel of its own (``launch.dq_by_atomic_adds``; never in deterministic mode)
+    dq_atomic: bool = False
 
     def single_tile(self, n: int) -> bool:
         return self.block_m >= n and self.block_n >= n
@@ -125,7 +128,14 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
     block = _streamed_block(n, 64 if block_d <= 64 else 32)
     # the same sweep (D = 32): 3 stages beat 2 by 1.05x to 1.1x on the multi-block backward
     stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
-    return LaunchConfig(block, block, block_d, 4, stages, 4, _streamed_maxnreg(block_d, dtype))
+    # dQ by atomic adds, V1: H200, bf16, D = 32, kernels alone (tune_op.py --only-default --dq
+    # atomic kernel, 2026-11-23), backward us, atomic / dq kernel: window 12 281 / 402, 16
+    # 354 / 479, 24 1030 / 1366. Cosine attention holds more of the key block in registers
+    # (its normalization, the split of its scores' operands): with the dQ product and its
+    # accumulator on top, the dkdv kernel spills 184 registers under the cap (782 / 588 us
+    # on window 12, 3224 / 2027 on window 24) and uncapped it is slower still (650, 2148 us):
+    # cosine keeps the dq kernel.
+    return LaunchConfig(block, block, block_d, 4, stages, 4, _streamed_maxnreg(block_d, dtype), dq_atomic=not cosine)
 
 
 def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:

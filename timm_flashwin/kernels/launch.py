@@ -15,6 +15,7 @@ from .backward import (
     window_attention_bwd_dbias_kernel,
     window_attention_bwd_delta_kernel,
     window_attention_bwd_dkdv_kernel,
+    window_attention_bwd_dq_finish_kernel,
     window_attention_bwd_dq_kernel,
     window_attention_bwd_fused_kernel,
 )
@@ -197,6 +198,16 @@ def attention_forward(
     return out, stats, regions, mask_info
 
 
+def dq_by_atomic_adds(tiles: config.LaunchConfig) -> bool:
+    """Whether the multi-block backward adds dQ up with atomic adds in its dkdv kernel (one
+    recomputation of P fewer) rather than in a dq kernel of its own: where the launch
+    configuration says it is faster (``LaunchConfig.dq_atomic``), and never under
+    ``torch.use_deterministic_algorithms(True)``: the order of fp32 atomic adds varies
+    from run to run, and so would the last bits of dQ and of the cosine scale gradient.
+    The bias gradient is deterministic either way."""
+    return tiles.dq_atomic and not torch.are_deterministic_algorithms_enabled()
+
+
 def attention_backward(
     dout: torch.Tensor,
     qkv: torch.Tensor,
@@ -255,20 +266,36 @@ def attention_backward(
     blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d)
     flags["MASK_REGIONS"] = mask_regions
     launch = launch_options(tiles, dropout_p > 0)
+    rows = num_windows * num_heads * n
+    dq_atomic = dq_by_atomic_adds(tiles)
+    # dQ summed over key blocks by the dkdv kernel's atomic adds (zeroed by the delta kernel)
+    dq_acc = qkv.new_empty((rows, head_dim) if dq_atomic else (0,), dtype=torch.float32)
+    row_sums = qkv.new_empty((4, rows) if dq_atomic and scale_grad else (0,), dtype=torch.float32)
+    sums_stride = row_sums.stride(0) if row_sums.dim() == 2 else 0
     delta = qkv.new_empty((num_windows, num_heads, n), dtype=torch.float32)
     wrap_triton(window_attention_bwd_delta_kernel)[(num_windows * num_heads * m_blocks,)](
-        out, dout, delta, *out.stride(), *dout.stride(),
+        out, dout, delta, dq_acc, row_sums, sums_stride, *out.stride(), *dout.stride(),
         H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d,
+        DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad,
     )
     wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
         qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
-        scale, dropout_p, periods, stats.stride(0), *strides, **blocks, **flags, **launch,
+        dq_acc, row_sums, scale, dropout_p, periods, stats.stride(0), sums_stride, *strides,
+        DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
     )
     dscale = qkv.new_empty((num_windows, num_heads, m_blocks) if scale_grad else (0,), dtype=torch.float32)
-    wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
-        qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv, dscale,
-        scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
-    )
+    if dq_atomic:
+        wrap_triton(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](
+            qkv, head_scale_ptr, dq_acc, row_sums, dqkv, dscale, scale, sums_stride, *qkv.stride(), *dqkv.stride(),
+            H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d,
+            COSINE=cosine, SCALE_GRAD=scale_grad, num_warps=4,
+        )
+        del dq_acc, row_sums  # before the bias gradient's partials are allocated: a lower peak
+    else:
+        wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
+            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv, dscale,
+            scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
+        )
     if bias_grad:
         chunks, per_chunk = config.split_windows(per_period, num_heads * periods * m_blocks * n_blocks, target)
         groups = chunks * periods
