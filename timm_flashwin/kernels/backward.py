@@ -35,7 +35,7 @@ from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias
 
 
 @triton.jit
-def softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta, bias_mask,
+def softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta, bias_mask,
                           logit_scale2, seed, bh, rows, cols, dropout_p, N: tl.constexpr,
                           COSINE: tl.constexpr, FP32_DOT: tl.constexpr, ROW_COMPLETE: tl.constexpr,
                           HAS_DROPOUT: tl.constexpr):
@@ -47,7 +47,7 @@ def softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_
     holds whole rows), from a softmax over the tile itself, which also gives
     rowsum(P * dP); the statistics and ``delta`` are then ignored.
     """
-    raw = scores(q_hat, q_lowp, k_hat, k_lowp, COSINE, FP32_DOT)
+    raw = scores(q_in, q_inv, k_in, k_inv, COSINE, FP32_DOT)
     logits = raw * logit_scale2 + bias_mask
     if ROW_COMPLETE:
         # A fully masked row: max -inf, shifted by 0, sum 0, P = 0/0 = NaN as in the reference.
@@ -81,20 +81,20 @@ def load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N: tl.constexpr
 
 
 @triton.jit
-def input_grad(dx_acc, s, x_hat, x_inv, x_norm, COSINE: tl.constexpr):
-    """dQ or dK from dx_acc = dZ K^ (or dZ^T Q^), fp32: times s, then through the
+def input_grad(dx_acc, s, x_in, x_inv, x_norm, COSINE: tl.constexpr):
+    """dQ or dK from dx_acc = dZ K^ (or dZ^T Q^), fp32, and the tile x as loaded: times s, then through the
     normalization for cosine attention."""
     dx = dx_acc * s
     if COSINE:
-        dx = normalize_backward(dx, x_hat, x_inv, x_norm)
+        dx = normalize_backward(dx, x_in, x_inv, x_norm)
     return dx
 
 
 @triton.jit
-def store_dq(dq_acc, s, q_hat, q_inv, q_norm, dq_base, rows, dims, stride_n, stride_c,
+def store_dq(dq_acc, s, q_in, q_inv, q_norm, dq_base, rows, dims, stride_n, stride_c,
              N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr):
     """Store dQ of a query block from dq_acc = dZ K^ (fp32, summed over all key blocks)."""
-    dq = input_grad(dq_acc, s, q_hat, q_inv, q_norm, COSINE)
+    dq = input_grad(dq_acc, s, q_in, q_inv, q_norm, COSINE)
     store_rows(dq_base, dq, rows, dims, stride_n, stride_c, N, D)
 
 
@@ -149,20 +149,20 @@ def window_attention_bwd_fused_kernel(
         q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c
         v_base = k_base + (H * D) * stride_qkv_c
-        q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         v = load_rows(v_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, idx, dims,
                        stride_dout_n, stride_dout_c, N, D)
-        p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, s, s, s, bias_mask, s * LOG2E,
+        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, s, s, s, bias_mask, s * LOG2E,
                                                 seed, b * H + h, idx, idx, dropout_p, N,
                                                 COSINE, FP32_DOT, True, HAS_DROPOUT)
         ds_lowp = ds.to(q_lowp.dtype)
         dv = mma(tl.trans(p_v.to(do.dtype)), do, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
         dq_acc = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
         dk_acc = mma(tl.trans(ds_lowp), q_lowp, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
-        dq = input_grad(dq_acc, s, q_hat, q_inv, q_norm, COSINE)
-        dk = input_grad(dk_acc, s, k_hat, k_inv, k_norm, COSINE)
+        dq = input_grad(dq_acc, s, q_in, q_inv, q_norm, COSINE)
+        dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
 
         dq_base = dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c
         store_rows(dq_base, dq, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
@@ -254,20 +254,20 @@ def window_attention_bwd_dkdv_kernel(
     k_base = q_base + (H * D) * stride_qkv_c
     v_base = k_base + (H * D) * stride_qkv_c
     do_base = dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c
-    k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
     v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
     dk_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for start_m in range(0, N, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
         row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
         bias_mask = load_bias_mask_either(
             bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols, stride_bias_h,
             stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, HAS_BIAS, HAS_MASK,
             BLOCK_M, BLOCK_N)
-        p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
+        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
                                                 bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                 COSINE, FP32_DOT, False, HAS_DROPOUT)
         ds_lowp = ds.to(q_lowp.dtype)
@@ -284,7 +284,7 @@ def window_attention_bwd_dkdv_kernel(
                 tl.atomic_add(sums_ptrs + 2 * row_sums_stride, tl.sum(p * raw, 1), mask=rows < N, sem="relaxed")
                 tl.atomic_add(sums_ptrs + 3 * row_sums_stride, tl.sum(p, 1), mask=rows < N, sem="relaxed")
 
-    dk = input_grad(dk_acc, s, k_hat, k_inv, k_norm, COSINE)
+    dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
     dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
     store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
     store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
@@ -324,7 +324,7 @@ def window_attention_bwd_dq_kernel(
     q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
     k_base = q_base + (H * D) * stride_qkv_c
     v_base = k_base + (H * D) * stride_qkv_c
-    q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
     do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                    stride_dout_n, stride_dout_c, N, D)
     row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
@@ -336,13 +336,13 @@ def window_attention_bwd_dq_kernel(
     p_sum = tl.zeros((BLOCK_M,), tl.float32)
     for start_n in range(0, N, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
         bias_mask = load_bias_mask_either(
             bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols, stride_bias_h,
             stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, HAS_BIAS, HAS_MASK,
             BLOCK_M, BLOCK_N)
-        p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
+        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
                                                 bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                 COSINE, FP32_DOT, False, HAS_DROPOUT)
         dq_acc = mma(ds.to(k_lowp.dtype), k_lowp, dq_acc, FP32_DOT)
@@ -352,7 +352,7 @@ def window_attention_bwd_dq_kernel(
             p_r += tl.sum(p * raw, 1)
             p_sum += tl.sum(p, 1)
 
-    store_dq(dq_acc, s, q_hat, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
+    store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
              stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
     if SCALE_GRAD:
         tl.store(dscale_partial_ptr + pid, scale_grad_partial(ds_r, ds_sum, p_r, p_sum, rows, N))
@@ -379,10 +379,10 @@ def window_attention_bwd_dq_finish_kernel(
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
-    q_hat, q_lowp, q_inv, q_norm = load_qk(qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c, rows, dims,
+    q_in, q_lowp, q_inv, q_norm = load_qk(qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c, rows, dims,
                                            stride_qkv_n, stride_qkv_c, N, D, COSINE)
     dq_acc = load_rows(dq_acc_ptr + bh * N * D, rows, dims, D, 1, N, D)
-    store_dq(dq_acc, s, q_hat, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
+    store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
              stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
     if SCALE_GRAD:
         sums_ptrs = row_sums_ptr + bh * N + rows
@@ -441,13 +441,13 @@ def window_attention_bwd_dbias_kernel(
         q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c
         v_base = k_base + (H * D) * stride_qkv_c
-        q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
         v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                        stride_dout_n, stride_dout_c, N, D)
         row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
-        p, p_v, ds, raw = softmax_backward_tile(q_hat, q_lowp, k_hat, k_lowp, v, do, row_max, row_inv_sum, delta,
+        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
                                                 bias_mask, logit_scale2, seed, bh, rows, cols, dropout_p, N,
                                                 COSINE, FP32_DOT, False, HAS_DROPOUT)
         dbias_acc += ds

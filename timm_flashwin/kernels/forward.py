@@ -96,22 +96,25 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
         q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c
         v_base = k_base + (H * D) * stride_qkv_c
-        q_hat, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_scale = q_inv * logit_scale2
 
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for start_n in range(0, N, BLOCK_N):
             key_rows = start_n + cols
-            k_hat, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+            k_in, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
             v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if not SINGLE_KEY_BLOCK:
                 bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w,
                                            rows, key_rows, stride_bias_h, stride_bias_i, stride_bias_j,
                                            stride_mask_w, stride_mask_i, stride_mask_j,
                                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
-            raw = scores(q_hat, q_lowp, k_hat, k_lowp, COSINE, FP32_DOT)
-            logits = raw * logit_scale2 + bias_mask
+            if COSINE:  # the scale rides on the rows' inverse norms: one multiply per logit fewer
+                logits = scores(q_in, q_scale, k_in, k_inv, COSINE, FP32_DOT) + bias_mask
+            else:
+                logits = scores(q_in, q_inv, k_in, k_inv, COSINE, FP32_DOT) * logit_scale2 + bias_mask
             # Online softmax. A row whose logits so far are all -inf keeps m = -inf; it is
             # shifted by 0 instead so that exp2 gives 0, not NaN, until a finite logit comes.
             m_new = tl.maximum(m_i, tl.max(logits, 1))

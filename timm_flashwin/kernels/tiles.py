@@ -35,32 +35,25 @@ def mma(a, b, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _split_fp16(x):
-    """x (fp32, |x| <= 1) as hi + lo, both fp16: 22 significant bits between them."""
-    hi = x.to(tl.float16)
-    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+def scores(q_in, q_inv, k_in, k_inv, COSINE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """The raw score product R = Q^ K^^T of one tile, fp32, from the q and k tiles as
+    loaded (``load_qk``).
 
-
-@triton.jit
-def scores(q_hat, q_lowp, k_hat, k_lowp, COSINE: tl.constexpr, FP32_DOT: tl.constexpr):
-    """The raw score product R = Q^ K^^T of one tile, fp32.
-
-    V1 multiplies the input-dtype operands, as timm does. Cosine attention scales R by up
-    to 100, which would turn bf16 (2^-9) or even tf32 (2^-11) operand rounding into
-    logit errors of 0.05 to 0.2; its unit-norm rows are split into fp16 hi + lo pairs and
-    multiplied as hi*hi + hi*lo + lo*hi, three fp16 tensor-core products.
+    V1 multiplies the input-dtype operands, as timm does. Cosine attention multiplies
+    the unnormalized inputs too and scales the product by both rows' inverse norms,
+    R_ij = (q_i . k_j) / max(||q_i||, eps) / max(||k_j||, eps): a product of two bf16 or fp16
+    numbers is exact in fp32, so R is as precise as the fp32 accumulation (about 2^-22
+    of ||q|| ||k||), one tensor-core product. Normalizing first would round q^ and k^ to
+    the operand dtype, and the logit scale (up to 100) would turn that rounding
+    (2^-9 in bf16) into logit errors of 0.05 to 0.2.
     """
     if FP32_DOT:
-        return tl.dot(q_hat, tl.trans(k_hat), input_precision="ieee")
-    elif COSINE:
-        q_hi, q_lo = _split_fp16(q_hat)
-        k_hi, k_lo = _split_fp16(k_hat)
-        k_hi = tl.trans(k_hi)
-        raw = tl.dot(q_hi, k_hi)
-        raw = tl.dot(q_lo, k_hi, raw)
-        return tl.dot(q_hi, tl.trans(k_lo), raw)
+        raw = tl.dot(q_in.to(tl.float32), tl.trans(k_in.to(tl.float32)), input_precision="ieee")
     else:
-        return tl.dot(q_lowp, tl.trans(k_lowp))
+        raw = tl.dot(q_in, tl.trans(k_in))
+    if COSINE:
+        raw = raw * q_inv[:, None] * k_inv[None, :]
+    return raw
 
 
 @triton.jit
@@ -78,33 +71,41 @@ def store_rows(ptr, value, rows, cols, stride_row, stride_col, N: tl.constexpr, 
 
 @triton.jit
 def load_qk(ptr, rows, cols, stride_n, stride_c, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr):
-    """A query or key tile as the kernels use it: (hat, lowp, inv, norm).
+    """A query or key tile as the kernels use it: (x, lowp, inv, norm).
 
-    hat is x^ in fp32: x itself (V1) or x / max(||x||, eps) per row (cosine), with
-    inv = 1 / max(||x||, eps) and norm = ||x|| (ones and zeros for V1). lowp is x^ in the
-    input dtype, the operand of the gradient products (and of V1's scores).
+    x is the tile as loaded (input dtype), the operand of the scores (``scores``). For
+    cosine attention inv = 1 / max(||x||, eps) and norm = ||x|| per row, and lowp is
+    x^ = x / max(||x||, eps) in the input dtype; for V1 lowp is x, inv ones and norm
+    zeros. lowp is the operand of the gradient products.
     """
     x_in = load_rows(ptr, rows, cols, stride_n, stride_c, N, D)
-    x = x_in.to(tl.float32)
     if COSINE:
+        x = x_in.to(tl.float32)
         norm = tl.sqrt(tl.sum(x * x, axis=1))
         inv = 1.0 / tl.maximum(norm, NORM_EPS)
-        x_hat = x / tl.maximum(norm, NORM_EPS)[:, None]  # a division, as F.normalize: one rounding, not two
-        x_lowp = x_hat.to(x_in.dtype)
+        x_lowp = unit_rows(x_in, norm).to(x_in.dtype)
     else:
-        norm = tl.zeros((x.shape[0],), tl.float32)
+        norm = tl.zeros((x_in.shape[0],), tl.float32)
         inv = norm + 1.0
-        x_hat = x
         x_lowp = x_in
-    return x_hat, x_lowp, inv, norm
+    return x_in, x_lowp, inv, norm
 
 
 @triton.jit
-def normalize_backward(dxhat, xhat, inv, x_norm):
-    """Gradient through x^ = x / max(||x||, eps), given dL/dx^ and x^ (fp32 tiles).
+def unit_rows(x_in, norm):
+    """x^ = x / max(||x||, eps) in fp32, from the tile as loaded and its rows' norms: a
+    division, as F.normalize does (one rounding, not two)."""
+    return x_in.to(tl.float32) / tl.maximum(norm, NORM_EPS)[:, None]
+
+
+@triton.jit
+def normalize_backward(dxhat, x_in, inv, x_norm):
+    """Gradient through x^ = x / max(||x||, eps), given dL/dx^ (fp32) and the tile x as
+    loaded.
 
     dx = (dx^ - [||x|| > eps] * x^ * <x^, dx^>) / max(||x||, eps)
     """
+    xhat = unit_rows(x_in, x_norm)
     proj = tl.where(x_norm > NORM_EPS, tl.sum(xhat * dxhat, axis=1), 0.0)
     return (dxhat - xhat * proj[:, None]) * inv[:, None]
 
