@@ -92,6 +92,9 @@ def main() -> None:
                         help="multi-block backward: time each candidate with dQ by atomic adds in the dkdv "
                              "kernel, by its own kernel (what torch.use_deterministic_algorithms(True) runs), "
                              "or both (default: the configuration's own choice)")
+    parser.add_argument("--dbias-slots", nargs="*", type=int, default=None,
+                        help="multi-block backward: time each candidate with the bias gradient added by the "
+                             "dkdv kernel into this many slots with atomic adds (0: by its own kernel)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config.MASK_REGIONS = "mask" not in args.dense
@@ -119,9 +122,12 @@ def main() -> None:
                        for regs in args.maxnreg for stages in args.stages]
         else:
             configs = list(candidates(n, head_dim, base, which, args.quick))
-        dq_paths = args.dq if args.dq and which == "bwd" and not base.single_tile(n) else [None]
+        multi_block_bwd = which == "bwd" and not base.single_tile(n)
+        dq_paths = args.dq if args.dq and multi_block_bwd else [None]
         configs = [cfg if dq_path is None else config.with_changes(cfg, dq_atomic=dq_path == "atomic")
                    for cfg in configs for dq_path in dq_paths]
+        if args.dbias_slots and multi_block_bwd:
+            configs = [config.with_changes(cfg, dbias_slots=slots) for cfg in configs for slots in args.dbias_slots]
         for cfg in configs:
             dq_path = "atomic" if cfg.dq_atomic else "kernel"
             config.OVERRIDES[key] = cfg
@@ -153,6 +159,7 @@ def main() -> None:
             mark = "*" if cfg == base else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
                   f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} regs<={cfg.maxnreg} dq={dq_path} "
+                  f"slots={cfg.dbias_slots} "
                   f"{' '.join(info)}", flush=True)
             if best is None or us < best[0]:
                 best = (us, cfg)

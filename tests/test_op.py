@@ -14,7 +14,7 @@ from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make
 from timm_flashwin import window_attention
 from timm_flashwin.kernels import config
 from timm_flashwin.op import uses_kernels, window_attention_fwd
-from timm_flashwin.kernels.launch import dq_by_atomic_adds, mask_structure
+from timm_flashwin.kernels.launch import dbias_slots, dq_by_atomic_adds, mask_structure
 from timm_flashwin.reference import LOGIT_SCALE_MAX, window_attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -59,11 +59,28 @@ def test_multi_block_dq_paths_match_reference(cosine, dtype, dq_atomic, monkeypa
                              TOLERANCE[dtype])
 
 
-def test_deterministic_mode_takes_the_dq_kernel(deterministic_algorithms):
-    """Under torch.use_deterministic_algorithms(True), no atomic adds: V1's multi-block
-    backward, which adds dQ up with them by default, runs its dq kernel instead."""
-    tiles = config.backward_config(144, 32, torch.bfloat16, False)
-    assert tiles.dq_atomic and not dq_by_atomic_adds(tiles)
+@pytest.mark.parametrize("slots", [1, 3], ids=["one-slot", "three-slots"])
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_multi_block_bias_gradient_by_atomic_adds_matches_reference(cosine, slots, monkeypatch):
+    """The bias gradient added up by the dkdv kernel into ``slots`` (H, N, N) slots with atomic
+    adds (LaunchConfig.dbias_slots) rather than by the dbias kernel: 4 windows, so that
+    windows share a slot. With dQ by atomic adds too, as the default V1 configuration has it."""
+    key = ("bwd", 144, 32, torch.float32, cosine)
+    tiles = config.with_changes(config.backward_config(*key[1:]), dbias_slots=slots, dq_atomic=True)
+    monkeypatch.setitem(config.OVERRIDES, key, tiles)
+    assert dbias_slots(config.backward_config(*key[1:])) == slots
+    case = make_case(4, 2, 3, 144, 32, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE, seed=9)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
+                             TOLERANCE[torch.float32])
+
+
+def test_deterministic_mode_takes_the_dq_kernel(deterministic_algorithms, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True), no atomic adds: a multi-block
+    backward configured to add dQ and the bias gradient up with them runs its dq and dbias
+    kernels instead."""
+    tiles = config.with_changes(config.backward_config(144, 32, torch.bfloat16, False), dbias_slots=4)
+    monkeypatch.setitem(config.OVERRIDES, ("bwd", 144, 32, torch.bfloat16, False), tiles)
+    assert tiles.dq_atomic and not dq_by_atomic_adds(tiles) and dbias_slots(tiles) == 0
     case = make_case(4, 2, 3, 144, 32, cosine=False, masked=True, dtype=torch.bfloat16, device=KERNEL_DEVICE, seed=8)
     assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
                              TOLERANCE[torch.bfloat16])

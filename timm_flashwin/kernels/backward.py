@@ -99,14 +99,19 @@ def store_dq(dq_acc, s, q_in, q_inv, q_norm, dq_base, rows, dims, stride_n, stri
 
 
 @triton.jit
-def scale_grad_partial(ds_r, ds_sum, p_r, p_sum, rows, N: tl.constexpr):
-    """A query block's share of d(head scale) from its rows' sums over all keys of dZ * R,
-    dZ, P * R and P: sum_i (sum_j dZ R - sum_j dZ * rbar_i), rbar_i = sum_j P R / sum_j P.
+def scale_grad_terms(ds, raw, rbar):
+    """Per row of a tile, sum_j dZ_ij (R_ij - rbar_i), with rbar_i = sum_j P_ij R_ij the row's
+    P-weighted mean score (saved by the forward): summed over all tiles, d(head scale).
     Equal to sum dZ R since sum_j dZ_ij = 0, but insensitive to the rounding of delta
     (rowsum(dO * O) is not bit-equal to rowsum(P * dP)), which the cancelling sum of a
     large logit scale would otherwise amplify."""
-    rbar = p_r / tl.where(p_sum == 0.0, 1.0, p_sum)
-    return tl.sum(tl.where(rows < N, ds_r - ds_sum * rbar, 0.0), 0)
+    return tl.sum(ds * (raw - rbar[:, None]), 1)
+
+
+@triton.jit
+def load_rbar(stats_ptr, bh, rows, stats_stride, N: tl.constexpr):
+    """The forward's rbar (stats[2]) of the rows of window-head ``bh``, 0 on padded rows."""
+    return tl.load(stats_ptr + 2 * stats_stride + bh * N + rows, mask=rows < N, other=0.0)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
@@ -182,17 +187,16 @@ def window_attention_bwd_fused_kernel(
 
 @triton.jit
 def window_attention_bwd_delta_kernel(
-    out_ptr, dout_ptr, delta_ptr, dq_acc_ptr, row_sums_ptr, row_sums_stride,
+    out_ptr, dout_ptr, delta_ptr, dq_acc_ptr,
     stride_out_b, stride_out_n, stride_out_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):
     """delta[b, h, i] = sum_d dO * O (fp32), for the multi-block path. With DQ_ATOMIC it
-    also zeroes the same rows of the buffers the dkdv kernel adds dQ (B_ * H, N, D) and,
-    with SCALE_GRAD, the four row sums (4, B_ * H * N) into: one pass over them, not a
-    memset launch each."""
+    also zeroes the same rows of the buffer the dkdv kernel adds dQ into (B_ * H, N, D):
+    in the same pass, not a memset launch of its own."""
     NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
     pid = tl.program_id(0)
     m_block = pid % NUM_M_BLOCKS
@@ -209,17 +213,13 @@ def window_attention_bwd_delta_kernel(
     if DQ_ATOMIC:
         acc_ptrs = dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :]
         tl.store(acc_ptrs, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), mask=(rows[:, None] < N) & (dims[None, :] < D))
-        if SCALE_GRAD:
-            zeros = tl.zeros((BLOCK_M,), tl.float32)
-            for which in tl.static_range(4):
-                tl.store(row_sums_ptr + which * row_sums_stride + bh * N + rows, zeros, mask=rows < N)
 
 
 @triton.jit
 def window_attention_bwd_dkdv_kernel(
     qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
-    dqkv_ptr, dq_acc_ptr, row_sums_ptr,
-    scale, dropout_p, num_periods, stats_stride, row_sums_stride,
+    dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
+    scale, dropout_p, num_periods, stats_stride, num_slots,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
@@ -229,14 +229,20 @@ def window_attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
+    DBIAS_ATOMIC: tl.constexpr,
 ):
     """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks.
 
-    DQ_ATOMIC: also adds each tile's dZ K^ to dq_acc (B_ * H, N, D) fp32 and, with
-    SCALE_GRAD, the tile's row sums of dZ * R, dZ, P * R and P to row_sums (4, B_ * H * N)
-    (``scale_grad_partial``), with atomic adds: the dq kernel, which would compute every
-    tile of P once more, is then not needed. The key blocks of a window run as neighbouring
-    programs, each at its own query block, so few adds meet on one address."""
+    DQ_ATOMIC: also adds each tile's dZ K^ to dq_acc (B_ * H, N, D) fp32 with atomic adds
+    (the key blocks of a window run as neighbouring programs, each at its own query block,
+    so few adds meet on one address) and, with SCALE_GRAD, writes the key block's share of
+    d(head scale) to dscale_partial[b, h, key block] (``scale_grad_terms``): the dq kernel,
+    which would compute every tile of P once more, is then not needed.
+
+    DBIAS_ATOMIC: also adds each tile's dZ to dbias_slots[b % num_slots, h] (num_slots,
+    H, N, N) fp32 with atomic adds, for the bias gradient (the slots summed afterwards),
+    instead of a dbias kernel that computes every tile of P once more. Windows in flight
+    together mostly fall in different slots."""
     NUM_N_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     n_block = pid % NUM_N_BLOCKS
@@ -258,6 +264,7 @@ def window_attention_bwd_dkdv_kernel(
     v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
     dk_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dscale_acc = 0.0
     for start_m in range(0, N, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
@@ -277,17 +284,20 @@ def window_attention_bwd_dkdv_kernel(
             dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
             tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,
                           mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
-            if SCALE_GRAD:
-                sums_ptrs = row_sums_ptr + bh * N + rows
-                tl.atomic_add(sums_ptrs, tl.sum(ds * raw, 1), mask=rows < N, sem="relaxed")
-                tl.atomic_add(sums_ptrs + row_sums_stride, tl.sum(ds, 1), mask=rows < N, sem="relaxed")
-                tl.atomic_add(sums_ptrs + 2 * row_sums_stride, tl.sum(p * raw, 1), mask=rows < N, sem="relaxed")
-                tl.atomic_add(sums_ptrs + 3 * row_sums_stride, tl.sum(p, 1), mask=rows < N, sem="relaxed")
+        if SCALE_GRAD:
+            rbar = load_rbar(stats_ptr, bh, rows, stats_stride, N)
+            dscale_acc += tl.sum(scale_grad_terms(ds, raw, rbar), 0)
+        if DBIAS_ATOMIC:
+            slot = b % num_slots
+            tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :], ds,
+                          mask=(rows[:, None] < N) & (cols[None, :] < N), sem="relaxed")
 
     dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
     dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
     store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
     store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+    if SCALE_GRAD:
+        tl.store(dscale_partial_ptr + pid, dscale_acc)
 
 
 @triton.jit
@@ -329,11 +339,9 @@ def window_attention_bwd_dq_kernel(
                    stride_dout_n, stride_dout_c, N, D)
     row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
     dq_acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    # the rows' sums of scale_grad_partial
-    ds_r = tl.zeros((BLOCK_M,), tl.float32)
-    ds_sum = tl.zeros((BLOCK_M,), tl.float32)
-    p_r = tl.zeros((BLOCK_M,), tl.float32)
-    p_sum = tl.zeros((BLOCK_M,), tl.float32)
+    dscale_rows = tl.zeros((BLOCK_M,), tl.float32)
+    if SCALE_GRAD:
+        rbar = load_rbar(stats_ptr, bh, rows, stats_stride, N)
     for start_n in range(0, N, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
@@ -347,29 +355,25 @@ def window_attention_bwd_dq_kernel(
                                                 COSINE, FP32_DOT, False, HAS_DROPOUT)
         dq_acc = mma(ds.to(k_lowp.dtype), k_lowp, dq_acc, FP32_DOT)
         if SCALE_GRAD:
-            ds_r += tl.sum(ds * raw, 1)
-            ds_sum += tl.sum(ds, 1)
-            p_r += tl.sum(p * raw, 1)
-            p_sum += tl.sum(p, 1)
+            dscale_rows += scale_grad_terms(ds, raw, rbar)
 
     store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
              stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
     if SCALE_GRAD:
-        tl.store(dscale_partial_ptr + pid, scale_grad_partial(ds_r, ds_sum, p_r, p_sum, rows, N))
+        tl.store(dscale_partial_ptr + pid, tl.sum(dscale_rows, 0))
 
 
 @triton.jit
 def window_attention_bwd_dq_finish_kernel(
-    qkv_ptr, head_scale_ptr, dq_acc_ptr, row_sums_ptr, dqkv_ptr, dscale_partial_ptr,
-    scale, row_sums_stride,
+    qkv_ptr, head_scale_ptr, dq_acc_ptr, dqkv_ptr,
+    scale,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    COSINE: tl.constexpr, SCALE_GRAD: tl.constexpr,
+    COSINE: tl.constexpr,
 ):
-    """Grid: (B_ * H * query blocks,), as the dq kernel's, whose outputs it writes from what
-    the dkdv kernel added up with DQ_ATOMIC: dQ of one query block from dq_acc, and the
-    block's share of d(head scale) from the row sums."""
+    """Grid: (B_ * H * query blocks,). dQ of one query block from what the dkdv kernel added
+    up in dq_acc with DQ_ATOMIC: times the scale, through the normalization, cast."""
     NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
     pid = tl.program_id(0)
     m_block = pid % NUM_M_BLOCKS
@@ -380,17 +384,10 @@ def window_attention_bwd_dq_finish_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     q_in, q_lowp, q_inv, q_norm = load_qk(qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c, rows, dims,
-                                           stride_qkv_n, stride_qkv_c, N, D, COSINE)
+                                          stride_qkv_n, stride_qkv_c, N, D, COSINE)
     dq_acc = load_rows(dq_acc_ptr + bh * N * D, rows, dims, D, 1, N, D)
     store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
              stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
-    if SCALE_GRAD:
-        sums_ptrs = row_sums_ptr + bh * N + rows
-        ds_r = tl.load(sums_ptrs, mask=rows < N, other=0.0)
-        ds_sum = tl.load(sums_ptrs + row_sums_stride, mask=rows < N, other=0.0)
-        p_r = tl.load(sums_ptrs + 2 * row_sums_stride, mask=rows < N, other=0.0)
-        p_sum = tl.load(sums_ptrs + 3 * row_sums_stride, mask=rows < N, other=0.0)
-        tl.store(dscale_partial_ptr + pid, scale_grad_partial(ds_r, ds_sum, p_r, p_sum, rows, N))
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])

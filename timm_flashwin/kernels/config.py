@@ -42,6 +42,10 @@ class LaunchConfig:
     #: multi-block backward: dQ added up by the dkdv kernel with atomic adds rather than by
     #: a dq kernel of its own (``launch.dq_by_atomic_adds``; never in deterministic mode)
     dq_atomic: bool = False
+    #: multi-block backward: the bias gradient added up by the dkdv kernel with atomic adds
+    #: into this many (H, N, N) slots (0: by a dbias kernel of its own;
+    #: ``launch.dbias_slots``; never in deterministic mode)
+    dbias_slots: int = 0
 
     def single_tile(self, n: int) -> bool:
         return self.block_m >= n and self.block_n >= n
@@ -128,14 +132,15 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
     block = _streamed_block(n, 64 if block_d <= 64 else 32)
     # the same sweep (D = 32): 3 stages beat 2 by 1.05x to 1.1x on the multi-block backward
     stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
-    # dQ by atomic adds, V1: H200, bf16, D = 32, kernels alone (tune_op.py --only-default --dq
-    # atomic kernel, 2026-11-23), backward us, atomic / dq kernel: window 12 281 / 402, 16
-    # 354 / 479, 24 1030 / 1366. Cosine attention holds more of the key block in registers
-    # (its normalization, the split of its scores' operands): with the dQ product and its
-    # accumulator on top, the dkdv kernel spills 184 registers under the cap (782 / 588 us
-    # on window 12, 3224 / 2027 on window 24) and uncapped it is slower still (650, 2148 us):
-    # cosine keeps the dq kernel.
-    return LaunchConfig(block, block, block_d, 4, stages, 4, _streamed_maxnreg(block_d, dtype), dq_atomic=not cosine)
+    # dQ by atomic adds: H200, bf16, D = 32, kernels alone (tune_op.py --only-default --dq atomic
+    # kernel --dbias-slots 0 1 --maxnreg -1 0, 2026-11-23), backward us. V1, atomic / dq
+    # kernel, both capped: window 12 281 / 402, 16 354 / 479, 24 1030 / 1366; the bias
+    # gradient's atomic slot on top: 311, 378, 1049 (slower: the dQ adds already load L2).
+    # Cosine, whose dkdv kernel also sums the scale gradient: atomic dQ and one atomic bias
+    # slot, uncapped, 401 / 510 / 1433 against the dq and dbias kernels' 471 / 570 / 1674
+    # (capped; uncapped 542 / 631 / 1802); capped, the atomic dkdv spills (458 / 565 / 1594).
+    return LaunchConfig(block, block, block_d, 4, stages, 4, None if cosine else _streamed_maxnreg(block_d, dtype),
+                        dq_atomic=True, dbias_slots=1 if cosine else 0)
 
 
 def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:

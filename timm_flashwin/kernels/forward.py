@@ -32,7 +32,10 @@ def window_attention_fwd_kernel(
 ):
     """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
-    row max of the log2 logits, stats[1] 1 / sum(exp2(logits - max)), each (B_, H, N).
+    row max of the log2 logits, stats[1] 1 / sum(exp2(logits - max)), each (B_, H, N),
+    and for cosine attention stats[2] the rows' P-weighted mean score
+    rbar_i = sum_j P_ij R_ij (R = Q^ K^^T, undropped P), which centers the logit-scale
+    gradient (``backward.scale_grad_terms``).
     Two numbers rather than one log-sum-exp: Z - max is exact where Z - lse would carry
     the rounding of lse (~1e-5 relative in P at logits ~100), which the cancelling sum
     of the logit-scale gradient amplifies."""
@@ -101,6 +104,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
 
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
+        r_i = tl.zeros((BLOCK_M,), tl.float32)  # cosine: sum_j P R (times the scale), as l_i sums P
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for start_n in range(0, N, BLOCK_N):
             key_rows = start_n + cols
@@ -112,7 +116,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                                            stride_mask_w, stride_mask_i, stride_mask_j,
                                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
             if COSINE:  # the scale rides on the rows' inverse norms: one multiply per logit fewer
-                logits = scores(q_in, q_scale, k_in, k_inv, COSINE, FP32_DOT) + bias_mask
+                scaled = scores(q_in, q_scale, k_in, k_inv, COSINE, FP32_DOT)
+                logits = scaled + bias_mask
             else:
                 logits = scores(q_in, q_inv, k_in, k_inv, COSINE, FP32_DOT) * logit_scale2 + bias_mask
             # Online softmax. A row whose logits so far are all -inf keeps m = -inf; it is
@@ -122,6 +127,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
             alpha = tl.exp2(m_i - m_shift)
             p = tl.exp2(logits - m_shift[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
+            if STORE_STATS and COSINE:
+                r_i = r_i * alpha + tl.sum(p * scaled, 1)
             if HAS_DROPOUT:
                 p = p * dropout_factor(seed, b * H + h, rows, key_rows, dropout_p, N)
             acc = mma(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
@@ -135,3 +142,6 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
             stats = stats_ptr + (b * H + h) * N + rows
             tl.store(stats, tl.where(m_i == float("-inf"), 0.0, m_i), mask=rows < N)
             tl.store(stats + num_periods * windows_per_period * H * N, 1.0 / l_i, mask=rows < N)
+            if COSINE:
+                rbar = tl.where(l_i == 0.0, 0.0, r_i / l_i) / logit_scale2
+                tl.store(stats + 2 * num_periods * windows_per_period * H * N, rbar, mask=rows < N)

@@ -136,11 +136,12 @@ def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int
 def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
                         cosine: bool) -> Tuple[int, ...]:
     """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
-    1 / row sum where the backward streams key blocks, nothing where a whole window
-    fits one backward tile (it renormalizes the rows itself)."""
+    1 / row sum where the backward streams key blocks, plus the rows' mean score for
+    cosine attention (3, B_, H, N); nothing where a whole window fits one backward tile
+    (it renormalizes the rows itself)."""
     if config.backward_config(n, head_dim, dtype, cosine).single_tile(n):
         return (0,)
-    return (2, num_windows, num_heads, n)
+    return (3 if cosine else 2, num_windows, num_heads, n)
 
 
 def attention_forward(
@@ -208,6 +209,13 @@ def dq_by_atomic_adds(tiles: config.LaunchConfig) -> bool:
     return tiles.dq_atomic and not torch.are_deterministic_algorithms_enabled()
 
 
+def dbias_slots(tiles: config.LaunchConfig) -> int:
+    """Into how many (H, N, N) fp32 slots the multi-block dkdv kernel adds the bias gradient
+    with atomic adds, 0 where a dbias kernel of its own computes it (``LaunchConfig.
+    dbias_slots``; 0 under ``torch.use_deterministic_algorithms(True)``)."""
+    return 0 if torch.are_deterministic_algorithms_enabled() else tiles.dbias_slots
+
+
 def attention_backward(
     dout: torch.Tensor,
     qkv: torch.Tensor,
@@ -270,33 +278,36 @@ def attention_backward(
     dq_atomic = dq_by_atomic_adds(tiles)
     # dQ summed over key blocks by the dkdv kernel's atomic adds (zeroed by the delta kernel)
     dq_acc = qkv.new_empty((rows, head_dim) if dq_atomic else (0,), dtype=torch.float32)
-    row_sums = qkv.new_empty((4, rows) if dq_atomic and scale_grad else (0,), dtype=torch.float32)
-    sums_stride = row_sums.stride(0) if row_sums.dim() == 2 else 0
     delta = qkv.new_empty((num_windows, num_heads, n), dtype=torch.float32)
     wrap_triton(window_attention_bwd_delta_kernel)[(num_windows * num_heads * m_blocks,)](
-        out, dout, delta, dq_acc, row_sums, sums_stride, *out.stride(), *dout.stride(),
-        H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d,
-        DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad,
+        out, dout, delta, dq_acc, *out.stride(), *dout.stride(),
+        H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d, DQ_ATOMIC=dq_atomic,
     )
+    slots = min(dbias_slots(tiles), num_windows) if bias_grad else 0
+    dbias = qkv.new_zeros((slots, num_heads, n, n) if slots else (0,), dtype=torch.float32)
+    # d(head scale) partials, per (window, head, key block) from the dkdv kernel with atomic
+    # dQ, else per (window, head, query block) from the dq kernel
+    dscale = qkv.new_empty((num_windows, num_heads, n_blocks if dq_atomic else m_blocks) if scale_grad else (0,),
+                           dtype=torch.float32)
     wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
         qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
-        dq_acc, row_sums, scale, dropout_p, periods, stats.stride(0), sums_stride, *strides,
-        DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
+        dq_acc, dscale, dbias, scale, dropout_p, periods, stats.stride(0), max(slots, 1), *strides,
+        DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad and dq_atomic, DBIAS_ATOMIC=slots > 0, **blocks, **flags, **launch,
     )
-    dscale = qkv.new_empty((num_windows, num_heads, m_blocks) if scale_grad else (0,), dtype=torch.float32)
     if dq_atomic:
         wrap_triton(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](
-            qkv, head_scale_ptr, dq_acc, row_sums, dqkv, dscale, scale, sums_stride, *qkv.stride(), *dqkv.stride(),
-            H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d,
-            COSINE=cosine, SCALE_GRAD=scale_grad, num_warps=4,
+            qkv, head_scale_ptr, dq_acc, dqkv, scale, *qkv.stride(), *dqkv.stride(),
+            H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d, COSINE=cosine, num_warps=4,
         )
-        del dq_acc, row_sums  # before the bias gradient's partials are allocated: a lower peak
+        del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
         wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv, dscale,
             scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
         )
-    if bias_grad:
+    if slots:
+        dbias = dbias.sum(0)
+    elif bias_grad:
         chunks, per_chunk = config.split_windows(per_period, num_heads * periods * m_blocks * n_blocks, target)
         groups = chunks * periods
         dbias = qkv.new_empty((groups, num_heads, n, n), dtype=torch.float32)
