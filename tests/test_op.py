@@ -181,7 +181,11 @@ def test_strided_qkv_is_read_without_copy():
 def test_transposed_bias_reaches_streaming_kernels_contiguous(n, monkeypatch):
     """SwinV2-CR's bias is a transposed view (column stride H). Kernels that stream key
     blocks (N = 144) get it copied into rows; one-tile windows (N = 49) read it as it is.
-    Either way, the same output and bias gradient as with a contiguous bias."""
+    Either way, the same output and bias gradient as with a contiguous bias, to the last
+    bits only: on a GPU the kernel built for strided bias reads is not the unit-stride one
+    (6 of 7203 bias-gradient values of ~1e-23, near fp32's denormals, differed in their
+    last bits, H200), and the multi-block backward's atomic adds round in the order they
+    land."""
     import timm_flashwin.op as op_module
     case = make_case(4, 2, 3, n, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     transposed = case.bias.permute(1, 2, 0).contiguous().permute(2, 0, 1).detach().requires_grad_()
@@ -196,8 +200,8 @@ def test_transposed_bias_reaches_streaming_kernels_contiguous(n, monkeypatch):
     expected_bias = case.bias.detach().clone().requires_grad_()
     expected = window_attention(case.qkv, 3, **dict(case.kwargs(), bias=expected_bias))
     expected.backward(case.grad_out)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    torch.testing.assert_close(transposed.grad, expected_bias.grad, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(transposed.grad, expected_bias.grad, rtol=1e-5, atol=1e-9)
 
 
 def test_logit_scale_gradient_stops_at_the_clamp():
