@@ -17,15 +17,17 @@ Two paths, picked by the launcher:
 * N fits one tile: ``window_attention_bwd_fused_kernel`` does everything for a run of
   windows sharing (head, mask window); it sums dZ over those windows in registers and
   writes one partial bias gradient per program, summed afterwards by the launcher.
-* Larger N: ``delta`` (rowsum(dO * O)), then ``dkdv`` and ``dbias`` kernels, each over
-  its own output tiles; the bias kernel again loops over windows sharing a tile of B + M
-  and writes partials. dQ is either added by the ``dkdv`` kernel, tile by tile, into an
-  fp32 buffer with atomic adds and finished (scaled, normalized, cast) by
-  ``dq_finish``, or, under ``torch.use_deterministic_algorithms(True)``, computed by
-  its own ``dq`` kernel, which recomputes every tile of P once more.
+* Larger N: ``delta`` (rowsum(dO * O)), then a ``dkdv`` kernel over key blocks. dQ is
+  either added by the ``dkdv`` kernel, tile by tile, into an fp32 buffer with atomic adds
+  and finished (scaled, normalized, cast) by ``dq_finish``, or computed by its own ``dq``
+  kernel, which recomputes every tile of P once more. The bias gradient is either added by
+  the ``dkdv`` kernel into (H, N, N) slots with atomic adds, or computed by a ``dbias``
+  kernel that loops over windows sharing a tile of B + M and writes partials. The launch
+  configuration picks (config.LaunchConfig.dq_atomic, dbias_slots); the cosine scale
+  gradient is summed by whichever kernel computes dQ, centred on the forward's rbar.
 
-Atomics are used for dQ (and its rows' sums for the cosine scale gradient) only, and only
-outside the deterministic mode: there, both paths give bit-for-bit reproducible gradients.
+Atomics are used only outside ``torch.use_deterministic_algorithms(True)``: in that mode
+both paths give bit-for-bit reproducible gradients.
 """
 import triton
 import triton.language as tl
