@@ -243,8 +243,9 @@ def window_attention_bwd_dkdv_kernel(
 
     DBIAS_ATOMIC: also adds each tile's dZ to dbias_slots[b % num_slots, h] (num_slots,
     H, N, N) fp32 with atomic adds, for the bias gradient (the slots summed afterwards),
-    instead of a dbias kernel that computes every tile of P once more. Windows in flight
-    together mostly fall in different slots."""
+    instead of a dbias kernel that computes every tile of P once more. More slots spread
+    the adds of windows in flight together, but past L2's size they cost more than they
+    save (config.backward_config: one slot, cosine only)."""
     NUM_N_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     n_block = pid % NUM_N_BLOCKS

@@ -204,8 +204,8 @@ def dq_by_atomic_adds(tiles: config.LaunchConfig) -> bool:
     recomputation of P fewer) rather than in a dq kernel of its own: where the launch
     configuration says it is faster (``LaunchConfig.dq_atomic``), and never under
     ``torch.use_deterministic_algorithms(True)``: the order of fp32 atomic adds varies
-    from run to run, and so would the last bits of dQ and of the cosine scale gradient.
-    The bias gradient is deterministic either way."""
+    from run to run, and so would the last bits of dQ and of the cosine scale gradient
+    (the bias gradient's: ``dbias_slots``)."""
     return tiles.dq_atomic and not torch.are_deterministic_algorithms_enabled()
 
 
