@@ -72,6 +72,17 @@ def softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum,
 
 
 @triton.jit
+def program_block(H: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """(bh, b, h, offsets) of a program of a grid (B_ * H * blocks of N,): its window-head
+    bh = b * H + h (int64) and the token offsets of its block of BLOCK rows or columns."""
+    NUM_BLOCKS: tl.constexpr = (N + BLOCK - 1) // BLOCK
+    pid = tl.program_id(0)
+    bh = (pid // NUM_BLOCKS).to(tl.int64)
+    offsets = (pid % NUM_BLOCKS) * BLOCK + tl.arange(0, BLOCK)
+    return bh, bh // H, bh % H, offsets
+
+
+@triton.jit
 def load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N: tl.constexpr):
     """(row max, 1 / row sum, rowsum(dO * O)) of the rows of (window, head) ``bh``.
     Padded rows read (0, 0, 0), which makes their P and dZ exactly 0."""
@@ -199,13 +210,7 @@ def window_attention_bwd_delta_kernel(
     """delta[b, h, i] = sum_d dO * O (fp32), for the multi-block path. With DQ_ATOMIC it
     also zeroes the same rows of the buffer the dkdv kernel adds dQ into (B_ * H, N, D):
     in the same pass, not a memset launch of its own."""
-    NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
-    pid = tl.program_id(0)
-    m_block = pid % NUM_M_BLOCKS
-    bh = (pid // NUM_M_BLOCKS).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, b, h, rows = program_block(H, N, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     o = load_rows(out_ptr + b * stride_out_b + (h * D) * stride_out_c, rows, dims,
                   stride_out_n, stride_out_c, N, D).to(tl.float32)
@@ -246,14 +251,9 @@ def window_attention_bwd_dkdv_kernel(
     instead of a dbias kernel that computes every tile of P once more. More slots spread
     the adds of windows in flight together, but past L2's size they cost more than they
     save (config.backward_config: one slot, cosine only)."""
-    NUM_N_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    bh, b, h, cols = program_block(H, N, BLOCK_N)
     pid = tl.program_id(0)
-    n_block = pid % NUM_N_BLOCKS
-    bh = (pid // NUM_N_BLOCKS).to(tl.int64)
-    b = bh // H
-    h = bh % H
     w = b % num_periods
-    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
@@ -321,14 +321,9 @@ def window_attention_bwd_dq_kernel(
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block, looping over key blocks;
     also the block's share of d(head scale), written to dscale_partial[b, h, block]."""
-    NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
+    bh, b, h, rows = program_block(H, N, BLOCK_M)
     pid = tl.program_id(0)
-    m_block = pid % NUM_M_BLOCKS
-    bh = (pid // NUM_M_BLOCKS).to(tl.int64)
-    b = bh // H
-    h = bh % H
     w = b % num_periods
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
@@ -377,13 +372,7 @@ def window_attention_bwd_dq_finish_kernel(
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block from what the dkdv kernel added
     up in dq_acc with DQ_ATOMIC: times the scale, through the normalization, cast."""
-    NUM_M_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
-    pid = tl.program_id(0)
-    m_block = pid % NUM_M_BLOCKS
-    bh = (pid // NUM_M_BLOCKS).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, b, h, rows = program_block(H, N, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     q_in, q_lowp, q_inv, q_norm = load_qk(qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c, rows, dims,
