@@ -97,9 +97,10 @@ def main() -> None:
                         fn()
                     prof.disable()
                     torch.cuda.synchronize()
-                    text = io.StringIO()
-                    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
-                    profiles.append(f"==== {name}, 100 patched fwd+bwd calls\n{text.getvalue()}")
+                    for order in ("cumulative", "tottime"):
+                        text = io.StringIO()
+                        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(30)
+                        profiles.append(f"==== {name}, 100 patched fwd+bwd calls, by {order}\n{text.getvalue()}")
             row["windows"] = windows
             rows.append(row)
             print(f"{name:36s} {row['mode']:18s} timm {row['timm_us']:7.1f} us  patched {row['flashwin_us']:7.1f} us"

@@ -85,3 +85,28 @@ def test_compiled_gather_takes_the_registered_operators():
         results.append((bias.detach(), table.grad))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("as_parameter", [False, True], ids=["tensor", "parameter"])
+def test_eager_gather_skips_the_operator_dispatch(as_parameter, monkeypatch):
+    """In eager mode the gather of a table that takes a gradient runs its kernels through
+    an autograd.Function, not the registered operators, also where the table is an
+    nn.Parameter (as timm's relative_position_bias_table is): same bias and gradient."""
+    from timm_flashwin import position_bias
+    index = relative_position_index(7, 7).to(KERNEL_DEVICE)
+    grad = torch.randn(3, 49, 49).to(KERNEL_DEVICE)
+    values = torch.randn(169, 3, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
+    ops_called = []
+    real_op = position_bias.gather_position_bias_op
+    monkeypatch.setattr(position_bias, "gather_position_bias_op", lambda *a: ops_called.append(1) or real_op(*a))
+    results = []
+    for dispatched in (False, True):
+        if dispatched:
+            monkeypatch.setattr(position_bias, "_dispatch_free", lambda t: False)
+        table = torch.nn.Parameter(values.clone()) if as_parameter else values.clone().requires_grad_()
+        bias = gather_position_bias(table, index)
+        assert bool(ops_called) == dispatched
+        bias.backward(grad)
+        results.append((bias.detach(), table.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)

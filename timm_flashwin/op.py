@@ -170,12 +170,20 @@ class _EagerWindowAttention(torch.autograd.Function):
             return _input_grads(_backward_impl, ctx, grad_out)
 
 
+#: Tensor types that dispatch as plain tensors: nn.Parameter disables __torch_function__
+#: (a Swin V1 bias table is one; taking it for a subclass sent every eager call of the
+#: bias gather through the operator dispatch: 0.75 ms of host time per layer and training
+#: step of swin_tiny on an H100, benchmarks/bench_host.py --profile).
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _dispatch_free(qkv: torch.Tensor) -> bool:
-    """Whether the op can skip the operator dispatch: eager mode on plain tensors, with no
-    torch.compile tracing and no dispatch mode (FakeTensorMode, ...) in effect."""
+    """Whether the op can skip the operator dispatch: eager mode on plain tensors (or
+    parameters), with no torch.compile tracing and no dispatch mode (FakeTensorMode, ...)
+    in effect."""
     if _set_wrap_triton_enabled is None and hasattr(torch.library, "wrap_triton"):
         return False  # a torch whose wrap_triton cannot be switched off
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or type(qkv) is not torch.Tensor:
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or type(qkv) not in _PLAIN_TENSOR_TYPES:
         return False
     dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
     return dispatch_modes is not None and dispatch_modes() == 0
