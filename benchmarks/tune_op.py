@@ -81,8 +81,9 @@ def main() -> None:
                         help="ablation: leave these inputs out, to see what they cost")
     parser.add_argument("--dense", nargs="*", default=[], choices=["mask"],
                         help="ablation: read the mask densely, without region ids (kernels/config.MASK_REGIONS)")
-    parser.add_argument("--bias-dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="dtype of the dense bias the kernels read (timm's modules give float32 under autocast)")
+    parser.add_argument("--bias-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the dense bias handed to the launchers (timm's modules give float32 under "
+                             "autocast; with 16-bit inputs the streaming kernels read it as a float16 copy)")
     parser.add_argument("--maxnreg", nargs="*", type=int, default=[-1],
                         help="with --only-default: register caps per thread to time (-1: the default's, "
                              "0: none, the compiler's choice)")

@@ -151,6 +151,23 @@ def test_mask_structure_is_kept_on_the_mask_until_it_changes(monkeypatch):
     assert relative_error(changed, expected) < TOLERANCE[torch.float32]
 
 
+def test_inference_tensors_are_not_kept_on(monkeypatch):
+    """Bias and mask made under torch.inference_mode (a mask timm computes in the forward,
+    a bias gathered there) have no version counter: what is derived from them (the mask's
+    region structure, the bias's float16 copy) is computed in every call, not kept."""
+    from timm_flashwin.kernels import launch
+    found = []
+    monkeypatch.setattr(launch, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
+    case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    with torch.inference_mode():
+        bias, mask = case.bias.clone(), case.mask.clone()
+        outs = [window_attention(case.qkv, 3, bias=bias, mask=mask, scale=case.scale) for _ in range(2)]
+    assert len(found) == 2 and torch.equal(outs[0], outs[1])
+    assert "_flashwin_streamed_bias" not in bias.__dict__ and "_flashwin_mask_structure" not in mask.__dict__
+    expected = window_attention_reference(case.qkv.double(), 3, **case.kwargs(mask=case.mask.double()))
+    assert relative_error(outs[0], expected) < TOLERANCE[torch.bfloat16]
+
+
 def test_many_windows_per_program():
     """More windows than programs: each program loops over several windows and sums
     the bias gradient over them."""
@@ -177,31 +194,72 @@ def test_strided_qkv_is_read_without_copy():
     torch.testing.assert_close(out, window_attention(case.qkv, 3, **case.kwargs()), rtol=0, atol=0)
 
 
+def _record_bias_reads(monkeypatch):
+    """The (dtype, contiguous) of every bias the launchers hand to a kernel."""
+    from timm_flashwin.kernels import launch
+    seen = []
+    real = launch._bias_mask_args
+    monkeypatch.setattr(launch, "_bias_mask_args", lambda bias, *rest: (
+        seen.append((bias.dtype, bias.is_contiguous())), real(bias, *rest))[1])
+    return seen
+
+
 @pytest.mark.parametrize("n", [49, 144])
-def test_transposed_bias_reaches_streaming_kernels_contiguous(n, monkeypatch):
+def test_transposed_bias_reaches_streaming_kernels_contiguous(n, monkeypatch, deterministic_algorithms):
     """SwinV2-CR's bias is a transposed view (column stride H). Kernels that stream key
-    blocks (N = 144) get it copied into rows; one-tile windows (N = 49) read it as it is.
-    Either way, the same output and bias gradient as with a contiguous bias, to the last
-    bits only: on a GPU the kernel built for strided bias reads is not the unit-stride one
-    (6 of 7203 bias-gradient values of ~1e-23, near fp32's denormals, differed in their
-    last bits, H200), and the multi-block backward's atomic adds round in the order they
-    land."""
-    import timm_flashwin.op as op_module
+    blocks (N = 144) get it copied into rows, one copy for both passes; one-tile windows
+    (N = 49) read it as it is. Either way, the same output and bias gradient as with a
+    contiguous bias, to the last bits only: on a GPU the kernel built for strided bias
+    reads is not the unit-stride one (6 of 7203 bias-gradient values of ~1e-23, near
+    fp32's denormals, differed in their last bits, H200). In deterministic mode: the
+    multi-block backward's atomic adds round in the order they land (on an H100 the bias
+    gradients of two calls then differed beyond rtol 1e-5)."""
     case = make_case(4, 2, 3, n, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     transposed = case.bias.permute(1, 2, 0).contiguous().permute(2, 0, 1).detach().requires_grad_()
     assert not transposed.is_contiguous()
-    seen = []
-    forward = op_module.attention_forward
-    monkeypatch.setattr(op_module, "attention_forward", lambda qkv, heads, bias, *rest: (
-        seen.append(bias.is_contiguous()), forward(qkv, heads, bias, *rest))[1])
+    seen = _record_bias_reads(monkeypatch)
     out = window_attention(case.qkv, 3, **dict(case.kwargs(), bias=transposed))
     out.backward(case.grad_out)
-    assert seen == [n == 144]
+    assert seen == [(torch.float32, n == 144)] * 2
     expected_bias = case.bias.detach().clone().requires_grad_()
     expected = window_attention(case.qkv, 3, **dict(case.kwargs(), bias=expected_bias))
     expected.backward(case.grad_out)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(transposed.grad, expected_bias.grad, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("n", [49, 144])
+def test_streaming_kernels_read_a_float16_bias(dtype, n, monkeypatch):
+    """With 16-bit inputs the kernels that stream key blocks (N = 144) read a float16 copy
+    of a float32 bias, made once for both passes; one-tile windows read the float32 bias.
+    The gradient is the float32 bias's, within the dtype's tolerance of float64."""
+    case = make_case(4, 2, 3, n, 32, cosine=False, masked=True, dtype=dtype, device=KERNEL_DEVICE, seed=3)
+    assert case.bias.dtype == torch.float32
+    seen = _record_bias_reads(monkeypatch)
+    results = forward_backward(window_attention, case)
+    assert seen == [(torch.float16 if n == 144 else torch.float32, True)] * 2
+    assert results[2].dtype == torch.float32
+    assert_matches_reference(results, reference_forward_backward(case), TOLERANCE[dtype])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's numpy cast
+def test_bias_beyond_float16_range_gives_nan_rows():
+    """A float32 bias value beyond float16's range (65504), with bf16 inputs on the
+    streaming kernels, turns its row into NaN rather than into a silently different row;
+    -inf in the bias still masks, and float32 inputs read the bias as it is."""
+    case = make_case(4, 2, 3, 144, 16, cosine=False, masked=False, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    bias = case.bias.detach().clone()
+    bias[1, 7, 3] = 1e5
+    bias[0, 2, :100] = float("-inf")
+    out = window_attention(case.qkv, 3, bias=bias, scale=case.scale)
+    nan_rows = out.isnan().any(-1)
+    assert nan_rows[:, 7].all() and nan_rows.sum() == 4  # query 7 of every window; head 1's columns only
+    assert out[..., 16:32].isnan().any() and not out[..., :16].isnan().any()
+    reference = window_attention_reference(case.qkv.double(), 3, bias=bias.double(), scale=case.scale)
+    torch.testing.assert_close(out[:, :, :16].double(), reference[:, :, :16], rtol=2e-2, atol=2e-2)
+    out32 = window_attention(case.qkv.float(), 3, bias=bias, scale=case.scale)
+    assert not out32.isnan().any()
 
 
 def test_logit_scale_gradient_stops_at_the_clamp():

@@ -18,7 +18,7 @@ import torch
 
 from .kernels import config
 from .kernels.launch import (attention_backward, attention_forward, mask_regions_shapes, mask_regions_used,
-                             softmax_stats_shape, streams_key_blocks)
+                             softmax_stats_shape)
 from .reference import LOGIT_SCALE_MAX, window_attention_reference
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -302,18 +302,12 @@ def window_attention(
     Returns:
         (B_, N, H*D) in qkv's dtype.
     """
-    _num_windows, n, head_dim = _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p)
+    _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p)
     if not uses_kernels(qkv):
         return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
                                           dropout_p=dropout_p)
     if bias is not None and bias.dim() == 4:
         bias = bias[0]
-    if (bias is not None and not bias.is_contiguous()
-            and streams_key_blocks(n, head_dim, qkv.dtype, logit_scale is not None)):
-        # Kernels that stream key blocks read a bias tile per (window, query block, key
-        # block): with SwinV2-CR's bias (a transposed view, column stride H) those reads
-        # would gather single elements; one copy per call makes them coalesced rows.
-        bias = bias.contiguous()
     head_scale = None
     if logit_scale is not None:
         head_scale = torch.clamp(logit_scale.reshape(num_heads), max=LOGIT_SCALE_MAX).exp()

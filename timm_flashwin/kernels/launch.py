@@ -19,6 +19,7 @@ from .backward import (
     window_attention_bwd_dq_kernel,
     window_attention_bwd_fused_kernel,
 )
+from .bias_copy import float16_bias_copy_kernel
 from .forward import window_attention_fwd_kernel
 from .position_bias import relative_bias_gather_kernel, relative_bias_table_grad_kernel
 
@@ -91,6 +92,54 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return regions, torch.stack((exact.to(torch.float32), value.to(torch.float32)))
 
 
+#: The largest finite float16: float32 bias values beyond it have no float16 copy.
+_FLOAT16_MAX = 65504.0
+
+
+def _float16_copy(bias: torch.Tensor) -> torch.Tensor:
+    """bias (H, N, N) float32, any strides, as a contiguous float16 copy; finite values
+    beyond float16's range become NaN (``float16_bias_copy_kernel``)."""
+    heads, n, _ = bias.shape
+    out = bias.new_empty((heads, n, n), dtype=torch.float16)
+    block = 1024
+    wrap_triton(float16_bias_copy_kernel)[(-(-out.numel() // block),)](
+        bias, out, out.numel(), n, *bias.stride(), BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def streamed_bias(bias: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The bias (H, N, N) that the kernels streaming key blocks read: for float16 and
+    bfloat16 inputs a float16 copy of a float32 bias, else the bias, contiguous.
+
+    Those kernels read a bias tile for every (window, query block, key block): on window
+    16 (512, 3, 256, 32) 400 MB of bias reads per forward from L2, which set its pace.
+    Read as float16 (H100, bf16, kernels alone, tune_op.py --bias-dtype, 2026-11-23),
+    the forward took 153 -> 111 us on window 16 V1, 179 -> 139 cosine, 422 -> 302 and
+    492 -> 385 us on window 24 (no bias at all: 97, 122, 260, 333 us); the backward, whose
+    heavy part is the bias gradient, not the bias reads, 1 to 4% less.
+    Precision: float16 keeps 11 bits, |error| <= |bias| * 2^-12, below the bfloat16
+    rounding of P that the P V product takes anyway, and finer than timm's own fused path
+    (scaled_dot_product_attention), which casts the bias to the inputs' dtype. Its range
+    ends at 65504: larger finite values give NaN (``_float16_copy``).
+    Contiguous: SwinV2-CR's bias is a transposed view (column stride H), whose tiles would
+    be read as single elements.
+    The copy is kept on the bias tensor (``kept_on``): the backward reuses the forward's,
+    and inference with a cached bias makes it once.
+    """
+    if bias is None:
+        return None
+    if dtype != torch.float32 and bias.dtype == torch.float32:
+        make = _float16_copy
+    elif bias.is_contiguous():
+        return bias
+    else:
+        make = torch.Tensor.contiguous
+    if _traced_launch() or type(bias) is not torch.Tensor:
+        return make(bias)
+    return kept_on(bias, "_flashwin_streamed_bias", lambda: make(bias))
+
+
 def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> bool:
     """Whether a kernel of either pass streams key blocks, reading a tile of the bias
     (and mask) for every (window, query block, key block) rather than once per program."""
@@ -101,7 +150,10 @@ def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) 
 def kept_on(tensor: torch.Tensor, name: str, compute, *key):
     """``compute()``, kept on ``tensor`` (in its ``__dict__`` under ``name``) and computed
     again when the tensor's version counter (in-place changes), storage, shape or strides,
-    or ``key``, differ from those it was computed for."""
+    or ``key``, differ from those it was computed for. Inference tensors (made under
+    torch.inference_mode) have no version counter: for them it is computed every call."""
+    if tensor.is_inference():
+        return compute()
     full_key = (tensor._version, tensor.data_ptr(), tensor.shape, tensor.stride(), *key)
     kept = tensor.__dict__.get(name)
     if kept is None or kept[0] != full_key:
@@ -178,6 +230,8 @@ def attention_forward(
     m_blocks = -(-n // tiles.block_m)
     chunks, per_chunk = config.split_windows(
         per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
+    if n > tiles.block_n:
+        bias = streamed_bias(bias, qkv.dtype)
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
     # With region ids, two launches, one per kind of mask: each kernel is built for its own
     # kind, and the programs of the launch whose kind the mask is not return at once.
@@ -247,7 +301,9 @@ def attention_backward(
     dqkv = qkv.new_empty(qkv.shape)
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
-    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
+    # the one-tile kernel reads its bias tile once per program; the others stream it
+    read_bias = bias if tiles.single_tile(n) else streamed_bias(bias, qkv.dtype)
+    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, mask, qkv)
     scale_grad = scale_grad and cosine
     head_scale_ptr = head_scale if head_scale is not None else qkv
     seed_ptr = seed if dropout_p > 0 else qkv
