@@ -76,8 +76,8 @@ def test_patched_model_matches_timm(name, kwargs, size, train):
     ``timm-flashwin verify``: the output may be at most twice as far from float64 as
     timm's own float32 arithmetic; a gradient at most GRADIENT_FACTOR times timm's error
     on that tensor or twice timm's error on all gradients together, and all gradients
-    together at most twice timm's; timm's error is the larger of two runs, the second on
-    images moved by one ulp (verify.py says why). (A single early-layer gradient carries
+    together at most GRADIENT_FACTOR times timm's; timm's error is the larger of two
+    runs, the second on images moved by one ulp (verify.py says why). (A single early-layer gradient carries
     the rounding of the whole backward chain behind it: the first layer's logit-scale
     gradient of the window-16 SwinV2-base came out 2.1x timm's error in the model, while
     the op alone, fed the same upstream gradient, is at 4e-7 against float64.)"""
@@ -94,7 +94,12 @@ def test_patched_model_matches_timm(name, kwargs, size, train):
     floor = larger_error(group_error(timm_grads, ref_grads), group_error(again_grads, ref_grads))
     checks += [compare(n, our_grads[n], timm_grads[n], ref_grads[n], 1e-4, 1e-6, floor, GRADIENT_FACTOR,
                        again_grads[n]) for n in ref_grads]
-    assert group_error(our_grads, ref_grads) <= max(1e-4, 2 * floor)
+    # All gradients together: within GRADIENT_FACTOR of timm's, as each single gradient.
+    # 2x was too tight for a chaotic model: SwinV2-CR-tiny in eval mode, float32, on the
+    # input and three one-ulp jitters of it, measured timm 7.8e-5, 9.5e-5, 1.2e-4, 5.0e-4
+    # and the patched model 6.5e-4, 1.1e-4, 6.3e-5, 5.4e-4 against float64 (the same
+    # spread; the op alone is as far from float64 as PyTorch's float32 math).
+    assert group_error(our_grads, ref_grads) <= max(1e-4, GRADIENT_FACTOR * floor)
     failed = [c for c in checks if not c.passed]
     assert not failed, "\n".join(map(str, failed[:10]))
     # the attention parameters really got gradients through the kernels
