@@ -262,6 +262,36 @@ def test_bias_beyond_float16_range_gives_nan_rows():
     assert not out32.isnan().any()
 
 
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_forward_saves_softmax_statistics_only_for_a_backward(cosine, monkeypatch):
+    """Windows over 64 tokens: the forward saves the softmax statistics (and, for cosine
+    attention, sums the rows' mean score) only where a gradient can follow; the output is
+    the same either way, and a backward without them is refused by name."""
+    from timm_flashwin import op as op_module
+    from timm_flashwin.kernels.launch import attention_backward
+    shapes = []
+    forward = op_module.attention_forward
+    monkeypatch.setattr(op_module, "attention_forward", lambda *a: (lambda r: (shapes.append(tuple(r[1].shape)), r)[1])(
+        forward(*a)))
+    case = make_case(4, 2, 3, 144, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    saved = (3 if cosine else 2, 4, 3, 144)
+    kwargs = case.kwargs()
+    qkv = case.qkv.detach()
+    with_grad = window_attention(qkv.clone().requires_grad_(), 3, **kwargs)
+    with torch.no_grad():
+        no_grad = window_attention(qkv.clone().requires_grad_(), 3, **kwargs)
+    nothing_requires_grad = window_attention(qkv, 3, **{k: v.detach() if torch.is_tensor(v) else v
+                                                        for k, v in kwargs.items()})
+    only_bias = window_attention(qkv, 3, **dict(kwargs, bias=case.bias.detach().requires_grad_()))
+    assert shapes == [saved, (0,), (0,), saved]
+    for out in (no_grad, nothing_requires_grad, only_bias):
+        torch.testing.assert_close(out, with_grad.detach(), rtol=1e-6, atol=1e-7)
+    _, stats, regions, mask_info = forward(qkv, 3, case.bias, case.mask, None, 0.25, False, 0.0, None, False)
+    with pytest.raises(RuntimeError, match="saved no softmax statistics"):
+        attention_backward(case.grad_out, qkv, with_grad.detach(), stats, regions, mask_info, case.bias, case.mask,
+                           None, 3, 0.25, False, True, False)
+
+
 def test_logit_scale_gradient_stops_at_the_clamp():
     case = make_case(4, 2, 3, 16, 16, cosine=True, masked=False, dtype=torch.float32, device=KERNEL_DEVICE)
     case.logit_scale = torch.tensor([1.0, LOGIT_SCALE_MAX - 1e-3, LOGIT_SCALE_MAX + 0.5], device=KERNEL_DEVICE)

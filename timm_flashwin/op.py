@@ -36,8 +36,9 @@ def _forward_impl(
     cosine: bool,
     dropout_p: float,
     seed: Optional[torch.Tensor],
+    save_stats: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_forward(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed)
+    return attention_forward(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed, save_stats)
 
 
 def _backward_impl(
@@ -62,11 +63,11 @@ def _backward_impl(
                               cosine, bias_grad, scale_grad, dropout_p, seed)
 
 
-def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed):
+def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed, save_stats=True):
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
-    stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine)
+    stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats)
     used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask is not None)
     regions_shape, info_shape = mask_regions_shapes(mask.shape[0] if mask is not None else 1, n, used)
     return (out, qkv.new_empty(stats_shape, dtype=torch.float32), qkv.new_empty(regions_shape, dtype=torch.int32),
@@ -98,7 +99,7 @@ window_attention_bwd = _register("window_attention_bwd", _backward_impl, _backwa
 
 
 def _setup_context(ctx, inputs, output):
-    qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed = inputs
+    qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed = inputs[:9]
     out, stats, regions, mask_info = output
     ctx.mark_non_differentiable(stats, regions, mask_info)
     ctx.save_for_backward(qkv, out, stats, regions, mask_info, bias, mask, head_scale, seed)
@@ -128,6 +129,7 @@ def _input_grads(backward_op, ctx, grad_out):
         None,
         None,
         None,  # nor the dropout seed
+        None,  # nor save_stats
     )
 
 
@@ -303,6 +305,11 @@ def window_attention(
         (B_, N, H*D) in qkv's dtype.
     """
     _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p)
+    # Where nothing takes a gradient (inference), the forward saves no softmax statistics:
+    # for cosine attention over more than 64 tokens that also skips summing the rows' mean
+    # score, 3 to 6% of that forward (H200, seventh session).
+    save_stats = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (qkv, bias, logit_scale))
     if not uses_kernels(qkv):
         return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
                                           dropout_p=dropout_p)
@@ -316,5 +323,5 @@ def window_attention(
     forward = _EagerWindowAttention.apply if _dispatch_free(qkv) else window_attention_fwd
     out, _stats, _regions, _mask_info = forward(
         qkv, num_heads, bias, mask, head_scale, float(scale) if scale is not None else 1.0, logit_scale is not None,
-        dropout_p, seed)
+        dropout_p, seed, save_stats)
     return out

@@ -186,12 +186,12 @@ def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int
 
 
 def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
-                        cosine: bool) -> Tuple[int, ...]:
+                        cosine: bool, save: bool = True) -> Tuple[int, ...]:
     """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
     1 / row sum where the backward streams key blocks, plus the rows' mean score for
     cosine attention (3, B_, H, N); nothing where a whole window fits one backward tile
-    (it renormalizes the rows itself)."""
-    if config.backward_config(n, head_dim, dtype, cosine).single_tile(n):
+    (it renormalizes the rows itself), nor where no backward will run (``save`` False)."""
+    if not save or config.backward_config(n, head_dim, dtype, cosine).single_tile(n):
         return (0,)
     return (3 if cosine else 2, num_windows, num_heads, n)
 
@@ -206,11 +206,12 @@ def attention_forward(
     cosine: bool,
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
+    save_stats: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns out (B_, N, H*D) in qkv's dtype, the softmax statistics (fp32,
-    ``softmax_stats_shape``) and the mask's region ids and info (``mask_structure``;
-    empty where unused), which the backward takes back. ``seed``: a one-element int64
-    tensor, with dropout_p > 0."""
+    ``softmax_stats_shape``; empty without ``save_stats``, where no backward follows)
+    and the mask's region ids and info (``mask_structure``; empty where unused), which
+    the backward takes back. ``seed``: a one-element int64 tensor, with dropout_p > 0."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     tiles = config.forward_config(n, head_dim, qkv.dtype, cosine)
@@ -223,7 +224,7 @@ def attention_forward(
         mask_info = qkv.new_empty((0,), dtype=torch.float32)
     mask_regions = used and n > tiles.block_n  # this kernel streams key blocks
     out = qkv.new_empty((num_windows, n, num_heads * head_dim))
-    stats = qkv.new_empty(softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine),
+    stats = qkv.new_empty(softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats),
                           dtype=torch.float32)
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
@@ -325,6 +326,9 @@ def attention_backward(
         )
         return dqkv, dbias.sum(0) if bias_grad else dbias, dscale.sum(0) if scale_grad else dscale
 
+    if stats.dim() != 4:  # (0,): not (2 or 3, B_, H, N); a static check, no guard when traced
+        raise RuntimeError("window_attention backward: the forward saved no softmax statistics (it ran where "
+                           "nothing required a gradient), and windows of this size need them")
     m_blocks = -(-n // tiles.block_m)
     n_blocks = -(-n // tiles.block_n)
     blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d)
