@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from timm_flashwin.kernels import backward, config
+from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel
 from timm_flashwin.kernels.launch import launch_options
 from timm_flashwin.op import _direct_launches
@@ -43,11 +44,13 @@ CASES = [
 ACTIVATION_POINTERS = {"qkv_ptr", "out_ptr", "dout_ptr", "dqkv_ptr"}
 
 
-def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict:
+def signature(kernel, dtype: torch.dtype, constexprs: dict, bias_dtype: torch.dtype = torch.float32) -> dict:
     types = {}
     for name in kernel.arg_names:
         if name in constexprs:
             types[name] = "constexpr"
+        elif name == "bias_ptr":
+            types[name] = "*" + TRITON_TYPES[bias_dtype]
         elif name == "seed_ptr":
             types[name] = "*i64"
         elif name == "regions_ptr":
@@ -91,13 +94,26 @@ def resource_usage(cubin: bytes) -> str:
     return f"registers {found[1]}, stack frame {found[2]} B" if found else "resource usage unavailable"
 
 
-def build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchConfig) -> None:
-    types, constexprs, attrs = as_launched(kernel, signature(kernel, dtype, constexprs), constexprs)
+def build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchConfig,
+          bias_dtype: torch.dtype = torch.float32) -> None:
+    types, constexprs, attrs = as_launched(kernel, signature(kernel, dtype, constexprs, bias_dtype), constexprs)
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs)
     with _direct_launches():  # the options of an eager launch: the register cap included
         options = launch_options(launch, constexprs.get("HAS_DROPOUT", False))
-    compiled = triton.compile(source, target=TARGET, options=options)
+    _report(kernel, triton.compile(source, target=TARGET, options=options))
+
+
+def _report(kernel, compiled) -> None:
     print(f"  {kernel.fn.__name__:40s} {resource_usage(compiled.asm['cubin'])}", flush=True)
+
+
+def build_bias_copy() -> None:
+    """The float16 bias copy (launch.streamed_bias): float32 in, float16 out."""
+    types = dict(bias_ptr="*fp32", out_ptr="*fp16", numel="i32", n="i32", stride_h="i32", stride_i="i32",
+                 stride_j="i32", BLOCK="constexpr")
+    source = ASTSource(fn=float16_bias_copy_kernel, signature=types, constexprs=dict(BLOCK=1024),
+                       attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+    _report(float16_bias_copy_kernel, triton.compile(source, target=TARGET, options=dict(num_warps=4)))
 
 
 def main() -> int:
@@ -112,10 +128,17 @@ def main() -> int:
         fwd = config.forward_config(n, head_dim, dtype, cosine)
         bwd = config.backward_config(n, head_dim, dtype, cosine)
         streamed = n > fwd.block_n  # with region ids: one build per kind of mask
+        # kernels that stream key blocks read a float16 copy of the bias with 16-bit inputs
+        streamed_bias = torch.float32 if dtype == torch.float32 else torch.float16
         for from_regions in (True, False) if streamed else (False,):
             build(window_attention_fwd_kernel, dtype,
                   dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
-                       STORE_STATS=not bwd.single_tile(n), MASK_REGIONS=streamed, FROM_REGIONS=from_regions), fwd)
+                       STORE_STATS=not bwd.single_tile(n), MASK_REGIONS=streamed, FROM_REGIONS=from_regions), fwd,
+                  streamed_bias if streamed else torch.float32)
+        if streamed and cosine and not dropout:  # inference: no statistics, no mean score
+            build(window_attention_fwd_kernel, dtype,
+                  dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
+                       STORE_STATS=False, MASK_REGIONS=True, FROM_REGIONS=True), fwd, streamed_bias)
         if bwd.single_tile(n):
             build(backward.window_attention_bwd_fused_kernel, dtype,
                   dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine), bwd)
@@ -126,12 +149,13 @@ def main() -> int:
         for atomics in (True, False):
             build(backward.window_attention_bwd_dkdv_kernel, dtype,
                   dict(blocks, DQ_ATOMIC=atomics and bwd.dq_atomic, SCALE_GRAD=cosine and atomics and bwd.dq_atomic,
-                       DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0), bwd)
+                       DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0), bwd, streamed_bias)
         build(backward.window_attention_bwd_dq_finish_kernel, dtype,
               dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine),
               config.with_changes(bwd, num_warps=4, maxnreg=None))
-        build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine), bwd)
-        build(backward.window_attention_bwd_dbias_kernel, dtype, blocks, bwd)
+        build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine), bwd, streamed_bias)
+        build(backward.window_attention_bwd_dbias_kernel, dtype, blocks, bwd, streamed_bias)
+    build_bias_copy()
     return 0
 
 
