@@ -409,6 +409,26 @@ def test_compiles_without_graph_break():
     assert_matches_reference(results, reference_forward_backward(case), 1e-4)
 
 
+def test_compiled_inference_saves_no_statistics(monkeypatch):
+    """Compiled under no_grad, the multi-block forward is traced without softmax
+    statistics (the grad mode is a guard of the graph); trained, with them."""
+    from timm_flashwin import op as op_module
+    shapes = []
+    forward = op_module.attention_forward
+    monkeypatch.setattr(op_module, "attention_forward", lambda *a: (lambda r: (shapes.append(tuple(r[1].shape)), r)[1])(
+        forward(*a)))
+    case = make_case(4, 2, 3, 144, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    torch._dynamo.reset()
+    fn = torch.compile(window_attention, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        out = fn(case.qkv, 3, **case.kwargs())
+    assert shapes and all(shape == (0,) for shape in shapes)
+    shapes.clear()
+    results = forward_backward(fn, case)
+    assert (3, 4, 3, 144) in shapes
+    torch.testing.assert_close(out, results[0].detach(), rtol=1e-6, atol=1e-7)
+
+
 def test_plain_cpu_path_matches_reference(monkeypatch):
     """Without the interpreter, CPU tensors go through PyTorch with the same result."""
     from timm_flashwin import op
