@@ -305,14 +305,14 @@ def window_attention(
         (B_, N, H*D) in qkv's dtype.
     """
     _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p)
+    if not uses_kernels(qkv):
+        return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
+                                          dropout_p=dropout_p)
     # Where nothing takes a gradient (inference), the forward saves no softmax statistics:
     # for cosine attention over more than 64 tokens that also skips summing the rows' mean
     # score, 3 to 6% of that forward (H200, seventh session).
     save_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (qkv, bias, logit_scale))
-    if not uses_kernels(qkv):
-        return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
-                                          dropout_p=dropout_p)
     if bias is not None and bias.dim() == 4:
         bias = bias[0]
     head_scale = None

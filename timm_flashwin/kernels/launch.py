@@ -92,10 +92,6 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return regions, torch.stack((exact.to(torch.float32), value.to(torch.float32)))
 
 
-#: The largest finite float16: float32 bias values beyond it have no float16 copy.
-_FLOAT16_MAX = 65504.0
-
-
 def _float16_copy(bias: torch.Tensor) -> torch.Tensor:
     """bias (H, N, N) float32, any strides, as a contiguous float16 copy; finite values
     beyond float16's range become NaN (``float16_bias_copy_kernel``)."""
