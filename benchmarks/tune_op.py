@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--dbias-slots", nargs="*", type=int, default=None,
                         help="multi-block backward: time each candidate with the bias gradient added by the "
                              "dkdv kernel into this many slots with atomic adds (0: by its own kernel)")
+    parser.add_argument("--inference", action="store_true",
+                        help="time the forward as under no_grad: no softmax statistics saved")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config.MASK_REGIONS = "mask" not in args.dense
@@ -135,7 +137,8 @@ def main() -> None:
             before = {id(k): dict(_compiled(k)) for k in kernels}
             try:
                 if which == "fwd":
-                    launch = lambda: attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)  # noqa
+                    launch = lambda: attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine,  # noqa
+                                                       save_stats=not args.inference)
                 else:
                     launch = lambda: attention_backward(inp["grad"], qkv, out, stats, regions, mask_info,  # noqa
                                                         bias, mask, head_scale, heads, inp["scale"], cosine,
@@ -155,7 +158,8 @@ def main() -> None:
             info = _stats(kernels, before)
             row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=cfg == base,
                        dq=dq_path,
-                       without=args.without, dense=args.dense, bias_dtype=args.bias_dtype, **cfg.__dict__)
+                       without=args.without, dense=args.dense, bias_dtype=args.bias_dtype, inference=args.inference,
+                       **cfg.__dict__)
             results.append(row)
             mark = "*" if cfg == base else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
