@@ -262,17 +262,27 @@ def test_bias_beyond_float16_range_gives_nan_rows():
     assert not out32.isnan().any()
 
 
+def _record_stats_shapes(monkeypatch):
+    """The shape of the softmax statistics of every forward the op launches."""
+    from timm_flashwin import op as op_module
+    shapes = []
+    real = op_module.attention_forward
+
+    def forward(*args):
+        result = real(*args)
+        shapes.append(tuple(result[1].shape))
+        return result
+    monkeypatch.setattr(op_module, "attention_forward", forward)
+    return shapes
+
+
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
 def test_forward_saves_softmax_statistics_only_for_a_backward(cosine, monkeypatch):
     """Windows over 64 tokens: the forward saves the softmax statistics (and, for cosine
     attention, sums the rows' mean score) only where a gradient can follow; the output is
     the same either way, and a backward without them is refused by name."""
-    from timm_flashwin import op as op_module
-    from timm_flashwin.kernels.launch import attention_backward
-    shapes = []
-    forward = op_module.attention_forward
-    monkeypatch.setattr(op_module, "attention_forward", lambda *a: (lambda r: (shapes.append(tuple(r[1].shape)), r)[1])(
-        forward(*a)))
+    from timm_flashwin.kernels.launch import attention_backward, attention_forward
+    shapes = _record_stats_shapes(monkeypatch)
     case = make_case(4, 2, 3, 144, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     saved = (3 if cosine else 2, 4, 3, 144)
     kwargs = case.kwargs()
@@ -286,7 +296,7 @@ def test_forward_saves_softmax_statistics_only_for_a_backward(cosine, monkeypatc
     assert shapes == [saved, (0,), (0,), saved]
     for out in (no_grad, nothing_requires_grad, only_bias):
         torch.testing.assert_close(out, with_grad.detach(), rtol=1e-6, atol=1e-7)
-    _, stats, regions, mask_info = forward(qkv, 3, case.bias, case.mask, None, 0.25, False, 0.0, None, False)
+    _, stats, regions, mask_info = attention_forward(qkv, 3, case.bias, case.mask, None, 0.25, False, 0.0, None, False)
     with pytest.raises(RuntimeError, match="saved no softmax statistics"):
         attention_backward(case.grad_out, qkv, with_grad.detach(), stats, regions, mask_info, case.bias, case.mask,
                            None, 3, 0.25, False, True, False)
@@ -412,11 +422,7 @@ def test_compiles_without_graph_break():
 def test_compiled_inference_saves_no_statistics(monkeypatch):
     """Compiled under no_grad, the multi-block forward is traced without softmax
     statistics (the grad mode is a guard of the graph); trained, with them."""
-    from timm_flashwin import op as op_module
-    shapes = []
-    forward = op_module.attention_forward
-    monkeypatch.setattr(op_module, "attention_forward", lambda *a: (lambda r: (shapes.append(tuple(r[1].shape)), r)[1])(
-        forward(*a)))
+    shapes = _record_stats_shapes(monkeypatch)
     case = make_case(4, 2, 3, 144, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     torch._dynamo.reset()
     fn = torch.compile(window_attention, fullgraph=True, backend="aot_eager")

@@ -77,10 +77,11 @@ def test_patched_model_matches_timm(name, kwargs, size, train):
     timm's own float32 arithmetic; a gradient at most GRADIENT_FACTOR times timm's error
     on that tensor or twice timm's error on all gradients together, and all gradients
     together at most GRADIENT_FACTOR times timm's; timm's error is the larger of two
-    runs, the second on images moved by one ulp (verify.py says why). (A single early-layer gradient carries
-    the rounding of the whole backward chain behind it: the first layer's logit-scale
-    gradient of the window-16 SwinV2-base came out 2.1x timm's error in the model, while
-    the op alone, fed the same upstream gradient, is at 4e-7 against float64.)"""
+    runs, the second on images moved by one ulp (verify.py says why). (A single
+    early-layer gradient carries the rounding of the whole backward chain behind it: the
+    first layer's logit-scale gradient of the window-16 SwinV2-base came out 2.1x timm's
+    error in the model, while the op alone, fed the same upstream gradient, is at 4e-7
+    against float64.)"""
     model = create(name, drop_path_rate=0.0, **kwargs)
     ours = patch_model(copy.deepcopy(model))
     assert len(patch_report(ours).patched) == len(patch_report(ours).modules) > 0
