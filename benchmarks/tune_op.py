@@ -69,6 +69,19 @@ def candidates(n: int, head_dim: int, base: config.LaunchConfig, which: str, qui
             yield cfg
 
 
+def parse_tiles(spec: str, base: config.LaunchConfig) -> config.LaunchConfig:
+    """BMxBN/WARPS[/MAXNREG[/PROGRAMS_PER_SM]] -> base with those tiles. MAXNREG 0: no cap;
+    MAXNREG "-" or absent: base's; PROGRAMS_PER_SM absent: base's."""
+    parts = spec.split("/")
+    block_m, block_n = (int(x) for x in parts[0].split("x"))
+    changes = dict(block_m=block_m, block_n=block_n, num_warps=int(parts[1]))
+    if len(parts) > 2 and parts[2] != "-":
+        changes["maxnreg"] = int(parts[2]) or None
+    if len(parts) > 3:
+        changes["programs_per_sm"] = int(parts[3])
+    return config.with_changes(base, **changes)
+
+
 def main() -> None:
     from triton.testing import do_bench_cudagraph
     parser = argparse.ArgumentParser()
@@ -96,6 +109,10 @@ def main() -> None:
     parser.add_argument("--dbias-slots", nargs="*", type=int, default=None,
                         help="multi-block backward: time each candidate with the bias gradient added by the "
                              "dkdv kernel into this many slots with atomic adds (0: by its own kernel)")
+    parser.add_argument("--dbias-tiles", nargs="*", default=None,
+                        help="multi-block backward with a dbias kernel: its tiles to time, as "
+                             "BMxBN/WARPS[/MAXNREG[/PROGRAMS_PER_SM]] (e.g. 64x64/4 64x128/8/0 64x64/4/-/8; "
+                             "MAXNREG 0: none, -: the backward's; default: the backward's own tiles)")
     parser.add_argument("--inference", action="store_true",
                         help="time the forward as under no_grad: no softmax statistics saved")
     parser.add_argument("--out", default=None)
@@ -131,9 +148,15 @@ def main() -> None:
                    for cfg in configs for dq_path in dq_paths]
         if args.dbias_slots and multi_block_bwd:
             configs = [config.with_changes(cfg, dbias_slots=slots) for cfg in configs for slots in args.dbias_slots]
-        for cfg in configs:
+        dbias_key = ("dbias",) + key[1:]
+        dbias_specs = args.dbias_tiles if args.dbias_tiles and multi_block_bwd else [None]
+        configs = [(cfg, spec) for cfg in configs for spec in (dbias_specs if cfg.dbias_slots == 0 else [None])]
+        for cfg, dbias_spec in configs:
             dq_path = "atomic" if cfg.dq_atomic else "kernel"
             config.OVERRIDES[key] = cfg
+            dbias_tiles = None if dbias_spec is None else parse_tiles(dbias_spec, cfg)
+            if dbias_tiles is not None:
+                config.OVERRIDES[dbias_key] = dbias_tiles
             before = {id(k): dict(_compiled(k)) for k in kernels}
             try:
                 if which == "fwd":
@@ -155,19 +178,21 @@ def main() -> None:
                 continue
             finally:
                 config.OVERRIDES.pop(key, None)
+                config.OVERRIDES.pop(dbias_key, None)
             info = _stats(kernels, before)
-            row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=cfg == base,
+            is_default = cfg == base and (dbias_tiles is None or dbias_tiles == config.dbias_config(*key[1:]))
+            row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=is_default,
                        dq=dq_path,
                        without=args.without, dense=args.dense, bias_dtype=args.bias_dtype, inference=args.inference,
-                       **cfg.__dict__)
+                       dbias_tiles=dbias_spec, **cfg.__dict__)
             results.append(row)
-            mark = "*" if cfg == base else " "
+            mark = "*" if is_default else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
                   f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} regs<={cfg.maxnreg} dq={dq_path} "
-                  f"slots={cfg.dbias_slots} "
+                  f"slots={cfg.dbias_slots} dbias={dbias_spec or 'same'} "
                   f"{' '.join(info)}", flush=True)
             if best is None or us < best[0]:
-                best = (us, cfg)
+                best = (us, (cfg, dbias_spec) if dbias_spec else cfg)
         default_us = next((r["us"] for r in results if r["is_default"] and r["shape"] == shape_name
                            and r["kind"] == kind and r["which"] == which), float("nan"))
         print(f"BEST {shape_name} {kind} {which} without={args.without} dense={args.dense}: "

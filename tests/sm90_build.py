@@ -154,7 +154,11 @@ def main() -> int:
               dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine),
               config.with_changes(bwd, num_warps=4, maxnreg=None))
         build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine), bwd, streamed_bias)
-        build(backward.window_attention_bwd_dbias_kernel, dtype, blocks, bwd, streamed_bias)
+        dbias = config.dbias_config(n, head_dim, dtype, cosine)
+        for atomic_sum in (True, False):  # as by default, and as in deterministic mode
+            build(backward.window_attention_bwd_dbias_kernel, dtype,
+                  dict(blocks, BLOCK_M=dbias.block_m, BLOCK_N=dbias.block_n, BLOCK_D=dbias.block_d,
+                       ATOMIC_SUM=atomic_sum), dbias, streamed_bias)
     build_bias_copy()
     return 0
 

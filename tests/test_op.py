@@ -14,7 +14,7 @@ from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make
 from timm_flashwin import window_attention
 from timm_flashwin.kernels import config
 from timm_flashwin.op import uses_kernels, window_attention_fwd
-from timm_flashwin.kernels.launch import dbias_slots, dq_by_atomic_adds, mask_structure
+from timm_flashwin.kernels.launch import dbias_slots, dbias_sum_by_atomic_adds, dq_by_atomic_adds, mask_structure
 from timm_flashwin.reference import LOGIT_SCALE_MAX, window_attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -77,10 +77,11 @@ def test_multi_block_bias_gradient_by_atomic_adds_matches_reference(cosine, slot
 def test_deterministic_mode_takes_the_dq_kernel(deterministic_algorithms, monkeypatch):
     """Under torch.use_deterministic_algorithms(True), no atomic adds: a multi-block
     backward configured to add dQ and the bias gradient up with them runs its dq and dbias
-    kernels instead."""
+    kernels instead, and the dbias kernel writes partials rather than adding its sums."""
     tiles = config.with_changes(config.backward_config(144, 32, torch.bfloat16, False), dbias_slots=4)
     monkeypatch.setitem(config.OVERRIDES, ("bwd", 144, 32, torch.bfloat16, False), tiles)
     assert tiles.dq_atomic and not dq_by_atomic_adds(tiles) and dbias_slots(tiles) == 0
+    assert not dbias_sum_by_atomic_adds()  # the dbias kernel writes partials
     case = make_case(4, 2, 3, 144, 32, cosine=False, masked=True, dtype=torch.bfloat16, device=KERNEL_DEVICE, seed=8)
     assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
                              TOLERANCE[torch.bfloat16])

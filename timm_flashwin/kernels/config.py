@@ -51,7 +51,8 @@ class LaunchConfig:
         return self.block_m >= n and self.block_n >= n
 
 
-#: (pass, N, head_dim, dtype, cosine) -> LaunchConfig, consulted before the defaults.
+#: (pass, N, head_dim, dtype, cosine) -> LaunchConfig, consulted before the defaults; pass is
+#: "fwd", "bwd" or "dbias" (the multi-block backward's dbias kernel, ``dbias_config``).
 #: benchmarks/tune_op.py fills it to compare configurations.
 OVERRIDES: Dict[Tuple[str, int, int, torch.dtype, bool], LaunchConfig] = {}
 
@@ -141,6 +142,22 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
     # (capped; uncapped 542 / 631 / 1802); capped, the atomic dkdv spills (458 / 565 / 1594).
     return LaunchConfig(block, block, block_d, 4, stages, 4, None if cosine else _streamed_maxnreg(block_d, dtype),
                         dq_atomic=True, dbias_slots=1 if cosine else 0)
+
+
+def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
+    """The tiles of the multi-block backward's dbias kernel, which loops over the windows
+    sharing a (head, mask window) and recomputes each one's (query block, key block) tile
+    of dZ. A configuration of its own, since it keeps no per-window accumulator and larger
+    tiles would fit; but they measured slower: H200, bf16, D = 32, whole V1 backward
+    (tune_op.py --dbias-tiles, 2026-11-23), window 12 / 16 / 24: 64x64 and 4 warps (the
+    backward's tiles) 278 / 340 / 970 us, 64x128 or 128x64 with 8 warps 318-323 / 382-384
+    / 1113-1117, with 4 warps uncapped (spilling) 343-367 / 390-419 / 1196-1224; 2, 8 or
+    16 programs per SM instead of 4 within -2% to +6%."""
+    n, head_dim = int(n), int(head_dim)
+    found = OVERRIDES.get(("dbias", n, head_dim, dtype, cosine))
+    if found is not None:
+        return found
+    return backward_config(n, head_dim, dtype, cosine)
 
 
 def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:

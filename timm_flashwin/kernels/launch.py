@@ -267,6 +267,14 @@ def dbias_slots(tiles: config.LaunchConfig) -> int:
     return 0 if torch.are_deterministic_algorithms_enabled() else tiles.dbias_slots
 
 
+def dbias_sum_by_atomic_adds() -> bool:
+    """Whether the dbias kernel adds its programs' sums into one (H, N, N) buffer with
+    atomic adds rather than writing (nW * chunks, H, N, N) partials that a sum reduces
+    afterwards: always but under ``torch.use_deterministic_algorithms(True)`` (the adds'
+    order varies from run to run, and so would the last bits of the bias gradient)."""
+    return not torch.are_deterministic_algorithms_enabled()
+
+
 def attention_backward(
     dout: torch.Tensor,
     qkv: torch.Tensor,
@@ -364,15 +372,25 @@ def attention_backward(
     if slots:
         dbias = dbias.sum(0)
     elif bias_grad:
-        chunks, per_chunk = config.split_windows(per_period, num_heads * periods * m_blocks * n_blocks, target)
+        dbias_tiles = config.dbias_config(n, head_dim, qkv.dtype, cosine)
+        tiles_m, tiles_n = -(-n // dbias_tiles.block_m), -(-n // dbias_tiles.block_n)
+        chunks, per_chunk = config.split_windows(
+            per_period, num_heads * periods * tiles_m * tiles_n,
+            config.target_programs(qkv.device, dbias_tiles.programs_per_sm))
         groups = chunks * periods
-        dbias = qkv.new_empty((groups, num_heads, n, n), dtype=torch.float32)
-        wrap_triton(window_attention_bwd_dbias_kernel)[(groups * num_heads * m_blocks * n_blocks,)](
+        atomic_sum = dbias_sum_by_atomic_adds()
+        if atomic_sum:
+            dbias = qkv.new_zeros((1, num_heads, n, n), dtype=torch.float32)
+        else:
+            dbias = qkv.new_empty((groups, num_heads, n, n), dtype=torch.float32)
+        wrap_triton(window_attention_bwd_dbias_kernel)[(groups * num_heads * tiles_m * tiles_n,)](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dbias,
             scale, dropout_p, stats.stride(0), *qkv.stride(), *dout.stride(), *bias_strides, *mask_strides,
-            periods, per_period, per_chunk, **blocks, **flags, **launch,
+            periods, per_period, per_chunk, BLOCK_M=dbias_tiles.block_m, BLOCK_N=dbias_tiles.block_n,
+            BLOCK_D=dbias_tiles.block_d, ATOMIC_SUM=atomic_sum, **flags,
+            **launch_options(dbias_tiles, dropout_p > 0),
         )
-        dbias = dbias.sum(0)
+        dbias = dbias[0] if atomic_sum else dbias.sum(0)
     else:
         dbias = qkv.new_empty((0,), dtype=torch.float32)
     return dqkv, dbias, dscale.sum((0, 2)) if scale_grad else dscale
