@@ -7,11 +7,12 @@ backward, where PyTorch sums the bias gradient into the table with a sort of the
 in every call (index_put with accumulation, about ten small kernels: 27 us of GPU time
 per layer on an H100, ``benchmarks/profile_op.py``), sums each table row's pairs, sorted
 once per index tensor (``TableRows``), in one deterministic kernel
-(kernels/position_bias.py). Under torch.compile the same kernels run as registered
-operators, the pairs sorted in the graph (inductor's own scatter of that gradient, atomic
-adds into the small table, took 219 of the 284 ms of GPU time of a compiled
-swinv2_base_window12to24 training step on an H100, benchmarks/profile_step.py). On plain
-CPU tensors and without a gradient it is the PyTorch expression itself.
+(kernels/position_bias.py). Without a gradient, in eager mode, the same gather kernel
+writes the bias. Under torch.compile the same kernels run as registered operators, the
+pairs sorted in the graph (inductor's own scatter of that gradient, atomic adds into the
+small table, took 219 of the 284 ms of GPU time of a compiled swinv2_base_window12to24
+training step on an H100, benchmarks/profile_step.py); without a gradient there, and on
+plain CPU tensors, it is the PyTorch expression itself.
 """
 from __future__ import annotations
 
@@ -115,9 +116,17 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor) -> torch.Tens
         raise ValueError(f"gather_position_bias: `index` must be of shape (N, N), got {tuple(index.shape)}")
     if table.dim() != 2:
         raise ValueError(f"gather_position_bias: `table` must be of shape (rows, heads), got {tuple(table.shape)}")
-    if table.requires_grad and torch.is_grad_enabled() and uses_kernels(table):
+    if uses_kernels(table):
+        if table.requires_grad and torch.is_grad_enabled():
+            if _dispatch_free(table):
+                return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]))
+            return gather_position_bias_op(table, index)
         if _dispatch_free(table):
-            return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]))
-        return gather_position_bias_op(table, index)
+            # Without a gradient too: PyTorch's indexing took 201 us for a window of 24x24
+            # (its vectorized_gather_kernel, H200, benchmarks/profile_op.py --forward), the
+            # kernel 4 us. TableRows.of checks the index's range, once per index tensor.
+            TableRows.of(index, table.shape[0])
+            with _direct_launches():
+                return relative_bias_gather(table, index)
     n = index.shape[0]
     return table[index.reshape(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
