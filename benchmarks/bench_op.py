@@ -220,12 +220,15 @@ def _time_us(fn: Callable, grad_to_none=None) -> Tuple[float, str]:
         return 1e3 * do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median"), "events"
 
 
-def bench_one(impl: str, shape, cosine: bool, passes: List[str]) -> Dict:
-    inp = make_inputs(shape, cosine)
-    fn = implementation(impl)
+def leaves_of(inp: Dict) -> List[torch.Tensor]:
+    """The tensors of a case that take a gradient: qkv, the bias table, the logit scale."""
+    return [t for t in (inp["qkv"], inp["bias"], inp["logit_scale"]) if t is not None]
+
+
+def timed_passes(fn: Callable, inp: Dict) -> Tuple[Callable, Callable]:
+    """(forward, forward_backward) of one implementation on one case, as they are timed:
+    the forward under no_grad, both under bf16 autocast (parameters stay float32)."""
     args = (inp["qkv"], inp["bias"], inp["mask"], inp["logit_scale"], inp["heads"], inp["scale"])
-    leaves = [t for t in (inp["qkv"], inp["bias"], inp["logit_scale"]) if t is not None]
-    result: Dict = {}
 
     def forward():
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -235,6 +238,15 @@ def bench_one(impl: str, shape, cosine: bool, passes: List[str]) -> Dict:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = fn(*args)
         out.backward(inp["grad"])
+
+    return forward, forward_backward
+
+
+def bench_one(impl: str, shape, cosine: bool, passes: List[str]) -> Dict:
+    inp = make_inputs(shape, cosine)
+    leaves = leaves_of(inp)
+    forward, forward_backward = timed_passes(implementation(impl), inp)
+    result: Dict = {}
 
     try:
         t0 = time.perf_counter()

@@ -1,10 +1,12 @@
-"""GPU time per kernel of one implementation's forward+backward in bench_op.py.
+"""GPU time per kernel of one implementation's forward+backward (or, with --forward, its
+forward) in bench_op.py.
 
-    python benchmarks/profile_op.py --shapes v1_s3_b64 w24_s1_b16 --impl ours --out results/p.json
+    python benchmarks/profile_op.py --shapes v1_s3_b64 w24_s1_b16 --impl ours [--forward] --out results/p.json
 
-Runs bench_op's case (inputs, the table gather, the gradients to qkv, table and logit
-scale) a few times under torch.profiler and lists every CUDA kernel with its time per
-forward+backward: what bench_op's cell is made of. GPU only.
+Runs bench_op's case as bench_op times it (inputs, the table gather, bf16 autocast, the
+gradients to qkv, table and logit scale; the forward under no_grad) a few times under
+torch.profiler and lists every CUDA kernel with its time per call: what bench_op's cell
+is made of. GPU only.
 """
 from __future__ import annotations
 
@@ -16,19 +18,22 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_op import SHAPES, implementation, make_inputs  # noqa: E402
+from bench_op import SHAPES, implementation, leaves_of, make_inputs, timed_passes  # noqa: E402
 from common import cuda_kernel_times, write_json  # noqa: E402
 
 
-def profile_case(shape_name: str, kind: str, impl: str, steps: int):
+def profile_case(shape_name: str, kind: str, impl: str, steps: int, forward_only: bool = False):
     from torch.profiler import ProfilerActivity, profile
     inp = make_inputs(SHAPES[shape_name], kind == "cosine")
-    fn = implementation(impl)
-    leaves = [t for t in (inp["qkv"], inp["bias"], inp["logit_scale"]) if t is not None]
+    forward, forward_backward = timed_passes(implementation(impl), inp)
 
     def step():
-        out = fn(inp["qkv"], inp["bias"], inp["mask"], inp["logit_scale"], inp["heads"], inp["scale"])
-        torch.autograd.grad(out, leaves, inp["grad"])
+        if forward_only:
+            forward()
+            return
+        forward_backward()
+        for t in leaves_of(inp):
+            t.grad = None
 
     for _ in range(3):
         step()
@@ -49,16 +54,19 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"])
     parser.add_argument("--impl", default="ours")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--forward", action="store_true", help="the forward alone, as bench_op times it (no_grad)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
     for shape_name, kind in itertools.product(args.shapes, args.kinds):
-        rows = profile_case(shape_name, kind, args.impl, args.steps)
+        rows = profile_case(shape_name, kind, args.impl, args.steps, args.forward)
         total = sum(r["us"] for r in rows)
-        print(f"{shape_name} {kind} {args.impl}: {total:.1f} us of kernels per forward+backward", flush=True)
+        what = "forward (no_grad)" if args.forward else "forward+backward"
+        print(f"{shape_name} {kind} {args.impl}: {total:.1f} us of kernels per {what}", flush=True)
         for r in rows:
             print(f"  {r['us']:8.1f} us {r['calls']:4.0f}x  {r['kernel'][:100]}")
-        results.append(dict(shape=shape_name, kind=kind, impl=args.impl, kernel_us=total, kernels=rows,
+        results.append(dict(shape=shape_name, kind=kind, impl=args.impl, forward_only=args.forward,
+                            kernel_us=total, kernels=rows,
                             device=torch.cuda.get_device_name(), torch=torch.__version__))
         if args.out:
             write_json(args.out, results)
