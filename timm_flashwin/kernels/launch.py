@@ -315,10 +315,10 @@ def attention_backward(
     flags = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
                  COSINE=cosine, FP32_DOT=_fp32_dot(qkv.dtype), HAS_DROPOUT=dropout_p > 0)
     strides = (*qkv.stride(), *dout.stride(), *dqkv.stride(), *bias_strides, *mask_strides)
-    target = config.target_programs(qkv.device, tiles.programs_per_sm)
 
     if tiles.single_tile(n):
-        chunks, per_chunk = config.split_windows(per_period, num_heads * periods, target)
+        chunks, per_chunk = config.split_windows(per_period, num_heads * periods,
+                                                 config.target_programs(qkv.device, tiles.programs_per_sm))
         groups = chunks * periods
         dbias = qkv.new_empty((groups, num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
         dscale = qkv.new_empty((groups, num_heads) if scale_grad else (0,), dtype=torch.float32)
