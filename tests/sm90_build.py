@@ -144,12 +144,13 @@ def main() -> int:
                   dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine), bwd)
             continue
         blocks = dict(flags, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, MASK_REGIONS=True)
-        # as configured (atomic dQ, the bias gradient by atomics where bwd.dbias_slots), and as
-        # in deterministic mode (the dq and dbias kernels do that work)
-        for atomics in (True, False):
+        # as configured (atomic dQ, the bias gradient by atomics where bwd.dbias_slots), one build
+        # per mask kind as launched, and as in deterministic mode (the dq and dbias kernels do
+        # that work)
+        for atomics, from_regions in ((True, True), (True, False), (False, True)):
             build(backward.window_attention_bwd_dkdv_kernel, dtype,
                   dict(blocks, DQ_ATOMIC=atomics and bwd.dq_atomic, SCALE_GRAD=cosine and atomics and bwd.dq_atomic,
-                       DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0), bwd, streamed_bias)
+                       DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0, FROM_REGIONS=from_regions), bwd, streamed_bias)
         build(backward.window_attention_bwd_dq_finish_kernel, dtype,
               dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine),
               config.with_changes(bwd, num_warps=4, maxnreg=None))

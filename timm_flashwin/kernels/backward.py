@@ -237,7 +237,7 @@ def window_attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
-    DBIAS_ATOMIC: tl.constexpr,
+    DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr,
 ):
     """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks.
 
@@ -251,57 +251,73 @@ def window_attention_bwd_dkdv_kernel(
     H, N, N) fp32 with atomic adds, for the bias gradient (the slots summed afterwards),
     instead of a dbias kernel that computes every tile of P once more. More slots spread
     the adds of windows in flight together, but past L2's size they cost more than they
-    save (config.backward_config: one slot, cosine only)."""
+    save (config.backward_config: one slot, cosine only).
+
+    With MASK_REGIONS the launcher launches this kernel twice, FROM_REGIONS True and False,
+    as it does the forward: each build serves one kind of mask (``load_bias_mask``), and the
+    programs of the launch whose kind the mask is not return at once. The loop then holds
+    no branch, and its bias tile and region ids are fetched ahead by the pipeliner, as q
+    and dO are (H200, window 16, ncu: a third of the kernel's stall samples were waits on
+    those loads, made in the mask kind's branch at the top of each tile, and on rbar,
+    which is now loaded an iteration ahead)."""
     bh, b, h, cols = program_block(H, N, BLOCK_N)
     pid = tl.program_id(0)
     w = b % num_periods
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
-
-    q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-    k_base = q_base + (H * D) * stride_qkv_c
-    v_base = k_base + (H * D) * stride_qkv_c
-    do_base = dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c
-    k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-    v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
-    dk_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dv_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dscale_acc = 0.0
-    for start_m in range(0, N, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
-        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
-        row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
-        bias_mask = load_bias_mask_either(
-            bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols, stride_bias_h,
-            stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, HAS_BIAS, HAS_MASK,
-            BLOCK_M, BLOCK_N)
-        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
-                                                bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
-                                                COSINE, FP32_DOT, False, HAS_DROPOUT)
-        ds_lowp = ds.to(q_lowp.dtype)
-        dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
-        dk_acc = mma(tl.trans(ds_lowp), q_lowp, dk_acc, FP32_DOT)
-        if DQ_ATOMIC:
-            dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
-            tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,
-                          mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
+    run = True
+    mask_value = 0.0
+    if MASK_REGIONS:
+        mask_structured, mask_value = load_mask_regions(mask_info_ptr, True)
+        run = mask_structured == FROM_REGIONS
+    if run:
+        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+        k_base = q_base + (H * D) * stride_qkv_c
+        v_base = k_base + (H * D) * stride_qkv_c
+        do_base = dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c
+        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+        dk_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        dv_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        dscale_acc = 0.0
         if SCALE_GRAD:
-            rbar = load_rbar(stats_ptr, bh, rows, stats_stride, N)
-            dscale_acc += tl.sum(scale_grad_terms(ds, raw, rbar), 0)
-        if DBIAS_ATOMIC:
-            slot = b % num_slots
-            tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :], ds,
-                          mask=(rows[:, None] < N) & (cols[None, :] < N), sem="relaxed")
+            rbar_next = load_rbar(stats_ptr, bh, tl.arange(0, BLOCK_M), stats_stride, N)
+        for start_m in range(0, N, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+            do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
+            row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
+            if SCALE_GRAD:  # this block's rbar, loaded an iteration ahead: nothing else waits on it
+                rbar = rbar_next
+                rbar_next = load_rbar(stats_ptr, bh, rows + BLOCK_M, stats_stride, N)
+            bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+                                       stride_bias_h, stride_bias_i, stride_bias_j,
+                                       stride_mask_w, stride_mask_i, stride_mask_j,
+                                       N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
+            p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
+                                                    bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
+                                                    COSINE, FP32_DOT, False, HAS_DROPOUT)
+            ds_lowp = ds.to(q_lowp.dtype)
+            dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
+            dk_acc = mma(tl.trans(ds_lowp), q_lowp, dk_acc, FP32_DOT)
+            if DQ_ATOMIC:
+                dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
+                tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,
+                              mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
+            if SCALE_GRAD:
+                dscale_acc += tl.sum(scale_grad_terms(ds, raw, rbar), 0)
+            if DBIAS_ATOMIC:
+                slot = b % num_slots
+                tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :], ds,
+                              mask=(rows[:, None] < N) & (cols[None, :] < N), sem="relaxed")
 
-    dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
-    dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
-    store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
-    store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
-    if SCALE_GRAD:
-        tl.store(dscale_partial_ptr + pid, dscale_acc)
+        dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
+        dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
+        store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+        store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+        if SCALE_GRAD:
+            tl.store(dscale_partial_ptr + pid, dscale_acc)
 
 
 @triton.jit

@@ -353,11 +353,14 @@ def attention_backward(
     # dQ, else per (window, head, query block) from the dq kernel
     dscale = qkv.new_empty((num_windows, num_heads, n_blocks if dq_atomic else m_blocks) if scale_grad else (0,),
                            dtype=torch.float32)
-    wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
-        qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
-        dq_acc, dscale, dbias, scale, dropout_p, periods, stats.stride(0), max(slots, 1), *strides,
-        DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad and dq_atomic, DBIAS_ATOMIC=slots > 0, **blocks, **flags, **launch,
-    )
+    # as the forward: with region ids, one launch per kind of mask, the other's programs return
+    for from_regions in (True, False) if mask_regions else (False,):
+        wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
+            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
+            dq_acc, dscale, dbias, scale, dropout_p, periods, stats.stride(0), max(slots, 1), *strides,
+            DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad and dq_atomic, DBIAS_ATOMIC=slots > 0,
+            FROM_REGIONS=from_regions, **blocks, **flags, **launch,
+        )
     if dq_atomic:
         wrap_triton(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](
             qkv, head_scale_ptr, dq_acc, dqkv, scale, *qkv.stride(), *dqkv.stride(),
