@@ -7,6 +7,14 @@ Runs bench_op's case as bench_op times it (inputs, the table gather, bf16 autoca
 gradients to qkv, table and logit scale; the forward under no_grad) a few times under
 torch.profiler and lists every CUDA kernel with its time per call: what bench_op's cell
 is made of. GPU only.
+
+With --ncu, for Nsight Compute instead: a few warm-up steps (compilation, caches), then
+one step between cudaProfilerStart and cudaProfilerStop, for example
+
+    ncu --profile-from-start off --clock-control none --set full -k regex:dkdv \
+        -o w16 python benchmarks/profile_op.py --shapes w16_s1_b32 --kinds v1 --ncu
+
+(one shape and kind per run; --clock-control none leaves the clocks as they run).
 """
 from __future__ import annotations
 
@@ -22,7 +30,7 @@ from bench_op import SHAPES, implementation, leaves_of, make_inputs, timed_passe
 from common import cuda_kernel_times, write_json  # noqa: E402
 
 
-def profile_case(shape_name: str, kind: str, impl: str, steps: int, forward_only: bool = False):
+def profile_case(shape_name: str, kind: str, impl: str, steps: int, forward_only: bool = False, ncu: bool = False):
     from torch.profiler import ProfilerActivity, profile
     inp = make_inputs(SHAPES[shape_name], kind == "cosine")
     forward, forward_backward = timed_passes(implementation(impl), inp)
@@ -38,6 +46,12 @@ def profile_case(shape_name: str, kind: str, impl: str, steps: int, forward_only
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if ncu:
+        torch.cuda.cudart().cudaProfilerStart()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -55,11 +69,15 @@ def main() -> None:
     parser.add_argument("--impl", default="ours")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--forward", action="store_true", help="the forward alone, as bench_op times it (no_grad)")
+    parser.add_argument("--ncu", action="store_true",
+                        help="one step between cudaProfilerStart/Stop, for ncu --profile-from-start off")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
     for shape_name, kind in itertools.product(args.shapes, args.kinds):
-        rows = profile_case(shape_name, kind, args.impl, args.steps, args.forward)
+        rows = profile_case(shape_name, kind, args.impl, args.steps, args.forward, args.ncu)
+        if args.ncu:
+            continue
         total = sum(r["us"] for r in rows)
         what = "forward (no_grad)" if args.forward else "forward+backward"
         print(f"{shape_name} {kind} {args.impl}: {total:.1f} us of kernels per {what}", flush=True)

@@ -100,6 +100,10 @@ def main() -> None:
     parser.add_argument("--maxnreg", nargs="*", type=int, default=[-1],
                         help="with --only-default: register caps per thread to time (-1: the default's, "
                              "0: none, the compiler's choice)")
+    parser.add_argument("--tiles", nargs="*", default=None,
+                        help="with --only-default: the pass's tiles to time instead of the default's, as "
+                             "BMxBN/WARPS[/MAXNREG[/PROGRAMS_PER_SM]] (as --dbias-tiles; combined with --maxnreg "
+                             "and --stages)")
     parser.add_argument("--stages", nargs="*", type=int, default=[0],
                         help="with --only-default: pipeline depths to time (0: the default's)")
     parser.add_argument("--dq", nargs="*", default=None, choices=["atomic", "kernel"],
@@ -138,8 +142,10 @@ def main() -> None:
         out, stats, regions, mask_info = attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)
         best = None
         if args.only_default:
-            configs = [config.with_changes(base, maxnreg=base.maxnreg if regs < 0 else regs or None, num_stages=stages or base.num_stages)
-                       for regs in args.maxnreg for stages in args.stages]
+            tiled = [parse_tiles(spec, base) for spec in args.tiles] if args.tiles else [base]
+            configs = [config.with_changes(cfg, maxnreg=cfg.maxnreg if regs < 0 else regs or None,
+                                           num_stages=stages or cfg.num_stages)
+                       for cfg in tiled for regs in args.maxnreg for stages in args.stages]
         else:
             configs = list(candidates(n, head_dim, base, which, args.quick))
         multi_block_bwd = which == "bwd" and not base.single_tile(n)
