@@ -241,7 +241,28 @@ def test_streaming_kernels_read_a_float16_bias(dtype, n, monkeypatch):
     results = forward_backward(window_attention, case)
     assert seen == [(torch.float16 if n == 144 else torch.float32, True)] * 2
     assert results[2].dtype == torch.float32
-    assert_matches_reference(results, reference_forward_backward(case), TOLERANCE[dtype])
+    exact_bias = forward_backward(window_attention_reference, case, torch.float64)  # not bias_as_read
+    assert_matches_reference(results, exact_bias, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="float16"),
+                                   pytest.param(torch.bfloat16, id="bfloat16", marks=pytest.mark.cuda)])
+def test_float16_bias_copy_moves_the_logit_scale_gradient_as_its_rounding_does(dtype):
+    """Cosine attention streaming key blocks with 16-bit inputs reads a float16 copy of the
+    bias. Against the exact bias, the output and the qkv and bias gradients stay within the
+    dtype's tolerance; the logit-scale gradient, a sum whose terms cancel, moves by as much
+    as the rounding of the bias moves it in float64 (a few 1e-2 where it is small), and
+    against the rounded bias (the other tests' reference) it is within tolerance. bfloat16
+    on a GPU only: the interpreter rounds to bfloat16 by truncation."""
+    case = make_case(4, 2, 2, 144, 16, cosine=True, masked=True, dtype=dtype, device=KERNEL_DEVICE, seed=144)
+    results = forward_backward(window_attention, case)
+    exact = forward_backward(window_attention_reference, case, torch.float64)
+    rounded = reference_forward_backward(case)
+    assert not torch.equal(rounded[2], exact[2])  # the rounded bias is what the reference took
+    assert_matches_reference(results[:3], exact[:3], TOLERANCE[dtype])
+    assert_matches_reference(results, rounded, TOLERANCE[dtype])
+    rounding_effect = (rounded[3] - exact[3]).abs()
+    assert ((results[3] - exact[3]).abs() <= 1.5 * rounding_effect + TOLERANCE[dtype] * exact[3].abs()).all()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's numpy cast
