@@ -154,7 +154,8 @@ def main() -> int:
         build(backward.window_attention_bwd_dq_finish_kernel, dtype,
               dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine),
               config.with_changes(bwd, num_warps=4, maxnreg=None))
-        build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine), bwd, streamed_bias)
+        build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine, FROM_REGIONS=True), bwd,
+              streamed_bias)
         dbias = config.dbias_config(n, head_dim, dtype, cosine)
         for atomic_sum in (True, False):  # as by default, and as in deterministic mode
             build(backward.window_attention_bwd_dbias_kernel, dtype,

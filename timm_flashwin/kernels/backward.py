@@ -334,48 +334,53 @@ def window_attention_bwd_dq_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr,
+    SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr,
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block, looping over key blocks;
-    also the block's share of d(head scale), written to dscale_partial[b, h, block]."""
+    also the block's share of d(head scale), written to dscale_partial[b, h, block].
+    Built and launched once per mask kind with MASK_REGIONS, as the dkdv kernel is."""
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     pid = tl.program_id(0)
     w = b % num_periods
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
-
-    q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-    k_base = q_base + (H * D) * stride_qkv_c
-    v_base = k_base + (H * D) * stride_qkv_c
-    q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-    do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
-                   stride_dout_n, stride_dout_c, N, D)
-    row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
-    dq_acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    dscale_rows = tl.zeros((BLOCK_M,), tl.float32)
-    if SCALE_GRAD:
-        rbar = load_rbar(stats_ptr, bh, rows, stats_stride, N)
-    for start_n in range(0, N, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
-        bias_mask = load_bias_mask_either(
-            bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols, stride_bias_h,
-            stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, HAS_BIAS, HAS_MASK,
-            BLOCK_M, BLOCK_N)
-        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
-                                                bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
-                                                COSINE, FP32_DOT, False, HAS_DROPOUT)
-        dq_acc = mma(ds.to(k_lowp.dtype), k_lowp, dq_acc, FP32_DOT)
+    run = True
+    mask_value = 0.0
+    if MASK_REGIONS:
+        mask_structured, mask_value = load_mask_regions(mask_info_ptr, True)
+        run = mask_structured == FROM_REGIONS
+    if run:
+        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+        k_base = q_base + (H * D) * stride_qkv_c
+        v_base = k_base + (H * D) * stride_qkv_c
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
+                       stride_dout_n, stride_dout_c, N, D)
+        row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
+        dq_acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        dscale_rows = tl.zeros((BLOCK_M,), tl.float32)
         if SCALE_GRAD:
-            dscale_rows += scale_grad_terms(ds, raw, rbar)
+            rbar = load_rbar(stats_ptr, bh, rows, stats_stride, N)
+        for start_n in range(0, N, BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+            v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+            bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+                                       stride_bias_h, stride_bias_i, stride_bias_j,
+                                       stride_mask_w, stride_mask_i, stride_mask_j,
+                                       N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
+            p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
+                                                    bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
+                                                    COSINE, FP32_DOT, False, HAS_DROPOUT)
+            dq_acc = mma(ds.to(k_lowp.dtype), k_lowp, dq_acc, FP32_DOT)
+            if SCALE_GRAD:
+                dscale_rows += scale_grad_terms(ds, raw, rbar)
 
-    store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
-             stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
-    if SCALE_GRAD:
-        tl.store(dscale_partial_ptr + pid, tl.sum(dscale_rows, 0))
+        store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
+                 stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
+        if SCALE_GRAD:
+            tl.store(dscale_partial_ptr + pid, tl.sum(dscale_rows, 0))
 
 
 @triton.jit

@@ -368,10 +368,12 @@ def attention_backward(
         )
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
-        wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
-            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv, dscale,
-            scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad, **blocks, **flags, **launch,
-        )
+        for from_regions in (True, False) if mask_regions else (False,):
+            wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
+                qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
+                dscale, scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad,
+                FROM_REGIONS=from_regions, **blocks, **flags, **launch,
+            )
     if slots:
         dbias = dbias.sum(0)
     elif bias_grad:

@@ -154,8 +154,10 @@ def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols
 
     FROM_REGIONS: the mask is value * [region_i != region_j], computed from the (nW, N)
     region ids (the launcher found it so, ``mask_structure``) instead of read. The kind is
-    known only at run time (``load_mask_regions``): the forward branches once around its
-    loops, the backward per tile (``load_bias_mask_either``).
+    known only at run time (``load_mask_regions``): the kernels that loop over key or query
+    blocks are built for one kind each and launched once per kind, the programs of the
+    other kind returning at once; the dbias kernel, which reads one tile per program,
+    branches (``load_bias_mask_either``).
 
     Every kernel computes its logits from this tile once per (query block, key block),
     so each elementwise operation here costs about as much as one of the softmax's own:
@@ -189,10 +191,11 @@ def load_bias_mask_either(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask
                           N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``load_bias_mask`` with the mask's kind decided at run time (``mask_structured``,
-    from ``load_mask_regions``), per tile. The backward kernels use it inside their loops:
-    there, unlike in the forward, hoisting the branch around the loops measured no gain
-    (H200, window 24, V1 backward: 1616 us hoisted, 1475-1573 us not, on different
-    machines)."""
+    from ``load_mask_regions``). The dbias kernel reads its one tile per program with it.
+    Not for a tile read inside a loop: the pipeliner does not fetch loads in a branch
+    ahead, and the kernels that loop over blocks are built once per mask kind instead
+    (``FROM_REGIONS``; H200, window 16, ncu: in the dkdv kernel, waits on the branch's loads
+    were a fifth of the stall samples)."""
     if mask_structured:
         bm = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
