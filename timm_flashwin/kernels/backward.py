@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
-                    load_qk, load_rows, mma, normalize_backward, scores, store_rows)
+                    load_qk, load_rows, mask_kind_launch, mma, normalize_backward, scores, store_rows)
 
 
 @triton.jit
@@ -266,11 +266,7 @@ def window_attention_bwd_dkdv_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    run = True
-    mask_value = 0.0
-    if MASK_REGIONS:
-        mask_structured, mask_value = load_mask_regions(mask_info_ptr, True)
-        run = mask_structured == FROM_REGIONS
+    run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
         q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c
@@ -345,11 +341,7 @@ def window_attention_bwd_dq_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(head_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    run = True
-    mask_value = 0.0
-    if MASK_REGIONS:
-        mask_structured, mask_value = load_mask_regions(mask_info_ptr, True)
-        run = mask_structured == FROM_REGIONS
+    run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
         q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c

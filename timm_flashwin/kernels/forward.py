@@ -11,7 +11,7 @@ product with V is dropped (O = (P * keep / (1 - p)) V, as timm's attn_drop appli
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_mask_regions, load_qk, load_rows, mma,
+from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, mask_kind_launch, mma,
                     scores, store_rows)
 
 
@@ -61,11 +61,7 @@ def window_attention_fwd_kernel(
     # against 94 KB, where two tiles per key block set the size of a both-kinds build) to
     # run three programs per SM under a cap of 168 registers (config.forward_config).
     # Measured on an H100, window 24, bf16: V1 620 -> 544 us, cosine 828 -> 712 us.
-    run = True
-    mask_value = 0.0
-    if MASK_REGIONS:
-        mask_structured, mask_value = load_mask_regions(mask_info_ptr, True)
-        run = mask_structured == FROM_REGIONS
+    run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
         forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, logit_scale2,
                         dropout_p, h, w, first, last, rows, cols, dims,

@@ -145,6 +145,19 @@ def load_mask_regions(mask_info_ptr, MASK_REGIONS: tl.constexpr):
 
 
 @triton.jit
+def mask_kind_launch(mask_info_ptr, MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr):
+    """(run, value) for a kernel built for one kind of mask (FROM_REGIONS: region ids, else
+    dense) that the launcher launches once per kind where the mask may be either
+    (MASK_REGIONS): whether this launch's kind is the mask's, and the region mask's value.
+    Without MASK_REGIONS the one launch runs."""
+    if MASK_REGIONS:
+        mask_structured, mask_value = load_mask_regions(mask_info_ptr, True)
+        return mask_structured == FROM_REGIONS, mask_value
+    else:
+        return True, 0.0
+
+
+@triton.jit
 def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                    stride_bias_h, stride_bias_i, stride_bias_j,
                    stride_mask_w, stride_mask_i, stride_mask_j,
