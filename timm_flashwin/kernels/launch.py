@@ -181,6 +181,14 @@ def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int
     return ((num_periods, n), (2,)) if used else ((0,), (0,))
 
 
+def _mask_kinds(mask_regions: bool) -> Tuple[bool, ...]:
+    """The FROM_REGIONS of each launch of a kernel that streams key or query blocks. With
+    region ids (``mask_regions_used``), two launches, one per kind of mask: each build serves
+    its own kind (``tiles.mask_kind_launch``), and the programs of the launch whose kind the
+    mask is not return at once; the kind is on the device, so the host launches both."""
+    return (True, False) if mask_regions else (False,)
+
+
 def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
                         cosine: bool, save: bool = True) -> Tuple[int, ...]:
     """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
@@ -230,9 +238,7 @@ def attention_forward(
     if n > tiles.block_n:
         bias = streamed_bias(bias, qkv.dtype)
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
-    # With region ids, two launches, one per kind of mask: each kernel is built for its own
-    # kind, and the programs of the launch whose kind the mask is not return at once.
-    for from_regions in (True, False) if mask_regions else (False,):
+    for from_regions in _mask_kinds(mask_regions):
         wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
             qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
             head_scale if head_scale is not None else qkv,
@@ -353,8 +359,7 @@ def attention_backward(
     # dQ, else per (window, head, query block) from the dq kernel
     dscale = qkv.new_empty((num_windows, num_heads, n_blocks if dq_atomic else m_blocks) if scale_grad else (0,),
                            dtype=torch.float32)
-    # as the forward: with region ids, one launch per kind of mask, the other's programs return
-    for from_regions in (True, False) if mask_regions else (False,):
+    for from_regions in _mask_kinds(mask_regions):
         wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
             dq_acc, dscale, dbias, scale, dropout_p, periods, stats.stride(0), max(slots, 1), *strides,
@@ -368,7 +373,7 @@ def attention_backward(
         )
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
-        for from_regions in (True, False) if mask_regions else (False,):
+        for from_regions in _mask_kinds(mask_regions):
             wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
                 qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
                 dscale, scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad,
