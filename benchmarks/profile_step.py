@@ -8,12 +8,22 @@ between steps), and under torch.profiler the GPU kernel time and the number of k
 launches per step, with the operators that take the most host (self CPU) time and the
 kernels that take the most GPU time. A step whose enqueue time exceeds its GPU time is
 bound by the host. GPU only.
+
+The variants are built and warmed up first, then timed in alternating rounds (median
+over the rounds): host-bound steps drift with the machine's load, and a block of one
+variant after a block of the other would carry that drift into their ratio.
+``--inductor NAME=VALUE`` sets a ``torch._inductor.config`` option for the whole run;
+the variant ``flashwin-static`` is the patched model compiled with inductor's static
+CUDA launcher for user-defined Triton kernels (``static_launch_user_defined_triton_kernels``,
+off by default in torch 2.11), which launches our kernels with less host time per launch.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import os
+import statistics
 import sys
 import time
 
@@ -28,6 +38,7 @@ from timm_flashwin.verify import build_model  # noqa: E402
 
 
 def _wall_and_enqueue_ms(step, repeats: int):
+    """(wall ms per step over ``repeats`` back-to-back steps, median ms to enqueue one step)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(repeats):
@@ -63,52 +74,73 @@ def _profile(step, steps: int, top: int):
     return launches, gpu_ms, host_ops, gpu_kernels
 
 
+VARIANT_INDUCTOR_OPTIONS = {"flashwin-static": dict(static_launch_user_defined_triton_kernels=True)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="swinv2_cr_tiny_224", choices=list(MODELS))
     parser.add_argument("--mode", default="train", choices=["infer", "train"])
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--compile-mode", default=None)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="steps per timing round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds of the variants")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="torch._inductor.config options for the run (Python literals)")
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"], choices=["timm", "flashwin"])
+    parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"], choices=["timm", "flashwin", "flashwin-static"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    import torch._inductor.config as inductor_config
+    for option in args.inductor:
+        name, _, value = option.partition("=")
+        if not hasattr(inductor_config, name):
+            parser.error(f"--inductor {option}: torch._inductor.config has no option {name!r}")
+        setattr(inductor_config, name, ast.literal_eval(value))
     train = args.mode == "train"
     batch = MODELS[args.model][train]
     base = build_model(args.model)
     size = base.pretrained_cfg["input_size"][1:]
     images = torch.randn(batch, 3, *size, device="cuda")
-    rows = []
+    steps = {}
     for variant in args.variants:
         model = copy.deepcopy(base).cuda().train(train)
-        if variant == "flashwin":
+        if variant != "timm":
             patch_model(model)
         x = images
         if not train:
             model, x = model.to(torch.bfloat16), images.to(torch.bfloat16)
         if args.compile:
             model = torch.compile(model, mode=args.compile_mode)
-        step = _step_fn(model, x, torch.bfloat16, train)
-        for _ in range(5):
-            step()
-        wall, enqueue = _wall_and_enqueue_ms(step, args.repeats)
+        steps[variant] = _step_fn(model, x, torch.bfloat16, train)
+        # compiled (forward and backward) in the first steps, with the variant's options
+        with inductor_config.patch(VARIANT_INDUCTOR_OPTIONS.get(variant, {})):
+            for _ in range(5):
+                steps[variant]()
+    timings = {variant: ([], []) for variant in steps}
+    for _ in range(args.rounds):
+        for variant, step in steps.items():
+            wall, enqueue = _wall_and_enqueue_ms(step, args.repeats)
+            timings[variant][0].append(wall)
+            timings[variant][1].append(enqueue)
+    rows = []
+    for variant, step in steps.items():
+        wall, enqueue = (statistics.median(t) for t in timings[variant])
         launches, gpu_ms, host_ops, gpu_kernels = _profile(step, 2, args.top)
         row = dict(model=args.model, mode=args.mode, compile=args.compile, compile_mode=args.compile_mode,
-                   variant=variant, batch=batch, wall_ms=wall, enqueue_ms=enqueue, gpu_kernel_ms=gpu_ms,
-                   launches_per_step=launches, host_ops=host_ops, gpu_kernels=gpu_kernels,
+                   inductor=args.inductor, variant=variant, batch=batch, wall_ms=wall, enqueue_ms=enqueue,
+                   wall_ms_rounds=timings[variant][0], enqueue_ms_rounds=timings[variant][1],
+                   gpu_kernel_ms=gpu_ms, launches_per_step=launches, host_ops=host_ops, gpu_kernels=gpu_kernels,
                    device=torch.cuda.get_device_name(), torch=torch.__version__)
         rows.append(row)
         print(f"{args.model} {args.mode} compile={args.compile} {variant}: wall {wall:.1f} ms, enqueue {enqueue:.1f} ms,"
               f" GPU kernels {gpu_ms:.1f} ms, {launches:.0f} launches per step", flush=True)
-        for op in host_ops:
+        for op in host_ops[:15]:
             print(f"    host {op['self_cpu_us_per_step']:9.0f} us {op['calls_per_step']:6.0f}x  {op['name'][:90]}")
         for k in gpu_kernels[:8]:
             print(f"    gpu  {k['us_per_step']:9.0f} us {k['calls_per_step']:6.0f}x  {k['name'][:90]}")
         if args.out:
             write_json(args.out, rows)
-        del model, step
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
