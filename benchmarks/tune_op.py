@@ -24,7 +24,6 @@ from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
 from timm_flashwin.kernels.launch import attention_backward, attention_forward  # noqa: E402
 from timm_flashwin.op import _direct_launches  # noqa: E402
-from timm_flashwin.reference import LOGIT_SCALE_MAX  # noqa: E402
 
 
 def _compiled(kernel) -> Dict:
@@ -131,7 +130,7 @@ def main() -> None:
         bias = dense_bias(inp["bias"].detach(), n).to(getattr(torch, args.bias_dtype))  # as the adapters pass it
         bias = None if "bias" in args.without else bias
         mask = None if "mask" in args.without else mask
-        head_scale = torch.clamp(inp["logit_scale"].detach(), max=LOGIT_SCALE_MAX).exp() if cosine else None
+        logit_scale = inp["logit_scale"].detach() if cosine else None  # (H,): the kernels clamp and exponentiate
         key = (which, n, head_dim, torch.bfloat16, cosine)
         base = (config.forward_config if which == "fwd" else config.backward_config)(n, head_dim, torch.bfloat16,
                                                                                    cosine)
@@ -139,7 +138,7 @@ def main() -> None:
             bwd_kernels.window_attention_bwd_fused_kernel, bwd_kernels.window_attention_bwd_dkdv_kernel,
             bwd_kernels.window_attention_bwd_dq_kernel, bwd_kernels.window_attention_bwd_dq_finish_kernel,
             bwd_kernels.window_attention_bwd_dbias_kernel]
-        out, stats, regions, mask_info = attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine)
+        out, stats, regions, mask_info = attention_forward(qkv, heads, bias, mask, logit_scale, inp["scale"], cosine)
         best = None
         if args.only_default:
             tiled = [parse_tiles(spec, base) for spec in args.tiles] if args.tiles else [base]
@@ -166,11 +165,11 @@ def main() -> None:
             before = {id(k): dict(_compiled(k)) for k in kernels}
             try:
                 if which == "fwd":
-                    launch = lambda: attention_forward(qkv, heads, bias, mask, head_scale, inp["scale"], cosine,  # noqa
+                    launch = lambda: attention_forward(qkv, heads, bias, mask, logit_scale, inp["scale"], cosine,  # noqa
                                                        save_stats=not args.inference)
                 else:
                     launch = lambda: attention_backward(inp["grad"], qkv, out, stats, regions, mask_info,  # noqa
-                                                        bias, mask, head_scale, heads, inp["scale"], cosine,
+                                                        bias, mask, logit_scale, heads, inp["scale"], cosine,
                                                         bias is not None, cosine)
 
                 def fn(launch=launch):

@@ -3,7 +3,6 @@
 Runs the real Triton kernels: on the GPU when there is one, otherwise under the Triton
 interpreter on CPU tensors (set up by conftest.py).
 """
-import math
 
 import pytest
 import torch
@@ -150,6 +149,55 @@ def test_mask_structure_is_kept_on_the_mask_until_it_changes(monkeypatch):
     assert len(found) == 2
     expected = window_attention_reference(case.qkv.double(), 3, **case.kwargs(mask=case.mask.double()))
     assert relative_error(changed, expected) < TOLERANCE[torch.float32]
+
+
+def _record_launches(monkeypatch) -> list:
+    """(kernel name, FROM_REGIONS) of every kernel launch from here on."""
+    from timm_flashwin.kernels import launch
+    launches, wrap = [], launch.wrap_triton
+
+    def recording(kernel):
+        launcher = wrap(kernel)
+
+        class Recorded:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    launches.append((kernel.__name__, kwargs.get("FROM_REGIONS")))
+                    return launcher[grid](*args, **kwargs)
+                return run
+        return Recorded()
+
+    monkeypatch.setattr(launch, "wrap_triton", recording)
+    return launches
+
+
+@pytest.mark.parametrize("structured", [True, False], ids=["timm-mask", "dense-mask"])
+def test_eager_calls_launch_only_the_build_of_the_masks_kind(structured, monkeypatch):
+    """The kernels that stream key blocks are built once per kind of mask. Eager calls,
+    whose mask structure is kept on the mask with its kind read once on the host, launch
+    only the build of that kind (forward and dkdv kernel); results match the reference."""
+    case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    if not structured:
+        case.mask = torch.randn(case.mask.shape, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE)
+    launches = _record_launches(monkeypatch)
+    results = forward_backward(window_attention, case)
+    streaming = [(name, kind) for name, kind in launches if kind is not None]
+    assert streaming == [("window_attention_fwd_kernel", structured), ("window_attention_bwd_dkdv_kernel", structured)]
+    assert_matches_reference(results, reference_forward_backward(case), 1e-4)
+
+
+def test_inference_tensor_masks_launch_both_builds(monkeypatch):
+    """A mask made under torch.inference_mode keeps no structure (no version counter):
+    its kind stays on the device, both builds are launched, the other one's programs
+    return at once, and the output is the reference's."""
+    case = make_case(4, 2, 3, 144, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    launches = _record_launches(monkeypatch)
+    with torch.inference_mode():
+        mask = case.mask.clone()
+        out = window_attention(case.qkv, 3, **case.kwargs(mask=mask))
+    assert launches == [("window_attention_fwd_kernel", True), ("window_attention_fwd_kernel", False)]
+    expected = window_attention_reference(case.qkv.double(), 3, **case.kwargs(mask=case.mask.double()))
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
 
 
 def test_inference_tensors_are_not_kept_on(monkeypatch):
@@ -374,6 +422,24 @@ def test_nan_input_propagates_like_the_reference():
     assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
 
 
+
+@pytest.mark.parametrize("n", [16, 144], ids=["one-tile", "multi-block"])
+def test_nan_logit_scale_propagates_like_torch_clamp(n):
+    """The kernels clamp and exponentiate the logit scale themselves: a NaN one gives its
+    head NaN outputs and gradients, the other heads stay finite, and its own gradient is
+    0 (torch.clamp's backward compares, and NaN <= ln 100 is false), as in the reference."""
+    case = make_case(4, 2, 3, n, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    case.logit_scale = torch.tensor([1.0, float("nan"), 2.0], device=KERNEL_DEVICE)
+    results = forward_backward(window_attention, case)
+    reference = reference_forward_backward(case)
+    for got, ref in zip(results, reference):
+        assert torch.equal(got.isnan(), ref.isnan())
+    assert results[0][..., 16:32].isnan().all() and not results[0][..., :16].isnan().any()
+    assert results[3][1] == 0 and results[3][[0, 2]].isfinite().all()
+    finite = [torch.nan_to_num(t) for t in results]
+    assert_matches_reference(finite, [torch.nan_to_num(t) for t in reference], 1e-4)
+
+
 def test_lse_output_is_not_differentiable_and_op_is_registered():
     assert hasattr(torch.ops.timm_flashwin, "window_attention_fwd")
     assert hasattr(torch.ops.timm_flashwin, "window_attention_bwd")
@@ -383,10 +449,8 @@ def test_lse_output_is_not_differentiable_and_op_is_registered():
 def test_opcheck(cosine):
     """Schema, fake tensor, autograd registration and AOT dispatch of the operator."""
     case = make_case(2, 2, 2, 9, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
-    head_scale = None
-    if cosine:
-        head_scale = torch.clamp(case.logit_scale, max=LOGIT_SCALE_MAX).exp().requires_grad_()
-    args = (case.qkv.requires_grad_(), 2, case.bias.requires_grad_(), case.mask, head_scale,
+    logit_scale = case.logit_scale.reshape(2).requires_grad_() if cosine else None
+    args = (case.qkv.requires_grad_(), 2, case.bias.requires_grad_(), case.mask, logit_scale,
             case.scale or 1.0, cosine, 0.0, None)
     torch.library.opcheck(window_attention_fwd, args)
     seed = torch.tensor([1234], dtype=torch.int64, device=KERNEL_DEVICE)  # with attention dropout
@@ -650,8 +714,8 @@ def test_gpu_torch_compile_fullgraph(cosine, n):
 @pytest.mark.cuda
 def test_gpu_opcheck():
     case = make_case(8, 4, 2, 49, 32, cosine=True, masked=True, dtype=torch.bfloat16, device="cuda")
-    head_scale = torch.clamp(case.logit_scale, max=math.log(100)).exp().requires_grad_()
+    logit_scale = case.logit_scale.reshape(2).requires_grad_()
     torch.library.opcheck(window_attention_fwd, (case.qkv.requires_grad_(), 2, case.bias.requires_grad_(),
-                                                 case.mask, head_scale, 1.0, True, 0.0, None))
+                                                 case.mask, logit_scale, 1.0, True, 0.0, None))
     seed = torch.tensor([1234], dtype=torch.int64, device="cuda")
-    torch.library.opcheck(window_attention_fwd, (case.qkv, 2, case.bias, case.mask, head_scale, 1.0, True, 0.25, seed))
+    torch.library.opcheck(window_attention_fwd, (case.qkv, 2, case.bias, case.mask, logit_scale, 1.0, True, 0.25, seed))

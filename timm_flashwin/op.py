@@ -19,7 +19,7 @@ import torch
 from .kernels import config
 from .kernels.launch import (attention_backward, attention_forward, mask_regions_shapes, mask_regions_used,
                              softmax_stats_shape)
-from .reference import LOGIT_SCALE_MAX, window_attention_reference
+from .reference import window_attention_reference
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NAMESPACE = "timm_flashwin"
@@ -31,14 +31,14 @@ def _forward_impl(
     num_heads: int,
     bias: Optional[torch.Tensor],
     mask: Optional[torch.Tensor],
-    head_scale: Optional[torch.Tensor],
+    logit_scale: Optional[torch.Tensor],
     scale: float,
     cosine: bool,
     dropout_p: float,
     seed: Optional[torch.Tensor],
     save_stats: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_forward(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed, save_stats)
+    return attention_forward(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats)
 
 
 def _backward_impl(
@@ -50,7 +50,7 @@ def _backward_impl(
     mask_info: torch.Tensor,
     bias: Optional[torch.Tensor],
     mask: Optional[torch.Tensor],
-    head_scale: Optional[torch.Tensor],
+    logit_scale: Optional[torch.Tensor],
     num_heads: int,
     scale: float,
     cosine: bool,
@@ -59,11 +59,11 @@ def _backward_impl(
     dropout_p: float,
     seed: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, num_heads, scale,
+    return attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, num_heads, scale,
                               cosine, bias_grad, scale_grad, dropout_p, seed)
 
 
-def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed, save_stats=True):
+def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats=True):
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
@@ -74,7 +74,7 @@ def _forward_fake(qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout
             qkv.new_empty(info_shape, dtype=torch.float32))
 
 
-def _backward_fake(grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, num_heads, scale, cosine,
+def _backward_fake(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, num_heads, scale, cosine,
                    bias_grad, scale_grad, dropout_p, seed):
     n = qkv.shape[1]
     dbias = qkv.new_empty((num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
@@ -99,10 +99,10 @@ window_attention_bwd = _register("window_attention_bwd", _backward_impl, _backwa
 
 
 def _setup_context(ctx, inputs, output):
-    qkv, num_heads, bias, mask, head_scale, scale, cosine, dropout_p, seed = inputs[:9]
+    qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed = inputs[:9]
     out, stats, regions, mask_info = output
     ctx.mark_non_differentiable(stats, regions, mask_info)
-    ctx.save_for_backward(qkv, out, stats, regions, mask_info, bias, mask, head_scale, seed)
+    ctx.save_for_backward(qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed)
     ctx.num_heads, ctx.scale, ctx.cosine, ctx.dropout_p = num_heads, scale, cosine, dropout_p
 
 
@@ -113,18 +113,18 @@ def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
 def _input_grads(backward_op, ctx, grad_out):
     """The gradients of the forward's inputs, with ``backward_op`` (the registered op, or
     its implementation in eager mode) computing them."""
-    qkv, out, stats, regions, mask_info, bias, mask, head_scale, seed = ctx.saved_tensors
+    qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[2]
-    scale_grad = head_scale is not None and ctx.needs_input_grad[4]
+    scale_grad = logit_scale is not None and ctx.needs_input_grad[4]
     dqkv, dbias, dscale = backward_op(
-        grad_out, qkv, out, stats, regions, mask_info, bias, mask, head_scale, ctx.num_heads, ctx.scale,
+        grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, ctx.num_heads, ctx.scale,
         ctx.cosine, bias_grad, scale_grad, ctx.dropout_p, seed)
     return (
         dqkv,
         None,
         dbias.to(bias.dtype) if bias_grad else None,
         None,  # the mask takes no gradient
-        dscale.to(head_scale.dtype) if scale_grad else None,
+        dscale.to(logit_scale.dtype) if scale_grad else None,
         None,
         None,
         None,
@@ -315,13 +315,12 @@ def window_attention(
         t is not None and t.requires_grad for t in (qkv, bias, logit_scale))
     if bias is not None and bias.dim() == 4:
         bias = bias[0]
-    head_scale = None
-    if logit_scale is not None:
-        head_scale = torch.clamp(logit_scale.reshape(num_heads), max=LOGIT_SCALE_MAX).exp()
+    if logit_scale is not None:  # the kernels clamp it at ln 100 and exponentiate it (tiles.head_scale)
+        logit_scale = logit_scale.reshape(num_heads).contiguous()  # read as logit_scale_ptr + h
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed(qkv.device) if dropout_p > 0 else None
     forward = _EagerWindowAttention.apply if _dispatch_free(qkv) else window_attention_fwd
     out, _stats, _regions, _mask_info = forward(
-        qkv, num_heads, bias, mask, head_scale, float(scale) if scale is not None else 1.0, logit_scale is not None,
+        qkv, num_heads, bias, mask, logit_scale, float(scale) if scale is not None else 1.0, logit_scale is not None,
         dropout_p, seed, save_stats)
     return out

@@ -5,8 +5,10 @@ With logits Z = S + B + M and P = softmax(Z):
     dV = P^T dO,   dP = dO V^T,   dZ = P * (dP - rowsum(P * dP)),
     dB[h] = sum over windows of dZ,                      (bias gradient)
     dQ^ = s dZ K^,   dK^ = s dZ^T Q^,   ds = sum dZ * R  with R = Q^ K^^T,
-    where s is ``scale`` (V1, Q^ = Q) or the cosine head scale; for cosine attention
-    dQ and dK then pass through the normalization (tiles.normalize_backward).
+    where s is ``scale`` (V1, Q^ = Q) or the cosine head scale s = exp(min(logit_scale, ln 100));
+    for cosine attention dQ and dK then pass through the normalization
+    (tiles.normalize_backward), and the kernels write d(logit_scale) = ds * s (0 where the
+    clamp is active) partials (tiles.logit_scale_grad).
 rowsum(P * dP) equals rowsum(dO * O), which is what the multi-block path precomputes.
 With attention dropout (factor F = keep / (1 - p), regenerated from the forward's seed):
     dV = (P F)^T dO,   dP = F * (dO V^T),   and the rest as above; rowsum(dO * O) is
@@ -34,7 +36,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
-                    load_qk, load_rows, mask_kind_launch, mma, normalize_backward, scores, store_rows)
+                    load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma, normalize_backward, scores,
+                    store_rows)
 
 
 @triton.jit
@@ -130,7 +133,7 @@ def load_rbar(stats_ptr, bh, rows, stats_stride, N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_bwd_fused_kernel(
-    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr,
+    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
     dqkv_ptr, dbias_partial_ptr, dscale_partial_ptr,
     scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
@@ -154,7 +157,7 @@ def window_attention_bwd_fused_kernel(
 
     idx = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    s = head_scale(head_scale_ptr, h, scale, COSINE)
+    s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     bias_mask = load_bias_mask(bias_ptr, mask_ptr, bias_ptr, 0.0, h, w, idx, idx,
                                stride_bias_h, stride_bias_i, stride_bias_j,
@@ -196,7 +199,7 @@ def window_attention_bwd_fused_kernel(
         ptrs = dbias_partial_ptr + ((group * H + h) * N + idx[:, None]) * N + idx[None, :]
         tl.store(ptrs, dbias_acc, mask=(idx[:, None] < N) & (idx[None, :] < N))
     if SCALE_GRAD:
-        tl.store(dscale_partial_ptr + group * H + h, tl.sum(dscale_acc, 0))
+        tl.store(dscale_partial_ptr + group * H + h, logit_scale_grad(tl.sum(dscale_acc, 0), logit_scale_ptr, h))
 
 
 @triton.jit
@@ -225,7 +228,7 @@ def window_attention_bwd_delta_kernel(
 
 @triton.jit
 def window_attention_bwd_dkdv_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
     dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
     scale, dropout_p, num_periods, stats_stride, num_slots,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
@@ -244,7 +247,7 @@ def window_attention_bwd_dkdv_kernel(
     DQ_ATOMIC: also adds each tile's dZ K^ to dq_acc (B_ * H, N, D) fp32 with atomic adds
     (the key blocks of a window run as neighbouring programs, each at its own query block,
     so few adds meet on one address) and, with SCALE_GRAD, writes the key block's share of
-    d(head scale) to dscale_partial[b, h, key block] (``scale_grad_terms``): the dq kernel,
+    d(logit_scale) to dscale_partial[b, h, key block] (``scale_grad_terms``): the dq kernel,
     which would compute every tile of P once more, is then not needed.
 
     DBIAS_ATOMIC: also adds each tile's dZ to dbias_slots[b % num_slots, h] (num_slots,
@@ -264,7 +267,7 @@ def window_attention_bwd_dkdv_kernel(
     pid = tl.program_id(0)
     w = b % num_periods
     dims = tl.arange(0, BLOCK_D)
-    s = head_scale(head_scale_ptr, h, scale, COSINE)
+    s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
@@ -313,12 +316,12 @@ def window_attention_bwd_dkdv_kernel(
         store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
         store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
         if SCALE_GRAD:
-            tl.store(dscale_partial_ptr + pid, dscale_acc)
+            tl.store(dscale_partial_ptr + pid, logit_scale_grad(dscale_acc, logit_scale_ptr, h))
 
 
 @triton.jit
 def window_attention_bwd_dq_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
     dqkv_ptr,
     dscale_partial_ptr,
     scale, dropout_p, num_periods, stats_stride,
@@ -333,13 +336,13 @@ def window_attention_bwd_dq_kernel(
     SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr,
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block, looping over key blocks;
-    also the block's share of d(head scale), written to dscale_partial[b, h, block].
+    also the block's share of d(logit_scale), written to dscale_partial[b, h, block].
     Built and launched once per mask kind with MASK_REGIONS, as the dkdv kernel is."""
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     pid = tl.program_id(0)
     w = b % num_periods
     dims = tl.arange(0, BLOCK_D)
-    s = head_scale(head_scale_ptr, h, scale, COSINE)
+    s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
@@ -372,12 +375,12 @@ def window_attention_bwd_dq_kernel(
         store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
                  stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
         if SCALE_GRAD:
-            tl.store(dscale_partial_ptr + pid, tl.sum(dscale_rows, 0))
+            tl.store(dscale_partial_ptr + pid, logit_scale_grad(tl.sum(dscale_rows, 0), logit_scale_ptr, h))
 
 
 @triton.jit
 def window_attention_bwd_dq_finish_kernel(
-    qkv_ptr, head_scale_ptr, dq_acc_ptr, dqkv_ptr,
+    qkv_ptr, logit_scale_ptr, dq_acc_ptr, dqkv_ptr,
     scale,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
@@ -388,7 +391,7 @@ def window_attention_bwd_dq_finish_kernel(
     up in dq_acc with DQ_ATOMIC: times the scale, through the normalization, cast."""
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    s = head_scale(head_scale_ptr, h, scale, COSINE)
+    s = head_scale(logit_scale_ptr, h, scale, COSINE)
     q_in, q_lowp, q_inv, q_norm = load_qk(qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c, rows, dims,
                                           stride_qkv_n, stride_qkv_c, N, D, COSINE)
     dq_acc = load_rows(dq_acc_ptr + bh * N * D, rows, dims, D, 1, N, D)
@@ -398,7 +401,7 @@ def window_attention_bwd_dq_finish_kernel(
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_bwd_dbias_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
+    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
     dbias_partial_ptr,
     scale, dropout_p, stats_stride,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
@@ -433,7 +436,7 @@ def window_attention_bwd_dbias_kernel(
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
+    logit_scale2 = head_scale(logit_scale_ptr, h, scale, COSINE) * LOG2E
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
     bias_mask = load_bias_mask_either(

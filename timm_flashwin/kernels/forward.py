@@ -17,7 +17,7 @@ from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_fwd_kernel(
-    qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, head_scale_ptr, seed_ptr,
+    qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
     scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_out_b, stride_out_n, stride_out_c,
@@ -53,7 +53,7 @@ def window_attention_fwd_kernel(
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    logit_scale2 = head_scale(head_scale_ptr, h, scale, COSINE) * LOG2E
+    logit_scale2 = head_scale(logit_scale_ptr, h, scale, COSINE) * LOG2E
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     # With MASK_REGIONS the launcher launches this kernel twice, FROM_REGIONS True and False:
     # each build serves one kind of mask, and only the launch of the kind found runs.

@@ -143,6 +143,19 @@ def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) 
             or not config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
 
 
+def _kept_key(tensor: torch.Tensor, key: tuple) -> tuple:
+    return (tensor._version, tensor.data_ptr(), tensor.shape, tensor.stride(), *key)
+
+
+def kept(tensor: torch.Tensor, name: str, *key):
+    """What ``kept_on`` keeps on ``tensor`` under ``name`` for the tensor's present state
+    (version, storage, shape, strides, ``key``), or None; computes nothing."""
+    if tensor.is_inference():
+        return None
+    entry = tensor.__dict__.get(name)
+    return entry[1] if entry is not None and entry[0] == _kept_key(tensor, key) else None
+
+
 def kept_on(tensor: torch.Tensor, name: str, compute, *key):
     """``compute()``, kept on ``tensor`` (in its ``__dict__`` under ``name``) and computed
     again when the tensor's version counter (in-place changes), storage, shape or strides,
@@ -150,12 +163,14 @@ def kept_on(tensor: torch.Tensor, name: str, compute, *key):
     torch.inference_mode) have no version counter: for them it is computed every call."""
     if tensor.is_inference():
         return compute()
-    full_key = (tensor._version, tensor.data_ptr(), tensor.shape, tensor.stride(), *key)
-    kept = tensor.__dict__.get(name)
-    if kept is None or kept[0] != full_key:
-        kept = (full_key, compute())
-        tensor.__dict__[name] = kept
-    return kept[1]
+    value = kept(tensor, name, *key)
+    if value is None:
+        value = compute()
+        tensor.__dict__[name] = (_kept_key(tensor, key), value)
+    return value
+
+
+_MASK_STRUCTURE = "_flashwin_mask_structure"
 
 
 def _mask_structure_kept(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -163,10 +178,21 @@ def _mask_structure_kept(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     masks are buffers, the same tensor in every call, and the check reads and writes the
     (nW, N, N) mask some ten times (a dozen small kernels in every forward).
     An in-place change of the mask (its version) or another tensor computes it again;
-    traced launches (torch.compile) compute it in the graph."""
+    traced launches (torch.compile) compute it in the graph.
+
+    What is kept also holds the mask's kind as a Python bool, read once from the device
+    (one synchronization per mask, not per call), so that eager calls launch only the
+    kernel build of that kind (``_mask_kinds``). Not for inference tensors (computed in
+    every call, they would synchronize in every call) nor while a CUDA graph is captured."""
     if _traced_launch() or type(mask) is not torch.Tensor:
         return mask_structure(mask)
-    return kept_on(mask, "_flashwin_mask_structure", lambda: mask_structure(mask))
+
+    def compute():
+        regions, info = mask_structure(mask)
+        capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()
+        return regions, info, None if capturing or mask.is_inference() else bool(info[0])
+
+    return kept_on(mask, _MASK_STRUCTURE, compute)[:2]
 
 
 def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, has_mask: bool) -> bool:
@@ -181,12 +207,22 @@ def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int
     return ((num_periods, n), (2,)) if used else ((0,), (0,))
 
 
-def _mask_kinds(mask_regions: bool) -> Tuple[bool, ...]:
+def _mask_kinds(mask_regions: bool, mask: Optional[torch.Tensor]) -> Tuple[bool, ...]:
     """The FROM_REGIONS of each launch of a kernel that streams key or query blocks. With
-    region ids (``mask_regions_used``), two launches, one per kind of mask: each build serves
-    its own kind (``tiles.mask_kind_launch``), and the programs of the launch whose kind the
-    mask is not return at once; the kind is on the device, so the host launches both."""
-    return (True, False) if mask_regions else (False,)
+    region ids (``mask_regions_used``), each kernel is built once per kind of mask
+    (``tiles.mask_kind_launch``): where the host knows the mask's kind (eager calls with a
+    kept mask structure, ``_mask_structure_kept``), one launch of that kind; else two, one
+    per kind, the programs of the launch whose kind the mask is not returning at once (the
+    kind is then only on the device). The launch of the other kind took 6.7 to 6.9 us per
+    dkdv call on window 16 (H200, Nsight Compute: 6144 programs that read two numbers and
+    return)."""
+    if not mask_regions:
+        return (False,)
+    known = None
+    if not _traced_launch() and type(mask) is torch.Tensor:
+        structure = kept(mask, _MASK_STRUCTURE)
+        known = structure[2] if structure is not None else None
+    return (True, False) if known is None else (known,)
 
 
 def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
@@ -205,7 +241,7 @@ def attention_forward(
     num_heads: int,
     bias: Optional[torch.Tensor],
     mask: Optional[torch.Tensor],
-    head_scale: Optional[torch.Tensor],
+    logit_scale: Optional[torch.Tensor],
     scale: float,
     cosine: bool,
     dropout_p: float = 0.0,
@@ -215,7 +251,9 @@ def attention_forward(
     """Returns out (B_, N, H*D) in qkv's dtype, the softmax statistics (fp32,
     ``softmax_stats_shape``; empty without ``save_stats``, where no backward follows)
     and the mask's region ids and info (``mask_structure``; empty where unused), which
-    the backward takes back. ``seed``: a one-element int64 tensor, with dropout_p > 0."""
+    the backward takes back. ``logit_scale``: the cosine logit scale as the module holds
+    it, (H,) (the kernels clamp and exponentiate it), None for V1. ``seed``: a
+    one-element int64 tensor, with dropout_p > 0."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     tiles = config.forward_config(n, head_dim, qkv.dtype, cosine)
@@ -238,10 +276,10 @@ def attention_forward(
     if n > tiles.block_n:
         bias = streamed_bias(bias, qkv.dtype)
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
-    for from_regions in _mask_kinds(mask_regions):
+    for from_regions in _mask_kinds(mask_regions, mask):
         wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
             qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
-            head_scale if head_scale is not None else qkv,
+            logit_scale if logit_scale is not None else qkv,
             seed if dropout_p > 0 else qkv,
             scale, dropout_p,
             *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
@@ -290,7 +328,7 @@ def attention_backward(
     mask_info: torch.Tensor,
     bias: Optional[torch.Tensor],
     mask: Optional[torch.Tensor],
-    head_scale: Optional[torch.Tensor],
+    logit_scale: Optional[torch.Tensor],
     num_heads: int,
     scale: float,
     cosine: bool,
@@ -301,7 +339,7 @@ def attention_backward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Takes the forward's out, stats, regions and mask_info; regenerates the forward's
     dropout from the same ``seed``. Returns dqkv (qkv's shape, contiguous), dbias (H, N, N)
-    fp32 and d(head_scale) (H,) fp32; the last two are empty when not asked for."""
+    fp32 and d(logit_scale) (H,) fp32; the last two are empty when not asked for."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
     tiles = config.backward_config(n, head_dim, qkv.dtype, cosine)
@@ -316,7 +354,7 @@ def attention_backward(
     read_bias = bias if tiles.single_tile(n) else streamed_bias(bias, qkv.dtype)
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, mask, qkv)
     scale_grad = scale_grad and cosine
-    head_scale_ptr = head_scale if head_scale is not None else qkv
+    logit_scale_ptr = logit_scale if logit_scale is not None else qkv
     seed_ptr = seed if dropout_p > 0 else qkv
     flags = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
                  COSINE=cosine, FP32_DOT=_fp32_dot(qkv.dtype), HAS_DROPOUT=dropout_p > 0)
@@ -329,7 +367,7 @@ def attention_backward(
         dbias = qkv.new_empty((groups, num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
         dscale = qkv.new_empty((groups, num_heads) if scale_grad else (0,), dtype=torch.float32)
         wrap_triton(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
-            qkv, dout, bias_ptr, mask_ptr, head_scale_ptr, seed_ptr, dqkv, dbias, dscale,
+            qkv, dout, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr, dqkv, dbias, dscale,
             scale, dropout_p, *strides, periods, per_period, per_chunk,
             BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
             **launch_options(tiles, dropout_p > 0), **flags,
@@ -359,23 +397,23 @@ def attention_backward(
     # dQ, else per (window, head, query block) from the dq kernel
     dscale = qkv.new_empty((num_windows, num_heads, n_blocks if dq_atomic else m_blocks) if scale_grad else (0,),
                            dtype=torch.float32)
-    for from_regions in _mask_kinds(mask_regions):
+    for from_regions in _mask_kinds(mask_regions, mask):
         wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
-            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
+            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
             dq_acc, dscale, dbias, scale, dropout_p, periods, stats.stride(0), max(slots, 1), *strides,
             DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad and dq_atomic, DBIAS_ATOMIC=slots > 0,
             FROM_REGIONS=from_regions, **blocks, **flags, **launch,
         )
     if dq_atomic:
         wrap_triton(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](
-            qkv, head_scale_ptr, dq_acc, dqkv, scale, *qkv.stride(), *dqkv.stride(),
+            qkv, logit_scale_ptr, dq_acc, dqkv, scale, *qkv.stride(), *dqkv.stride(),
             H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d, COSINE=cosine, num_warps=4,
         )
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
-        for from_regions in _mask_kinds(mask_regions):
+        for from_regions in _mask_kinds(mask_regions, mask):
             wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
-                qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dqkv,
+                qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
                 dscale, scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad,
                 FROM_REGIONS=from_regions, **blocks, **flags, **launch,
             )
@@ -394,7 +432,7 @@ def attention_backward(
         else:
             dbias = qkv.new_empty((groups, num_heads, n, n), dtype=torch.float32)
         wrap_triton(window_attention_bwd_dbias_kernel)[(groups * num_heads * tiles_m * tiles_n,)](
-            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, head_scale_ptr, seed_ptr, dbias,
+            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dbias,
             scale, dropout_p, stats.stride(0), *qkv.stride(), *dout.stride(), *bias_strides, *mask_strides,
             periods, per_period, per_chunk, BLOCK_M=dbias_tiles.block_m, BLOCK_N=dbias_tiles.block_n,
             BLOCK_D=dbias_tiles.block_d, ATOMIC_SUM=atomic_sum, **flags,

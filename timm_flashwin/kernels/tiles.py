@@ -17,8 +17,11 @@ Conventions used by every kernel:
 import triton
 import triton.language as tl
 
+from ..reference import LOGIT_SCALE_MAX as LOGIT_SCALE_MAX_VALUE
+
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log logits -> log2 logits
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's eps
+LOGIT_SCALE_MAX = tl.constexpr(LOGIT_SCALE_MAX_VALUE)  # timm's clamp of the cosine logit scale, ln 100
 
 
 @triton.jit
@@ -125,13 +128,29 @@ def dropout_factor(seed, bh, rows, cols, dropout_p, N: tl.constexpr):
 
 
 @triton.jit
-def head_scale(head_scale_ptr, h, scale, COSINE: tl.constexpr):
-    """The factor s of the scores S = s * Q^ K^^T: exp(min(logit_scale[h], ln 100)) for
-    cosine attention (precomputed by the host), ``scale`` for V1."""
+def head_scale(logit_scale_ptr, h, scale, COSINE: tl.constexpr):
+    """The factor s of the scores S = s * Q^ K^^T: for cosine attention
+    s = exp(min(logit_scale[h], ln 100)), computed here from the module's own parameter
+    (a NaN logit scale gives NaN, as torch.clamp does); ``scale`` for V1.
+
+    Computed in the kernels rather than by the host: in eager mode that is two kernel
+    launches fewer per forward (clamp, exp) and their autograd nodes fewer per backward
+    (``logit_scale_grad``)."""
     if COSINE:
-        return tl.load(head_scale_ptr + h).to(tl.float32)
+        logit_scale = tl.load(logit_scale_ptr + h).to(tl.float32)
+        return tl.exp(tl.minimum(logit_scale, LOGIT_SCALE_MAX, propagate_nan=tl.PropagateNan.ALL))
     else:
         return tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
+
+
+@triton.jit
+def logit_scale_grad(scale_grad, logit_scale_ptr, h):
+    """d(logit_scale[h]) from a sum of d(head scale) terms: times ds/d(logit_scale) =
+    s below the clamp at ln 100, 0 from the bound on (torch.clamp passes no gradient at
+    its bound either) and where the logit scale is NaN, as autograd gives through
+    torch.clamp(max=) and exp."""
+    logit_scale = tl.load(logit_scale_ptr + h).to(tl.float32)
+    return tl.where(logit_scale < LOGIT_SCALE_MAX, scale_grad * tl.exp(logit_scale), 0.0)
 
 
 @triton.jit
