@@ -24,6 +24,22 @@ import torch.nn.functional as F
 LOGIT_SCALE_MAX = math.log(1.0 / 0.01)
 
 
+def _clamp_passes_gradient_at_its_bound() -> bool:
+    """Whether torch.clamp(x, max=m) gives x a gradient where x == m: torch up to 2.11 does
+    (subgradient 1), later ones do not (pytorch#191142, the minimum-norm subgradient). The
+    kernels, which clamp the logit scale themselves, follow the torch they run with, as
+    timm's own logit-scale gradient does. A rule of autograd's derivative formulas, the
+    same on every device: probed once, on the CPU."""
+    with torch.enable_grad():
+        x = torch.ones(1, requires_grad=True)
+        torch.clamp(x, max=1.0).backward()
+    return bool(x.grad[0] != 0)
+
+
+#: torch.clamp's gradient at its bound on this torch (``_clamp_passes_gradient_at_its_bound``).
+CLAMP_GRADIENT_AT_BOUND = _clamp_passes_gradient_at_its_bound()
+
+
 def window_attention_reference(
     qkv: torch.Tensor,
     num_heads: int,

@@ -17,11 +17,13 @@ Conventions used by every kernel:
 import triton
 import triton.language as tl
 
+from ..reference import CLAMP_GRADIENT_AT_BOUND as CLAMP_GRADIENT_AT_BOUND_VALUE
 from ..reference import LOGIT_SCALE_MAX as LOGIT_SCALE_MAX_VALUE
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log logits -> log2 logits
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's eps
 LOGIT_SCALE_MAX = tl.constexpr(LOGIT_SCALE_MAX_VALUE)  # timm's clamp of the cosine logit scale, ln 100
+CLAMP_GRADIENT_AT_BOUND = tl.constexpr(CLAMP_GRADIENT_AT_BOUND_VALUE)  # torch.clamp's rule on this torch
 
 
 @triton.jit
@@ -146,11 +148,15 @@ def head_scale(logit_scale_ptr, h, scale, COSINE: tl.constexpr):
 @triton.jit
 def logit_scale_grad(scale_grad, logit_scale_ptr, h):
     """d(logit_scale[h]) from a sum of d(head scale) terms: times ds/d(logit_scale) =
-    s below the clamp at ln 100, 0 from the bound on (torch.clamp passes no gradient at
-    its bound either) and where the logit scale is NaN, as autograd gives through
-    torch.clamp(max=) and exp."""
+    s below the clamp at ln 100, 0 above it and where the logit scale is NaN, and at the
+    bound itself whatever this torch's torch.clamp gives (``CLAMP_GRADIENT_AT_BOUND``), as
+    autograd gives through torch.clamp(max=) and exp."""
     logit_scale = tl.load(logit_scale_ptr + h).to(tl.float32)
-    return tl.where(logit_scale < LOGIT_SCALE_MAX, scale_grad * tl.exp(logit_scale), 0.0)
+    if CLAMP_GRADIENT_AT_BOUND:
+        unclamped = logit_scale <= LOGIT_SCALE_MAX
+    else:
+        unclamped = logit_scale < LOGIT_SCALE_MAX
+    return tl.where(unclamped, scale_grad * tl.exp(logit_scale), 0.0)
 
 
 @triton.jit
