@@ -180,19 +180,19 @@ def _mask_structure_kept(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     An in-place change of the mask (its version) or another tensor computes it again;
     traced launches (torch.compile) compute it in the graph.
 
-    What is kept also holds the mask's kind as a Python bool, read once from the device
-    (one synchronization per mask, not per call), so that eager calls launch only the
-    kernel build of that kind (``_mask_kinds``). Not for inference tensors (computed in
-    every call, they would synchronize in every call) nor while a CUDA graph is captured."""
+    What is kept also holds the mask's kind as a Python bool, read from the device by the
+    second call with the same mask (one synchronization per mask, not per call; a mask
+    built anew in every forward, as timm's ``dynamic_mask`` does, is never read), so
+    that eager calls launch only the kernel build of that kind (``_mask_kinds``). Not for
+    inference tensors (nothing is kept) nor while a CUDA graph is captured."""
     if _traced_launch() or type(mask) is not torch.Tensor:
         return mask_structure(mask)
-
-    def compute():
-        regions, info = mask_structure(mask)
-        capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()
-        return regions, info, None if capturing or mask.is_inference() else bool(info[0])
-
-    return kept_on(mask, _MASK_STRUCTURE, compute)[:2]
+    structure = kept(mask, _MASK_STRUCTURE)
+    if structure is None:  # the first call with this mask, or it changed: its kind stays on the device
+        structure = kept_on(mask, _MASK_STRUCTURE, lambda: [*mask_structure(mask), None])
+    elif structure[2] is None and not (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        structure[2] = bool(structure[1][0])
+    return structure[0], structure[1]
 
 
 def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, has_mask: bool) -> bool:
