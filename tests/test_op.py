@@ -6,6 +6,8 @@ interpreter on CPU tensors (set up by conftest.py).
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
@@ -14,6 +16,7 @@ from timm_flashwin import window_attention
 from timm_flashwin.kernels import config
 from timm_flashwin.op import uses_kernels, window_attention_fwd
 from timm_flashwin.kernels.launch import dbias_slots, dbias_sum_by_atomic_adds, dq_by_atomic_adds, mask_structure
+from timm_flashwin.kernels.tiles import head_scale
 from timm_flashwin.reference import LOGIT_SCALE_MAX, window_attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -427,6 +430,27 @@ def test_nan_input_propagates_like_the_reference():
     ref = window_attention_reference(case.qkv.double(), 3, **case.kwargs())
     assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
 
+
+
+@triton.jit
+def head_scales_kernel(logit_scale_ptr, out_ptr):
+    """out[h] = the head scale the kernels compute from logit_scale[h]."""
+    h = tl.program_id(0)
+    tl.store(out_ptr + h, head_scale(logit_scale_ptr, h, 1.0, True))
+
+
+def test_head_scale_is_exp_of_the_clamped_logit_scale_within_half_an_ulp():
+    """The kernels compute s = exp(min(logit_scale, ln 100)) themselves (tiles.head_scale),
+    one value that multiplies every logit (up to 100): within half a float32 ulp of the
+    exact value, as precise as torch's own float32 exp or better (float32 tl.exp is 3 to
+    5 ulp off, enough to move float32 SwinV2 gradients past timm's own error)."""
+    logit_scale = torch.cat([torch.linspace(-3.0, 5.0, 253), torch.tensor([LOGIT_SCALE_MAX, 4.6051702, 1e-3])])
+    logit_scale = logit_scale.to(KERNEL_DEVICE)
+    out = torch.empty_like(logit_scale)
+    head_scales_kernel[(logit_scale.numel(),)](logit_scale, out)
+    exact = torch.clamp(logit_scale, max=LOGIT_SCALE_MAX).double().exp()  # clamped in float32, as torch.clamp does
+    ulp = torch.finfo(torch.float32).eps * exact.float().abs().double()  # spacing above 2^k, 2 ulp below
+    assert ((out.double() - exact).abs() <= 0.5 * ulp).all()
 
 
 @pytest.mark.parametrize("n", [16, 144], ids=["one-tile", "multi-block"])

@@ -130,6 +130,16 @@ def dropout_factor(seed, bh, rows, cols, dropout_p, N: tl.constexpr):
 
 
 @triton.jit
+def exp_float64(x):
+    """exp of a float32 scalar computed in float64, rounded to float32: within half an ulp.
+    For the head scale s = exp(logit scale), one per program: float32 ``tl.exp`` (exp2 of a
+    rounded product, ex2.approx on the GPU) is 3 to 5 ulp off, and s (up to 100) multiplies
+    every logit, which moved float32 SwinV2 gradients past timm's own float32 error
+    (tests/test_training.py, gradient checkpointing)."""
+    return tl.exp(x.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
 def head_scale(logit_scale_ptr, h, scale, COSINE: tl.constexpr):
     """The factor s of the scores S = s * Q^ K^^T: for cosine attention
     s = exp(min(logit_scale[h], ln 100)), computed here from the module's own parameter
@@ -140,7 +150,7 @@ def head_scale(logit_scale_ptr, h, scale, COSINE: tl.constexpr):
     (``logit_scale_grad``)."""
     if COSINE:
         logit_scale = tl.load(logit_scale_ptr + h).to(tl.float32)
-        return tl.exp(tl.minimum(logit_scale, LOGIT_SCALE_MAX, propagate_nan=tl.PropagateNan.ALL))
+        return exp_float64(tl.minimum(logit_scale, LOGIT_SCALE_MAX, propagate_nan=tl.PropagateNan.ALL))
     else:
         return tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
 
@@ -156,7 +166,7 @@ def logit_scale_grad(scale_grad, logit_scale_ptr, h):
         unclamped = logit_scale <= LOGIT_SCALE_MAX
     else:
         unclamped = logit_scale < LOGIT_SCALE_MAX
-    return tl.where(unclamped, scale_grad * tl.exp(logit_scale), 0.0)
+    return tl.where(unclamped, scale_grad * exp_float64(logit_scale), 0.0)
 
 
 @triton.jit
