@@ -80,22 +80,24 @@ def forward_backward(fn, case: Case, dtype: Optional[torch.dtype] = None) -> Lis
 
 
 def bias_as_read(case: Case) -> Case:
-    """The case with its bias as the kernels read it: rounded to float16 where they stream a
-    float16 copy of a float32 bias (16-bit inputs, windows streamed in key blocks;
-    ``launch.streamed_bias``), else unchanged.
+    """The case with its bias as the kernels read it: where they stream key blocks with
+    16-bit inputs (``launch.streamed_bias``), a float16 copy of the bias times log2(e),
+    rounded as the copy kernel rounds it (float32 product, then float16), divided by log2(e)
+    again in float64; else unchanged.
 
     The float64 reference takes this bias, so that it checks the kernels' arithmetic. The
-    rounding (|error| <= |bias| * 2^-12) moves the output and the qkv and bias gradients far
-    less than the 16-bit tolerances, but the logit-scale gradient, a sum whose terms cancel,
-    by up to a few 1e-2 of its value where that value is small (H200 and CPU, N = 144:
-    -1.08 against -1.04); test_op.py's test of the float16 bias copy bounds that effect
-    against the exact bias."""
-    if case.bias is None or case.bias.dtype != torch.float32 or case.qkv.dtype not in (torch.float16, torch.bfloat16):
+    rounding (|error| <= |bias * log2(e)| * 2^-12) moves the output and the qkv and bias
+    gradients far less than the 16-bit tolerances, but the logit-scale gradient, a sum whose
+    terms cancel, by up to a few 1e-2 of its value where that value is small (H200 and CPU,
+    N = 144: -1.08 against -1.04); test_op.py's test of the float16 bias copy bounds that
+    effect against the exact bias."""
+    if case.bias is None or case.qkv.dtype not in (torch.float16, torch.bfloat16):
         return case
     n, head_dim = case.qkv.shape[1], case.qkv.shape[2] // (3 * case.num_heads)
     if not streams_key_blocks(n, head_dim, case.qkv.dtype, case.logit_scale is not None):
         return case
-    return replace(case, bias=case.bias.to(torch.float16).to(torch.float32))
+    log2e = 1.0 / math.log(2.0)
+    return replace(case, bias=(case.bias.float() * log2e).half().double() / log2e)
 
 
 def reference_forward_backward(case: Case) -> List[torch.Tensor]:

@@ -128,22 +128,26 @@ def main() -> int:
         fwd = config.forward_config(n, head_dim, dtype, cosine)
         bwd = config.backward_config(n, head_dim, dtype, cosine)
         streamed = n > fwd.block_n  # with region ids: one build per kind of mask
-        # kernels that stream key blocks read a float16 copy of the bias with 16-bit inputs
-        streamed_bias = torch.float32 if dtype == torch.float32 else torch.float16
+        # kernels that stream key blocks read a float16 copy of the bias times log2(e) with 16-bit inputs
+        bias_log2e = dtype != torch.float32
+        streamed_bias = torch.float16 if bias_log2e else torch.float32
         for from_regions in (True, False) if streamed else (False,):
             build(window_attention_fwd_kernel, dtype,
                   dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
-                       STORE_STATS=not bwd.single_tile(n), MASK_REGIONS=streamed, FROM_REGIONS=from_regions), fwd,
+                       STORE_STATS=not bwd.single_tile(n), MASK_REGIONS=streamed, FROM_REGIONS=from_regions,
+                       BIAS_LOG2E=streamed and bias_log2e), fwd,
                   streamed_bias if streamed else torch.float32)
         if streamed and cosine and not dropout:  # inference: no statistics, no mean score
             build(window_attention_fwd_kernel, dtype,
                   dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
-                       STORE_STATS=False, MASK_REGIONS=True, FROM_REGIONS=True), fwd, streamed_bias)
+                       STORE_STATS=False, MASK_REGIONS=True, FROM_REGIONS=True, BIAS_LOG2E=bias_log2e), fwd,
+                  streamed_bias)
         if bwd.single_tile(n):
             build(backward.window_attention_bwd_fused_kernel, dtype,
                   dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine), bwd)
             continue
-        blocks = dict(flags, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, MASK_REGIONS=True)
+        blocks = dict(flags, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, MASK_REGIONS=True,
+                      BIAS_LOG2E=bias_log2e)
         # as configured (atomic dQ, the bias gradient by atomics where bwd.dbias_slots), one build
         # per mask kind as launched, and as in deterministic mode (the dq and dbias kernels do
         # that work)

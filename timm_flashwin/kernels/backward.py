@@ -162,7 +162,7 @@ def window_attention_bwd_fused_kernel(
     bias_mask = load_bias_mask(bias_ptr, mask_ptr, bias_ptr, 0.0, h, w, idx, idx,
                                stride_bias_h, stride_bias_i, stride_bias_j,
                                stride_mask_w, stride_mask_i, stride_mask_j,
-                               N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N, False)
+                               N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N, False, False)
     dbias_acc = tl.zeros((BLOCK_N, BLOCK_N), tl.float32)
     dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
 
@@ -240,7 +240,7 @@ def window_attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
-    DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr,
+    DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
 ):
     """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks.
 
@@ -293,7 +293,7 @@ def window_attention_bwd_dkdv_kernel(
             bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                                        stride_bias_h, stride_bias_i, stride_bias_j,
                                        stride_mask_w, stride_mask_i, stride_mask_j,
-                                       N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
+                                       N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
             p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
                                                     bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                     COSINE, FP32_DOT, False, HAS_DROPOUT)
@@ -334,6 +334,7 @@ def window_attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr,
+    BIAS_LOG2E: tl.constexpr,
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block, looping over key blocks;
     also the block's share of d(logit_scale), written to dscale_partial[b, h, block].
@@ -364,7 +365,7 @@ def window_attention_bwd_dq_kernel(
             bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                                        stride_bias_h, stride_bias_i, stride_bias_j,
                                        stride_mask_w, stride_mask_i, stride_mask_j,
-                                       N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
+                                       N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
             p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
                                                     bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                     COSINE, FP32_DOT, False, HAS_DROPOUT)
@@ -412,7 +413,7 @@ def window_attention_bwd_dbias_kernel(
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, ATOMIC_SUM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, ATOMIC_SUM: tl.constexpr, BIAS_LOG2E: tl.constexpr,
 ):
     """Grid: (key blocks * query blocks * H * nW * window chunks,). Sum of dZ over a run
     of windows sharing (head, mask window) for one tile: written to
@@ -442,7 +443,7 @@ def window_attention_bwd_dbias_kernel(
     bias_mask = load_bias_mask_either(
         bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols, stride_bias_h,
         stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, HAS_BIAS, HAS_MASK, BLOCK_M,
-        BLOCK_N)
+        BLOCK_N, BIAS_LOG2E)
     dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # The row statistics feed no product here (dZ only adds up), so the pipeliner does not
     # fetch them ahead as it does q, k, v and dO: they are loaded one window ahead by hand

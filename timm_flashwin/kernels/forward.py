@@ -28,7 +28,7 @@ def window_attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
     FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr,
+    MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
 ):
     """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
@@ -69,7 +69,7 @@ def window_attention_fwd_kernel(
                         stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                         num_periods, windows_per_period,
                         H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
-                        HAS_DROPOUT, FROM_REGIONS)
+                        HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E)
 
 
 @triton.jit
@@ -81,14 +81,15 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-                    STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_REGIONS: tl.constexpr):
+                    STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_REGIONS: tl.constexpr,
+                    BIAS_LOG2E: tl.constexpr):
     """The forward of one program's query block over its run of windows."""
     SINGLE_KEY_BLOCK: tl.constexpr = N <= BLOCK_N
     if SINGLE_KEY_BLOCK:
         bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
 
     for window in range(first, last):
         b = (w + window * num_periods).to(tl.int64)
@@ -110,7 +111,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                 bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w,
                                            rows, key_rows, stride_bias_h, stride_bias_i, stride_bias_j,
                                            stride_mask_w, stride_mask_i, stride_mask_j,
-                                           N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
+                                           N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
             if COSINE:  # the scale rides on the rows' inverse norms: one multiply per logit fewer
                 scaled = scores(q_in, q_scale, k_in, k_inv, COSINE, FP32_DOT)
                 logits = scaled + bias_mask

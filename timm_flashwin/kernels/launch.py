@@ -92,9 +92,10 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return regions, torch.stack((exact.to(torch.float32), value.to(torch.float32)))
 
 
-def _float16_copy(bias: torch.Tensor) -> torch.Tensor:
-    """bias (H, N, N) float32, any strides, as a contiguous float16 copy; finite values
-    beyond float16's range become NaN (``float16_bias_copy_kernel``)."""
+def _log2e_float16_copy(bias: torch.Tensor) -> torch.Tensor:
+    """bias (H, N, N), any float dtype and strides, times log2(e) as a contiguous float16
+    copy; finite values beyond float16's range (|bias| > 65504 / log2(e) = 45403) become
+    NaN (``float16_bias_copy_kernel``)."""
     heads, n, _ = bias.shape
     out = bias.new_empty((heads, n, n), dtype=torch.float16)
     block = 1024
@@ -104,36 +105,39 @@ def _float16_copy(bias: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def streamed_bias(bias: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The bias (H, N, N) that the kernels streaming key blocks read: for float16 and
-    bfloat16 inputs a float16 copy of a float32 bias, else the bias, contiguous.
+def streamed_bias(bias: Optional[torch.Tensor], dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], bool]:
+    """(the bias (H, N, N) that the kernels streaming key blocks read, whether it is already
+    times log2(e): their BIAS_LOG2E). For float16 and bfloat16 inputs, a float16 copy of
+    the bias times log2(e); for float32 inputs the bias, contiguous.
 
     Those kernels read a bias tile for every (window, query block, key block): on window
     16 (512, 3, 256, 32) 400 MB of bias reads per forward from L2, which set its pace.
     Read as float16 (H100, bf16, kernels alone, tune_op.py --bias-dtype, 2026-11-23),
     the forward took 153 -> 111 us on window 16 V1, 179 -> 139 cosine, 422 -> 302 and
     492 -> 385 us on window 24 (no bias at all: 97, 122, 260, 333 us); the backward, whose
-    heavy part is the bias gradient, not the bias reads, 1 to 4% less.
-    Precision: float16 keeps 11 bits, |error| <= |bias| * 2^-12, below the bfloat16
-    rounding of P that the P V product takes anyway, and finer than timm's own fused path
-    (scaled_dot_product_attention), which casts the bias to the inputs' dtype. Its range
-    ends at 65504: larger finite values give NaN (``_float16_copy``).
+    heavy part is the bias gradient, not the bias reads, 1 to 4% less. Times log2(e), the
+    kernels add it to their log2-domain logits as it is: one multiply per logit fewer.
+    Precision: float16 keeps 11 bits, |error| <= |bias * log2(e)| * 2^-12, below the
+    bfloat16 rounding of P that the P V product takes anyway, and finer than timm's own
+    fused path (scaled_dot_product_attention), which casts the bias to the inputs' dtype.
+    Its range ends at 65504: |bias| beyond 65504 / log2(e) = 45403 gives NaN
+    (``_log2e_float16_copy``).
     Contiguous: SwinV2-CR's bias is a transposed view (column stride H), whose tiles would
     be read as single elements.
     The copy is kept on the bias tensor (``kept_on``): the backward reuses the forward's,
     and inference with a cached bias makes it once.
     """
     if bias is None:
-        return None
-    if dtype != torch.float32 and bias.dtype == torch.float32:
-        make = _float16_copy
+        return None, False
+    if dtype != torch.float32:
+        make, log2e = _log2e_float16_copy, True
     elif bias.is_contiguous():
-        return bias
+        return bias, False
     else:
-        make = torch.Tensor.contiguous
+        make, log2e = torch.Tensor.contiguous, False
     if _traced_launch() or type(bias) is not torch.Tensor:
-        return make(bias)
-    return kept_on(bias, "_flashwin_streamed_bias", lambda: make(bias))
+        return make(bias), log2e
+    return kept_on(bias, "_flashwin_streamed_bias", lambda: make(bias)), log2e
 
 
 def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> bool:
@@ -273,8 +277,9 @@ def attention_forward(
     m_blocks = -(-n // tiles.block_m)
     chunks, per_chunk = config.split_windows(
         per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
+    bias_log2e = False
     if n > tiles.block_n:
-        bias = streamed_bias(bias, qkv.dtype)
+        bias, bias_log2e = streamed_bias(bias, qkv.dtype)
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
     for from_regions in _mask_kinds(mask_regions, mask):
         wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
@@ -288,7 +293,7 @@ def attention_forward(
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
             HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=cosine,
             FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
-            MASK_REGIONS=mask_regions, FROM_REGIONS=from_regions,
+            MASK_REGIONS=mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=bias_log2e,
             **launch_options(tiles, dropout_p > 0),
         )
     return out, stats, regions, mask_info
@@ -351,7 +356,7 @@ def attention_backward(
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
     # the one-tile kernel reads its bias tile once per program; the others stream it
-    read_bias = bias if tiles.single_tile(n) else streamed_bias(bias, qkv.dtype)
+    read_bias, bias_log2e = (bias, False) if tiles.single_tile(n) else streamed_bias(bias, qkv.dtype)
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, mask, qkv)
     scale_grad = scale_grad and cosine
     logit_scale_ptr = logit_scale if logit_scale is not None else qkv
@@ -380,7 +385,7 @@ def attention_backward(
     m_blocks = -(-n // tiles.block_m)
     n_blocks = -(-n // tiles.block_n)
     blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d)
-    flags["MASK_REGIONS"] = mask_regions
+    flags.update(MASK_REGIONS=mask_regions, BIAS_LOG2E=bias_log2e)
     launch = launch_options(tiles, dropout_p > 0)
     rows = num_windows * num_heads * n
     dq_atomic = dq_by_atomic_adds(tiles)

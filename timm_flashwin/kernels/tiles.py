@@ -197,8 +197,13 @@ def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols
                    stride_bias_h, stride_bias_i, stride_bias_j,
                    stride_mask_w, stride_mask_i, stride_mask_j,
                    N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FROM_REGIONS: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FROM_REGIONS: tl.constexpr,
+                   BIAS_LOG2E: tl.constexpr):
     """(B[h] + M[w]) * log2(e) for one (rows, cols) tile, fp32; -inf on padded columns.
+
+    BIAS_LOG2E: the bias read is already B * log2(e) (``launch.streamed_bias``'s float16
+    copy, which the kernels that stream key blocks read with 16-bit inputs): one multiply
+    per logit fewer.
 
     FROM_REGIONS: the mask is value * [region_i != region_j], computed from the (nW, N)
     region ids (the launcher found it so, ``mask_structure``) instead of read. The kind is
@@ -216,7 +221,9 @@ def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols
     inside = (rows[:, None] < N) & (cols[None, :] < N)
     if HAS_BIAS:
         ptrs = bias_ptr + h * stride_bias_h + rows[:, None] * stride_bias_i + cols[None, :] * stride_bias_j
-        bm = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * LOG2E
+        bm = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        if not BIAS_LOG2E:
+            bm = bm * LOG2E
     else:
         bm = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if HAS_MASK:
@@ -237,7 +244,7 @@ def load_bias_mask_either(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask
                           stride_bias_h, stride_bias_i, stride_bias_j,
                           stride_mask_w, stride_mask_i, stride_mask_j,
                           N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_LOG2E: tl.constexpr):
     """``load_bias_mask`` with the mask's kind decided at run time (``mask_structured``,
     from ``load_mask_regions``). The dbias kernel reads its one tile per program with it.
     Not for a tile read inside a loop: the pipeliner does not fetch loads in a branch
@@ -247,9 +254,9 @@ def load_bias_mask_either(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask
     if mask_structured:
         bm = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, True)
+                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, True, BIAS_LOG2E)
     else:
         bm = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, False)
+                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, False, BIAS_LOG2E)
     return bm
