@@ -4,14 +4,16 @@ Runs the real Triton kernels: on the GPU when there is one, otherwise under the 
 interpreter on CPU tensors (set up by conftest.py).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
-from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
-                     relative_error, shift_mask)
+from opcases import (TOLERANCE, assert_matches_reference, bias_as_read, forward_backward, make_case,
+                     reference_forward_backward, relative_error, shift_mask)
 from timm_flashwin import window_attention
 from timm_flashwin.kernels import config
 from timm_flashwin.op import uses_kernels, window_attention_fwd
@@ -320,6 +322,22 @@ def test_float16_bias_copy_moves_the_logit_scale_gradient_as_its_rounding_does(d
     assert_matches_reference(results, rounded, TOLERANCE[dtype])
     rounding_effect = (rounded[3] - exact[3]).abs()
     assert ((results[3] - exact[3]).abs() <= 1.5 * rounding_effect + TOLERANCE[dtype] * exact[3].abs()).all()
+
+
+def test_one_bias_serves_float32_and_16bit_inputs_in_turn():
+    """The copy of the bias that the streaming kernels read is kept on the bias tensor: a
+    contiguous copy for float32 inputs, a float16 copy times log2(e) for 16-bit ones. The
+    same (non-contiguous) bias used with float32, then float16, then float32 inputs again
+    gets the copy each needs, and each output matches the reference."""
+    case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    bias = case.bias.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    for dtype in (torch.float32, torch.float16, torch.float32):
+        qkv = case.qkv.to(dtype)
+        out = window_attention(qkv, 3, bias=bias, mask=case.mask, scale=case.scale)
+        rounded = bias_as_read(replace(case, qkv=qkv, bias=bias)).bias
+        expected = window_attention_reference(qkv.double(), 3, bias=rounded.double(), mask=case.mask.double(),
+                                              scale=case.scale)
+        assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's numpy cast

@@ -137,7 +137,8 @@ def streamed_bias(bias: Optional[torch.Tensor], dtype: torch.dtype) -> Tuple[Opt
         make, log2e = torch.Tensor.contiguous, False
     if _traced_launch() or type(bias) is not torch.Tensor:
         return make(bias), log2e
-    return kept_on(bias, "_flashwin_streamed_bias", lambda: make(bias)), log2e
+    # keyed on the copy's kind too: the same bias may serve float32 and 16-bit inputs in turn
+    return kept_on(bias, "_flashwin_streamed_bias", lambda: make(bias), log2e), log2e
 
 
 def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> bool:
