@@ -199,7 +199,7 @@ def window_attention_bwd_fused_kernel(
         ptrs = dbias_partial_ptr + ((group * H + h) * N + idx[:, None]) * N + idx[None, :]
         tl.store(ptrs, dbias_acc, mask=(idx[:, None] < N) & (idx[None, :] < N))
     if SCALE_GRAD:
-        tl.store(dscale_partial_ptr + group * H + h, logit_scale_grad(tl.sum(dscale_acc, 0), logit_scale_ptr, h))
+        tl.store(dscale_partial_ptr + group * H + h, logit_scale_grad(tl.sum(dscale_acc, 0), s, logit_scale_ptr, h))
 
 
 @triton.jit
@@ -316,7 +316,7 @@ def window_attention_bwd_dkdv_kernel(
         store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
         store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
         if SCALE_GRAD:
-            tl.store(dscale_partial_ptr + pid, logit_scale_grad(dscale_acc, logit_scale_ptr, h))
+            tl.store(dscale_partial_ptr + pid, logit_scale_grad(dscale_acc, s, logit_scale_ptr, h))
 
 
 @triton.jit
@@ -376,7 +376,7 @@ def window_attention_bwd_dq_kernel(
         store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
                  stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
         if SCALE_GRAD:
-            tl.store(dscale_partial_ptr + pid, logit_scale_grad(tl.sum(dscale_rows, 0), logit_scale_ptr, h))
+            tl.store(dscale_partial_ptr + pid, logit_scale_grad(tl.sum(dscale_rows, 0), s, logit_scale_ptr, h))
 
 
 @triton.jit

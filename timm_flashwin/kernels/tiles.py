@@ -156,17 +156,18 @@ def head_scale(logit_scale_ptr, h, scale, COSINE: tl.constexpr):
 
 
 @triton.jit
-def logit_scale_grad(scale_grad, logit_scale_ptr, h):
-    """d(logit_scale[h]) from a sum of d(head scale) terms: times ds/d(logit_scale) =
-    s below the clamp at ln 100, 0 above it and where the logit scale is NaN, and at the
-    bound itself whatever this torch's torch.clamp gives (``CLAMP_GRADIENT_AT_BOUND``), as
-    autograd gives through torch.clamp(max=) and exp."""
+def logit_scale_grad(scale_grad, s, logit_scale_ptr, h):
+    """d(logit_scale[h]) from a sum of d(head scale) terms, given the head scale s
+    (``head_scale``): times ds/d(logit_scale) = s below the clamp at ln 100 (where s is
+    exp(logit_scale)), 0 above it and where the logit scale is NaN, and at the bound itself
+    whatever this torch's torch.clamp gives (``CLAMP_GRADIENT_AT_BOUND``), as autograd gives
+    through torch.clamp(max=) and exp."""
     logit_scale = tl.load(logit_scale_ptr + h).to(tl.float32)
     if CLAMP_GRADIENT_AT_BOUND:
         unclamped = logit_scale <= LOGIT_SCALE_MAX
     else:
         unclamped = logit_scale < LOGIT_SCALE_MAX
-    return tl.where(unclamped, scale_grad * exp_float64(logit_scale), 0.0)
+    return tl.where(unclamped, scale_grad * s, 0.0)
 
 
 @triton.jit
