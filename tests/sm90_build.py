@@ -30,13 +30,15 @@ from timm_flashwin.op import _direct_launches
 TARGET = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 #: (N, head_dim, dtype, cosine, dropout): one-tile and multi-block windows, the largest
-#: window and head_dim, a head_dim that is not a power of two, every dtype.
+#: window and head_dim, a head_dim that is not a power of two, every dtype; 1024 and 256
+#: build the one-region loop copy (V1: forward and dkdv; cosine: forward).
 CASES = [
     (49, 32, torch.bfloat16, True, True),
     (49, 32, torch.float16, False, False),
     (64, 32, torch.float32, True, False),
     (144, 32, torch.bfloat16, True, True),
     (1024, 32, torch.bfloat16, False, False),
+    (256, 32, torch.bfloat16, True, False),
     (49, 256, torch.bfloat16, True, False),
     (100, 24, torch.float16, False, True),
 ]
@@ -135,12 +137,13 @@ def main() -> int:
             build(window_attention_fwd_kernel, dtype,
                   dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
                        STORE_STATS=not bwd.single_tile(n), MASK_REGIONS=streamed, FROM_REGIONS=from_regions,
-                       BIAS_LOG2E=streamed and bias_log2e), fwd,
+                       BIAS_LOG2E=streamed and bias_log2e, ONE_REGION_LOOP=fwd.one_region_loop), fwd,
                   streamed_bias if streamed else torch.float32)
         if streamed and cosine and not dropout:  # inference: no statistics, no mean score
             build(window_attention_fwd_kernel, dtype,
                   dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
-                       STORE_STATS=False, MASK_REGIONS=True, FROM_REGIONS=True, BIAS_LOG2E=bias_log2e), fwd,
+                       STORE_STATS=False, MASK_REGIONS=True, FROM_REGIONS=True, BIAS_LOG2E=bias_log2e,
+                       ONE_REGION_LOOP=fwd.one_region_loop), fwd,
                   streamed_bias)
         if bwd.single_tile(n):
             build(backward.window_attention_bwd_fused_kernel, dtype,
@@ -154,7 +157,8 @@ def main() -> int:
         for atomics, from_regions in ((True, True), (True, False), (False, True)):
             build(backward.window_attention_bwd_dkdv_kernel, dtype,
                   dict(blocks, DQ_ATOMIC=atomics and bwd.dq_atomic, SCALE_GRAD=cosine and atomics and bwd.dq_atomic,
-                       DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0, FROM_REGIONS=from_regions), bwd, streamed_bias)
+                       DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0, FROM_REGIONS=from_regions,
+                       ONE_REGION_LOOP=bwd.one_region_loop), bwd, streamed_bias)
         build(backward.window_attention_bwd_dq_finish_kernel, dtype,
               dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine),
               config.with_changes(bwd, num_warps=4, maxnreg=None))

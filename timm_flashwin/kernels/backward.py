@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
                     load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma, normalize_backward, scores,
-                    store_rows)
+                    store_rows, window_in_one_region)
 
 
 @triton.jit
@@ -240,7 +240,7 @@ def window_attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
-    DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
+    DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
 ):
     """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks.
 
@@ -270,53 +270,89 @@ def window_attention_bwd_dkdv_kernel(
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
-    if run:
-        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-        k_base = q_base + (H * D) * stride_qkv_c
-        v_base = k_base + (H * D) * stride_qkv_c
-        do_base = dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c
-        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
-        dk_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-        dv_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-        dscale_acc = 0.0
-        if SCALE_GRAD:
-            rbar_next = load_rbar(stats_ptr, bh, tl.arange(0, BLOCK_M), stats_stride, N)
-        for start_m in range(0, N, BLOCK_M):
-            rows = start_m + tl.arange(0, BLOCK_M)
-            q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-            do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
-            row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
-            if SCALE_GRAD:  # this block's rbar, loaded an iteration ahead: nothing else waits on it
-                rbar = rbar_next
-                rbar_next = load_rbar(stats_ptr, bh, rows + BLOCK_M, stats_stride, N)
-            bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
-                                       stride_bias_h, stride_bias_i, stride_bias_j,
-                                       stride_mask_w, stride_mask_i, stride_mask_j,
-                                       N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
-            p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
-                                                    bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
-                                                    COSINE, FP32_DOT, False, HAS_DROPOUT)
-            ds_lowp = ds.to(q_lowp.dtype)
-            dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
-            dk_acc = mma(tl.trans(ds_lowp), q_lowp, dk_acc, FP32_DOT)
-            if DQ_ATOMIC:
-                dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
-                tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,
-                              mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
-            if SCALE_GRAD:
-                dscale_acc += tl.sum(scale_grad_terms(ds, raw, rbar), 0)
-            if DBIAS_ATOMIC:
-                slot = b % num_slots
-                tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :], ds,
-                              mask=(rows[:, None] < N) & (cols[None, :] < N), sem="relaxed")
+    if run:  # with ONE_REGION_LOOP, windows of one region run a copy of the loop built without a mask
+        if window_in_one_region(mask_info_ptr, w, FROM_REGIONS, ONE_REGION_LOOP):
+            dkdv_key_block(
+                qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
+                logit_scale_ptr, dropout_p, stats_stride, num_slots, bh, b, h, w, pid, cols, dims,
+                stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+                stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
+                stride_mask_w, stride_mask_i, stride_mask_j,
+                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, HAS_DROPOUT,
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E)
+        else:
+            dkdv_key_block(
+                qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
+                logit_scale_ptr, dropout_p, stats_stride, num_slots, bh, b, h, w, pid, cols, dims,
+                stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+                stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
+                stride_mask_w, stride_mask_i, stride_mask_j,
+                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E)
 
-        dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
-        dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
-        store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
-        store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+
+@triton.jit
+def dkdv_key_block(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                   dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
+                   logit_scale_ptr, dropout_p, stats_stride, num_slots, bh, b, h, w, pid, cols, dims,
+                   stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+                   stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
+                   stride_mask_w, stride_mask_i, stride_mask_j,
+                   H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
+                   DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr):
+    """The dkdv kernel's work for the key block ``cols`` of window-head ``bh`` (head scale
+    ``s``); HAS_MASK False for a window of one region."""
+    q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+    k_base = q_base + (H * D) * stride_qkv_c
+    v_base = k_base + (H * D) * stride_qkv_c
+    do_base = dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c
+    k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+    dk_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dscale_acc = 0.0
+    if SCALE_GRAD:
+        rbar_next = load_rbar(stats_ptr, bh, tl.arange(0, BLOCK_M), stats_stride, N)
+    for start_m in range(0, N, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
+        row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
+        if SCALE_GRAD:  # this block's rbar, loaded an iteration ahead: nothing else waits on it
+            rbar = rbar_next
+            rbar_next = load_rbar(stats_ptr, bh, rows + BLOCK_M, stats_stride, N)
+        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+                                   stride_bias_h, stride_bias_i, stride_bias_j,
+                                   stride_mask_w, stride_mask_i, stride_mask_j,
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
+        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
+                                                bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
+                                                COSINE, FP32_DOT, False, HAS_DROPOUT)
+        ds_lowp = ds.to(q_lowp.dtype)
+        dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
+        dk_acc = mma(tl.trans(ds_lowp), q_lowp, dk_acc, FP32_DOT)
+        if DQ_ATOMIC:
+            dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
+            tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,
+                          mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
         if SCALE_GRAD:
-            tl.store(dscale_partial_ptr + pid, logit_scale_grad(dscale_acc, s, logit_scale_ptr, h))
+            dscale_acc += tl.sum(scale_grad_terms(ds, raw, rbar), 0)
+        if DBIAS_ATOMIC:
+            slot = b % num_slots
+            tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :], ds,
+                          mask=(rows[:, None] < N) & (cols[None, :] < N), sem="relaxed")
+
+    dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
+    dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
+    store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+    store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+    if SCALE_GRAD:
+        tl.store(dscale_partial_ptr + pid, logit_scale_grad(dscale_acc, s, logit_scale_ptr, h))
 
 
 @triton.jit

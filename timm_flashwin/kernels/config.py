@@ -46,6 +46,9 @@ class LaunchConfig:
     #: into this many (H, N, N) slots (0: by a dbias kernel of its own;
     #: ``launch.dbias_slots``; never in deterministic mode)
     dbias_slots: int = 0
+    #: kernels that stream key blocks over a region mask: a second copy of the key loop,
+    #: built without a mask, for the windows of one region (``tiles.window_in_one_region``)
+    one_region_loop: bool = False
 
     def single_tile(self, n: int) -> bool:
         return self.block_m >= n and self.block_n >= n
@@ -111,7 +114,19 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> L
     # Wider heads keep the shallower pipelines (shared memory).
     stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
     block = _streamed_block(n, max_block)
-    return LaunchConfig(block, block, block_d, 4, stages, 8, _streamed_maxnreg(block_d, dtype))
+    return LaunchConfig(block, block, block_d, 4, stages, 8, _streamed_maxnreg(block_d, dtype),
+                        one_region_loop=_one_region_loop(n, block))
+
+
+def _one_region_loop(n: int, block: int) -> bool:
+    """Whether the kernels that stream key blocks of n tokens take a second copy of their
+    loop, without the mask, for the windows of one region (``LaunchConfig.one_region_loop``).
+    Where the last key block is whole. H200, bf16, D = 32, timm's shift mask (9 of 16
+    windows of one region), old and new alternated (bench_op.py --impls ours, 2026-11-24),
+    forward us: window 16 V1 110.0 -> 106.8, cosine 131.7 -> 126.1; window 24 292.3 -> 281.0,
+    352.8 -> 334.2; but window 12 (144 tokens, the last of three key blocks partial) 104.0 ->
+    113.5 and 124.7 -> 141.9 (not understood)."""
+    return n % block == 0
 
 
 def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
@@ -140,8 +155,13 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
     # Cosine, whose dkdv kernel also sums the scale gradient: atomic dQ and one atomic bias
     # slot, uncapped, 401 / 510 / 1433 against the dq and dbias kernels' 471 / 570 / 1674
     # (capped; uncapped 542 / 631 / 1802); capped, the atomic dkdv spills (458 / 565 / 1594).
+    # The one-region loop copy (``_one_region_loop``) in the dkdv kernel, same runs, backward us
+    # (forward + backward less forward): V1 window 16 333 -> 316, 24 910 -> 860, 12 268 -> 271;
+    # cosine 453 -> 462, 1217 -> 1219, 401 -> 389 (its dkdv kernel, at 255 registers, spills more
+    # with two loops: 40 -> 96 B of stack on window 16, sm_90 build): V1 only.
     return LaunchConfig(block, block, block_d, 4, stages, 4, None if cosine else _streamed_maxnreg(block_d, dtype),
-                        dq_atomic=True, dbias_slots=1 if cosine else 0)
+                        dq_atomic=True, dbias_slots=1 if cosine else 0,
+                        one_region_loop=not cosine and _one_region_loop(n, block))
 
 
 def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:

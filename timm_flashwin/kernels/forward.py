@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, mask_kind_launch, mma,
-                    scores, store_rows)
+                    scores, store_rows, window_in_one_region)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
@@ -28,7 +28,7 @@ def window_attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
     FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
+    MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
 ):
     """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
@@ -61,15 +61,26 @@ def window_attention_fwd_kernel(
     # against 94 KB, where two tiles per key block set the size of a both-kinds build) to
     # run three programs per SM under a cap of 168 registers (config.forward_config).
     # Measured on an H100, window 24, bf16: V1 620 -> 544 us, cosine 828 -> 712 us.
+    # With ONE_REGION_LOOP, windows of one region (9 of timm's 16 shifted windows of 4 x 4) run
+    # a copy of the loop built without a mask (``window_in_one_region``).
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
-        forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, logit_scale2,
-                        dropout_p, h, w, first, last, rows, cols, dims,
-                        stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
-                        stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                        num_periods, windows_per_period,
-                        H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
-                        HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E)
+        if window_in_one_region(mask_info_ptr, w, FROM_REGIONS, ONE_REGION_LOOP):
+            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed,
+                            logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
+                            stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
+                            stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                            num_periods, windows_per_period,
+                            H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, STORE_STATS,
+                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E)
+        else:
+            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed,
+                            logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
+                            stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
+                            stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                            num_periods, windows_per_period,
+                            H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
+                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E)
 
 
 @triton.jit

@@ -78,8 +78,9 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     region ids takes 635 us and reading the dense mask 843 us (same run, H200, V1).
 
     Returns regions (nW, N) int32 (region_i = the first j with M[w, i, j] == 0) and info
-    (2,) fp32: [1.0 if the mask is exactly that structure else 0.0, value], where value is
-    the mask's minimum. "Exactly": the kernels' formula, where(same region, 0, value),
+    (2 + nW,) fp32: [1.0 if the mask is exactly that structure else 0.0, value, then per
+    window 1.0 if it is all one region (its mask all 0: ``tiles.window_in_one_region``)
+    else 0.0], where value is the mask's minimum. "Exactly": the kernels' formula, where(same region, 0, value),
     reproduces every element (NaN never does). Checked on the device, with no host
     synchronization: the kernels read ``info`` and fall back to the dense mask where it
     says 0 (any other float mask, NaN, rows without a zero, ...). The forward computes it
@@ -89,7 +90,9 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     value = mask.amin()
     same = regions[:, :, None] == regions[:, None, :]
     exact = (mask == torch.where(same, 0.0, value)).all()
-    return regions, torch.stack((exact.to(torch.float32), value.to(torch.float32)))
+    one_region = (regions == regions[:, :1]).all(-1)
+    return regions, torch.cat((exact.to(torch.float32)[None], value.to(torch.float32)[None],
+                               one_region.to(torch.float32)))
 
 
 def _log2e_float16_copy(bias: torch.Tensor) -> torch.Tensor:
@@ -207,9 +210,9 @@ def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, h
 
 
 def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    """Shapes of the forward's region ids and mask info outputs: (nW, N) and (2,), or
-    empty where no kernel uses them."""
-    return ((num_periods, n), (2,)) if used else ((0,), (0,))
+    """Shapes of the forward's region ids and mask info outputs: (nW, N) and (2 + nW,),
+    or empty where no kernel uses them."""
+    return ((num_periods, n), (2 + num_periods,)) if used else ((0,), (0,))
 
 
 def _mask_kinds(mask_regions: bool, mask: Optional[torch.Tensor]) -> Tuple[bool, ...]:
@@ -295,7 +298,7 @@ def attention_forward(
             HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=cosine,
             FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
             MASK_REGIONS=mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=bias_log2e,
-            **launch_options(tiles, dropout_p > 0),
+            ONE_REGION_LOOP=tiles.one_region_loop, **launch_options(tiles, dropout_p > 0),
         )
     return out, stats, regions, mask_info
 
@@ -408,7 +411,7 @@ def attention_backward(
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
             dq_acc, dscale, dbias, scale, dropout_p, periods, stats.stride(0), max(slots, 1), *strides,
             DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad and dq_atomic, DBIAS_ATOMIC=slots > 0,
-            FROM_REGIONS=from_regions, **blocks, **flags, **launch,
+            FROM_REGIONS=from_regions, ONE_REGION_LOOP=tiles.one_region_loop, **blocks, **flags, **launch,
         )
     if dq_atomic:
         wrap_triton(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](

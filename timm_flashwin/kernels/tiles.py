@@ -194,6 +194,23 @@ def mask_kind_launch(mask_info_ptr, MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl
 
 
 @triton.jit
+def window_in_one_region(mask_info_ptr, w, FROM_REGIONS: tl.constexpr, ONE_REGION_LOOP: tl.constexpr):
+    """Whether mask window ``w`` of a region mask is all one region, and so 0 everywhere
+    (``mask_structure``'s info[2 + w]); False for a kernel built for the dense mask or
+    without ONE_REGION_LOOP (``config.LaunchConfig.one_region_loop``).
+
+    timm shifts its windows by half a window: only the windows of the last row and column
+    hold several regions (7 of 16 windows of 4 x 4). With ONE_REGION_LOOP the kernels that
+    stream key blocks run the others through a second copy of their loop, built without a
+    mask, which drops the region comparison, its select and its add from every logit, and
+    the region ids' loads."""
+    if FROM_REGIONS and ONE_REGION_LOOP:
+        return tl.load(mask_info_ptr + 2 + w) != 0.0
+    else:
+        return False
+
+
+@triton.jit
 def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                    stride_bias_h, stride_bias_i, stride_bias_j,
                    stride_mask_w, stride_mask_i, stride_mask_j,
