@@ -116,6 +116,9 @@ def main() -> None:
                         help="multi-block backward with a dbias kernel: its tiles to time, as "
                              "BMxBN/WARPS[/MAXNREG[/PROGRAMS_PER_SM]] (e.g. 64x64/4 64x128/8/0 64x64/4/-/8; "
                              "MAXNREG 0: none, -: the backward's; default: the backward's own tiles)")
+    parser.add_argument("--one-region-loop", nargs="*", type=int, default=None, choices=[0, 1],
+                        help="kernels that stream key blocks: time each candidate without (0) and with (1) the "
+                             "loop copy for windows of one region (LaunchConfig.one_region_loop)")
     parser.add_argument("--inference", action="store_true",
                         help="time the forward as under no_grad: no softmax statistics saved")
     parser.add_argument("--out", default=None)
@@ -153,6 +156,9 @@ def main() -> None:
                    for cfg in configs for dq_path in dq_paths]
         if args.dbias_slots and multi_block_bwd:
             configs = [config.with_changes(cfg, dbias_slots=slots) for cfg in configs for slots in args.dbias_slots]
+        if args.one_region_loop is not None:
+            configs = [config.with_changes(cfg, one_region_loop=bool(on)) for cfg in configs
+                       for on in args.one_region_loop]
         dbias_key = ("dbias",) + key[1:]
         dbias_specs = args.dbias_tiles if args.dbias_tiles and multi_block_bwd else [None]
         configs = [(cfg, spec) for cfg in configs for spec in (dbias_specs if cfg.dbias_slots == 0 else [None])]
@@ -194,7 +200,7 @@ def main() -> None:
             mark = "*" if is_default else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
                   f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} regs<={cfg.maxnreg} dq={dq_path} "
-                  f"slots={cfg.dbias_slots} dbias={dbias_spec or 'same'} "
+                  f"slots={cfg.dbias_slots} dbias={dbias_spec or 'same'} one_region_loop={int(cfg.one_region_loop)} "
                   f"{' '.join(info)}", flush=True)
             if best is None or us < best[0]:
                 best = (us, (cfg, dbias_spec) if dbias_spec else cfg)
