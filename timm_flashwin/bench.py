@@ -4,7 +4,9 @@ Inference runs the model with its weights in ``dtype`` (eval, no grad); training
 AMP steps (float32 weights, autocast to ``dtype``, cross-entropy on random labels,
 backward, AdamW step). Each timing is the median over ``repeats`` iterations after
 ``warmup`` iterations, with CUDA events; peak memory is torch's max_memory_allocated
-over the timed iterations. GPU only.
+over the warmup and timed iterations (the first, compiling, iteration left out): with CUDA
+graphs (torch.compile's reduce-overhead) the warmup iterations record the graphs and
+allocate their memory, which replays then reuse without the allocator. GPU only.
 """
 from __future__ import annotations
 
@@ -73,12 +75,12 @@ def _measure(variant: str, step: Callable[[], None], warmup: int, repeats: int,
     step()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
     for i in range(warmup):
         step()
         if progress:
             progress(variant, i + 1, warmup + repeats)
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
