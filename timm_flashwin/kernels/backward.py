@@ -262,7 +262,11 @@ def window_attention_bwd_dkdv_kernel(
     no branch, and its bias tile and region ids are fetched ahead by the pipeliner, as q
     and dO are (H200, window 16, ncu: a third of the kernel's stall samples were waits on
     those loads, made in the mask kind's branch at the top of each tile, and on rbar,
-    which is now loaded an iteration ahead)."""
+    which is now loaded an iteration ahead).
+
+    ONE_REGION_LOOP: the work (``dkdv_key_block``) is built twice, with and without the
+    mask, and a window of one region takes the copy without it
+    (``tiles.window_in_one_region``; config.backward_config says where)."""
     bh, b, h, cols = program_block(H, N, BLOCK_N)
     pid = tl.program_id(0)
     w = b % num_periods
