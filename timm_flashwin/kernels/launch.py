@@ -80,8 +80,8 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     Returns regions (nW, N) int32 (region_i = the first j with M[w, i, j] == 0) and info
     (2 + nW,) fp32: [1.0 if the mask is exactly that structure else 0.0, value, then per
     window 1.0 if it is all one region (its mask all 0: ``tiles.window_in_one_region``)
-    else 0.0], where value is the mask's minimum. "Exactly": the kernels' formula, where(same region, 0, value),
-    reproduces every element (NaN never does). Checked on the device, with no host
+    else 0.0], where value is the mask's minimum. "Exactly": the kernels' formula,
+    where(same region, 0, value), reproduces every element (NaN never does). Checked on the device, with no host
     synchronization: the kernels read ``info`` and fall back to the dense mask where it
     says 0 (any other float mask, NaN, rows without a zero, ...). The forward computes it
     once for both passes (``mask_regions_used``).
