@@ -123,9 +123,9 @@ def _one_region_loop(n: int, block: int) -> bool:
     loop, without the mask, for the windows of one region (``LaunchConfig.one_region_loop``).
     Where the last key block is whole. H200, bf16, D = 32, timm's shift mask (9 of 16
     windows of one region), old and new alternated (bench_op.py --impls ours, 2026-11-24),
-    forward us: window 16 V1 110.0 -> 106.8, cosine 131.7 -> 126.1; window 24 292.3 -> 281.0,
-    352.8 -> 334.2; but window 12 (144 tokens, the last of three key blocks partial) 104.0 ->
-    113.5 and 124.7 -> 141.9: ncu counts 11% fewer instructions there but more stall cycles
+    forward us: window 16 V1 109.9 -> 106.8, cosine 131.7 -> 126.2; window 24 292.3 -> 281.0,
+    352.8 -> 334.1; but window 12 (144 tokens, the last of three key blocks partial) 104.1 ->
+    113.5 and 124.7 -> 141.6: ncu counts 11% fewer instructions there but more stall cycles
     per instruction on shared memory and loads, which the mask's arithmetic used to cover;
     its loop is too short (two whole blocks and a partial one) to hide them otherwise."""
     return n % block == 0
