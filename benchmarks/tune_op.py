@@ -119,6 +119,9 @@ def main() -> None:
     parser.add_argument("--one-region-loop", nargs="*", type=int, default=None, choices=[0, 1],
                         help="kernels that stream key blocks: time each candidate without (0) and with (1) the "
                              "loop copy for windows of one region (LaunchConfig.one_region_loop)")
+    parser.add_argument("--flat-loop", nargs="*", type=int, default=None, choices=[0, 1],
+                        help="forward: time each candidate with a loop over key blocks per window (0) and with "
+                             "one loop over (window, key block) steps (1) (LaunchConfig.flat_loop)")
     parser.add_argument("--inference", action="store_true",
                         help="time the forward as under no_grad: no softmax statistics saved")
     parser.add_argument("--out", default=None)
@@ -159,6 +162,8 @@ def main() -> None:
         if args.one_region_loop is not None:
             configs = [config.with_changes(cfg, one_region_loop=bool(on)) for cfg in configs
                        for on in args.one_region_loop]
+        if args.flat_loop is not None and which == "fwd":
+            configs = [config.with_changes(cfg, flat_loop=bool(on)) for cfg in configs for on in args.flat_loop]
         dbias_key = ("dbias",) + key[1:]
         dbias_specs = args.dbias_tiles if args.dbias_tiles and multi_block_bwd else [None]
         configs = [(cfg, spec) for cfg in configs for spec in (dbias_specs if cfg.dbias_slots == 0 else [None])]
@@ -200,7 +205,7 @@ def main() -> None:
             mark = "*" if is_default else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
                   f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} regs<={cfg.maxnreg} dq={dq_path} "
-                  f"slots={cfg.dbias_slots} dbias={dbias_spec or 'same'} one_region_loop={int(cfg.one_region_loop)} "
+                  f"slots={cfg.dbias_slots} dbias={dbias_spec or 'same'} one_region_loop={int(cfg.one_region_loop)} flat_loop={int(cfg.flat_loop)} "
                   f"{' '.join(info)}", flush=True)
             if best is None or us < best[0]:
                 best = (us, (cfg, dbias_spec) if dbias_spec else cfg)

@@ -137,13 +137,13 @@ def main() -> int:
             build(window_attention_fwd_kernel, dtype,
                   dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
                        STORE_STATS=not bwd.single_tile(n), MASK_REGIONS=streamed, FROM_REGIONS=from_regions,
-                       BIAS_LOG2E=streamed and bias_log2e, ONE_REGION_LOOP=fwd.one_region_loop), fwd,
+                       BIAS_LOG2E=streamed and bias_log2e, ONE_REGION_LOOP=fwd.one_region_loop, FLAT_LOOP=fwd.flat_loop), fwd,
                   streamed_bias if streamed else torch.float32)
         if streamed and cosine and not dropout:  # inference: no statistics, no mean score
             build(window_attention_fwd_kernel, dtype,
                   dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
                        STORE_STATS=False, MASK_REGIONS=True, FROM_REGIONS=True, BIAS_LOG2E=bias_log2e,
-                       ONE_REGION_LOOP=fwd.one_region_loop), fwd,
+                       ONE_REGION_LOOP=fwd.one_region_loop, FLAT_LOOP=fwd.flat_loop), fwd,
                   streamed_bias)
         if bwd.single_tile(n):
             build(backward.window_attention_bwd_fused_kernel, dtype,

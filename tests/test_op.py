@@ -97,6 +97,28 @@ def test_one_region_loop_matches_reference(cosine, dtype, one_region_loop, monke
                              TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("flat_loop", [True, False], ids=["flat-loop", "nested-loops"])
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_forward_loops_match_reference(cosine, flat_loop, monkeypatch):
+    """The forward's two loop structures (LaunchConfig.flat_loop): one loop over (window,
+    key block) steps, or a loop over key blocks inside a loop over windows, each program
+    taking two windows here. Both match the reference, forward and backward, and a NaN key
+    in one window makes that window's head NaN and no other: the flat loop starts each
+    window's softmax afresh with selects, not products with 0."""
+    key = ("fwd", 144, 32, torch.float32, cosine)
+    monkeypatch.setitem(config.OVERRIDES, key, config.with_changes(config.forward_config(*key[1:]),
+                                                                   flat_loop=flat_loop))
+    case = make_case(6, 3, 3, 144, 32, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE, seed=12)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
+                             TOLERANCE[torch.float32])
+    qkv = case.qkv.clone()
+    qkv[0, 5, 3 * 32 + 7] = float("nan")  # window 0, token 5: a key of head 0; window 3 shares its program
+    out = window_attention(qkv, 3, **case.kwargs())
+    expected = window_attention_reference(qkv.double(), 3, **case.kwargs(mask=case.mask.double()))
+    assert out[0, :, :32].isnan().all() and out.isnan().sum() == 144 * 32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
 def test_deterministic_mode_takes_the_dq_kernel(deterministic_algorithms, monkeypatch):
     """Under torch.use_deterministic_algorithms(True), no atomic adds: a multi-block
     backward configured to add dQ and the bias gradient up with them runs its dq and dbias

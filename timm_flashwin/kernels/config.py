@@ -49,6 +49,9 @@ class LaunchConfig:
     #: kernels that stream key blocks over a region mask: a second copy of the key loop,
     #: built without a mask, for the windows of one region (``tiles.window_in_one_region``)
     one_region_loop: bool = False
+    #: the forward: one loop over (window, key block) steps rather than a loop over key
+    #: blocks per window (``forward.forward_windows``)
+    flat_loop: bool = False
 
     def single_tile(self, n: int) -> bool:
         return self.block_m >= n and self.block_n >= n
@@ -106,16 +109,30 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> L
     stages = 3 if block_d <= 64 else 1
     if n <= max_block:
         block = _pow2(n)
-        return LaunchConfig(block, block, block_d, 4, stages, 8)
+        return LaunchConfig(block, block, block_d, 4, stages, 8, flat_loop=True)
     if n <= 128 and block_d <= 32:
-        return LaunchConfig(64, 128, block_d, 4, 2, 8)
+        return LaunchConfig(64, 128, block_d, 4, 2, 8, flat_loop=True)
     # N > 128, D = 32 on an H200 (tune_op.py --quick, 2026-11-22, dense mask): 64x64, 4 warps,
     # 3 stages beat 2 stages by 1.1x to 1.2x and 128x64, 64x128, 32x64 or 8 warps by more.
     # Wider heads keep the shallower pipelines (shared memory).
     stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
     block = _streamed_block(n, max_block)
     return LaunchConfig(block, block, block_d, 4, stages, 8, _streamed_maxnreg(block_d, dtype),
-                        one_region_loop=_one_region_loop(n, block))
+                        one_region_loop=_one_region_loop(n, block), flat_loop=_flat_loop(n, block))
+
+
+def _flat_loop(n: int, block: int) -> bool:
+    """Whether the forward of windows of n tokens streamed in key blocks of ``block`` runs one
+    loop over (window, key block) steps (``LaunchConfig.flat_loop``): where a window has
+    few key blocks, so that waiting for each window's first ones weighs more than loading
+    the q tile at every step. H200, bf16, D = 32, timm's shift mask, forward kernels alone
+    with the statistics saved, nested -> flat (tune_op.py --passes fwd --only-default
+    --flat-loop 0 1 1 0, 2026-11-24), us: window 12 (3 key blocks) V1 104.0 -> 95.4, cosine
+    140.5 -> 138.9; window 16 (4) V1 104.7 -> 97.2, cosine 133.4 -> 126.2; window 24 (9)
+    V1 273.5 -> 298.2, cosine 358.4 -> 379.4. Without statistics (--inference): 100.0 ->
+    91.5, 129.4 -> 113.9; 103.4 -> 94.3, 122.8 -> 117.4; 272.3 -> 291.2, 328.9 -> 356.5.
+    One key block (N <= 128): the two loops are the same."""
+    return -(-n // block) <= 4
 
 
 def _one_region_loop(n: int, block: int) -> bool:

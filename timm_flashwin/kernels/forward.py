@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, mask_kind_launch, mma,
-                    scores, store_rows, window_in_one_region)
+                    row_norms, scores, store_rows, window_in_one_region)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
@@ -29,6 +29,7 @@ def window_attention_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
     FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
+    FLAT_LOOP: tl.constexpr,
 ):
     """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
@@ -72,7 +73,7 @@ def window_attention_fwd_kernel(
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, STORE_STATS,
-                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E)
+                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
         else:
             forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed,
                             logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
@@ -80,7 +81,7 @@ def window_attention_fwd_kernel(
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
-                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E)
+                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
 
 
 @triton.jit
@@ -93,63 +94,127 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                     STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_REGIONS: tl.constexpr,
-                    BIAS_LOG2E: tl.constexpr):
-    """The forward of one program's query block over its run of windows."""
-    SINGLE_KEY_BLOCK: tl.constexpr = N <= BLOCK_N
-    if SINGLE_KEY_BLOCK:
+                    BIAS_LOG2E: tl.constexpr, FLAT_LOOP: tl.constexpr):
+    """The forward of one program's query block over its run of windows.
+
+    FLAT_LOOP: one loop over (window, key block) steps, each window's first step starting
+    its softmax afresh and its last storing its rows; else a loop over windows around a
+    loop over key blocks. The pipeliner fetches loads ahead within a loop only: a loop of
+    its own per window waits for the window's first blocks at every start, the flat loop
+    fetches them while the previous window ends, but loads the q tile at every step
+    (config.LaunchConfig.flat_loop says where each is faster)."""
+    NUM_KEY_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    if NUM_KEY_BLOCKS == 1:  # one bias+mask tile for all the program's windows
         bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
                                    N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
-
-    for window in range(first, last):
-        b = (w + window * num_periods).to(tl.int64)
-        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-        k_base = q_base + (H * D) * stride_qkv_c
-        v_base = k_base + (H * D) * stride_qkv_c
-        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        q_scale = q_inv * logit_scale2
-
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        r_i = tl.zeros((BLOCK_M,), tl.float32)  # cosine: sum_j P R (times the scale), as l_i sums P
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for start_n in range(0, N, BLOCK_N):
-            key_rows = start_n + cols
-            k_in, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-            v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
-            if not SINGLE_KEY_BLOCK:
-                bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w,
-                                           rows, key_rows, stride_bias_h, stride_bias_i, stride_bias_j,
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    r_i = tl.zeros((BLOCK_M,), tl.float32)  # cosine: sum_j P R (times the scale), as l_i sums P
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    q_scale = tl.zeros((BLOCK_M,), tl.float32)
+    if FLAT_LOOP:
+        for step in range(0, (last - first) * NUM_KEY_BLOCKS):
+            window = first + step // NUM_KEY_BLOCKS
+            start_n = (step % NUM_KEY_BLOCKS) * BLOCK_N
+            b = (w + window * num_periods).to(tl.int64)
+            q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+            q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+            if NUM_KEY_BLOCKS > 1:
+                bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, start_n + cols,
+                                           stride_bias_h, stride_bias_i, stride_bias_j,
                                            stride_mask_w, stride_mask_i, stride_mask_j,
                                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
-            if COSINE:  # the scale rides on the rows' inverse norms: one multiply per logit fewer
-                scaled = scores(q_in, q_scale, k_in, k_inv, COSINE, FP32_DOT)
-                logits = scaled + bias_mask
-            else:
-                logits = scores(q_in, q_inv, k_in, k_inv, COSINE, FP32_DOT) * logit_scale2 + bias_mask
-            # Online softmax. A row whose logits so far are all -inf keeps m = -inf; it is
-            # shifted by 0 instead so that exp2 gives 0, not NaN, until a finite logit comes.
-            m_new = tl.maximum(m_i, tl.max(logits, 1))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_shift)
-            p = tl.exp2(logits - m_shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if STORE_STATS and COSINE:
-                r_i = r_i * alpha + tl.sum(p * scaled, 1)
-            if HAS_DROPOUT:
-                p = p * dropout_factor(seed, b * H + h, rows, key_rows, dropout_p, N)
-            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
-            m_i = m_new
-
-        # A fully masked row has l = 0 and yields 0/0 = NaN, as the float64 reference does.
-        out = acc / l_i[:, None]
-        out_base = out_ptr + b * stride_out_b + (h * D) * stride_out_c
-        store_rows(out_base, out, rows, dims, stride_out_n, stride_out_c, N, D)
-        if STORE_STATS:
-            stats = stats_ptr + (b * H + h) * N + rows
-            tl.store(stats, tl.where(m_i == float("-inf"), 0.0, m_i), mask=rows < N)
-            tl.store(stats + num_periods * windows_per_period * H * N, 1.0 / l_i, mask=rows < N)
+            # a window's first key block starts its softmax afresh: selects, not products
+            # with 0, so that a previous window's NaN stays there
+            first_block = start_n == 0
+            m_i = tl.where(first_block, float("-inf"), m_i)
+            l_i = tl.where(first_block, 0.0, l_i)
+            r_i = tl.where(first_block, 0.0, r_i)
+            acc = tl.where(first_block, 0.0, acc)
             if COSINE:
-                rbar = tl.where(l_i == 0.0, 0.0, r_i / l_i) / logit_scale2
-                tl.store(stats + 2 * num_periods * windows_per_period * H * N, rbar, mask=rows < N)
+                if first_block:  # the rows' norms, once per window
+                    q_scale = row_norms(q_in)[1] * logit_scale2
+            m_i, l_i, r_i, acc = softmax_step(
+                q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
+                rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
+                H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT)
+            if start_n + BLOCK_N >= N:  # the window's last key block
+                store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, logit_scale2, b, h, rows, dims,
+                                     stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
+                                     H, N, D, COSINE, STORE_STATS)
+    else:
+        for window in range(first, last):
+            b = (w + window * num_periods).to(tl.int64)
+            q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+            q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+            if COSINE:
+                q_scale = row_norms(q_in)[1] * logit_scale2
+            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            r_i = tl.zeros((BLOCK_M,), tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            for start_n in range(0, N, BLOCK_N):
+                if NUM_KEY_BLOCKS > 1:
+                    bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows,
+                                               start_n + cols, stride_bias_h, stride_bias_i, stride_bias_j,
+                                               stride_mask_w, stride_mask_i, stride_mask_j,
+                                               N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
+                m_i, l_i, r_i, acc = softmax_step(
+                    q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
+                    rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
+                    H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT)
+            store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, logit_scale2, b, h, rows, dims,
+                                 stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
+                                 H, N, D, COSINE, STORE_STATS)
+
+
+@triton.jit
+def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, bh,
+                 rows, key_rows, dims, stride_qkv_n, stride_qkv_c,
+                 H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+                 STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """One key block of the online softmax of FlashAttention: (m, l, r, acc) updated with the
+    keys ``key_rows`` of the window whose q tile is ``q_in`` (at ``q_base`` in qkv); for
+    cosine attention q_scale is the rows' inverse norms times the scale (``tiles.row_norms``)."""
+    k_base = q_base + (H * D) * stride_qkv_c
+    v_base = k_base + (H * D) * stride_qkv_c
+    k_in, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+    if COSINE:  # the scale rides on the rows' inverse norms: one multiply per logit fewer
+        scaled = scores(q_in, q_scale, k_in, k_inv, COSINE, FP32_DOT)
+        logits = scaled + bias_mask
+    else:
+        logits = scores(q_in, q_scale, k_in, k_inv, COSINE, FP32_DOT) * logit_scale2 + bias_mask
+    # A row whose logits so far are all -inf keeps m = -inf; it is shifted by 0 instead so
+    # that exp2 gives 0, not NaN, until a finite logit comes.
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(logits - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if STORE_STATS and COSINE:
+        r_i = r_i * alpha + tl.sum(p * scaled, 1)
+    if HAS_DROPOUT:
+        p = p * dropout_factor(seed, bh, rows, key_rows, dropout_p, N)
+    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
+    return m_new, l_i, r_i, acc
+
+
+@triton.jit
+def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, logit_scale2, b, h, rows, dims,
+                         stride_out_b, stride_out_n, stride_out_c, num_windows,
+                         H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr,
+                         STORE_STATS: tl.constexpr):
+    """A window's output rows, and with STORE_STATS its softmax statistics."""
+    # A fully masked row has l = 0 and yields 0/0 = NaN, as the float64 reference does.
+    out = acc / l_i[:, None]
+    store_rows(out_ptr + b * stride_out_b + (h * D) * stride_out_c, out, rows, dims, stride_out_n, stride_out_c, N, D)
+    if STORE_STATS:
+        stats = stats_ptr + (b * H + h) * N + rows
+        tl.store(stats, tl.where(m_i == float("-inf"), 0.0, m_i), mask=rows < N)
+        tl.store(stats + num_windows * H * N, 1.0 / l_i, mask=rows < N)
+        if COSINE:
+            rbar = tl.where(l_i == 0.0, 0.0, r_i / l_i) / logit_scale2
+            tl.store(stats + 2 * num_windows * H * N, rbar, mask=rows < N)

@@ -298,7 +298,7 @@ def attention_forward(
             HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=cosine,
             FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
             MASK_REGIONS=mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=bias_log2e,
-            ONE_REGION_LOOP=tiles.one_region_loop, **launch_options(tiles, dropout_p > 0),
+            ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, **launch_options(tiles, dropout_p > 0),
         )
     return out, stats, regions, mask_info
 

@@ -85,15 +85,21 @@ def load_qk(ptr, rows, cols, stride_n, stride_c, N: tl.constexpr, D: tl.constexp
     """
     x_in = load_rows(ptr, rows, cols, stride_n, stride_c, N, D)
     if COSINE:
-        x = x_in.to(tl.float32)
-        norm = tl.sqrt(tl.sum(x * x, axis=1))
-        inv = 1.0 / tl.maximum(norm, NORM_EPS)
+        norm, inv = row_norms(x_in)
         x_lowp = unit_rows(x_in, norm).to(x_in.dtype)
     else:
         norm = tl.zeros((x_in.shape[0],), tl.float32)
         inv = norm + 1.0
         x_lowp = x_in
     return x_in, x_lowp, inv, norm
+
+
+@triton.jit
+def row_norms(x_in):
+    """(||x_i||, 1 / max(||x_i||, eps)) of the rows of a tile as loaded, fp32."""
+    x = x_in.to(tl.float32)
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    return norm, 1.0 / tl.maximum(norm, NORM_EPS)
 
 
 @triton.jit
