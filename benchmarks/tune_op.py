@@ -120,8 +120,8 @@ def main() -> None:
                         help="kernels that stream key blocks: time each candidate without (0) and with (1) the "
                              "loop copy for windows of one region (LaunchConfig.one_region_loop)")
     parser.add_argument("--flat-loop", nargs="*", type=int, default=None, choices=[0, 1],
-                        help="forward: time each candidate with a loop over key blocks per window (0) and with "
-                             "one loop over (window, key block) steps (1) (LaunchConfig.flat_loop)")
+                        help="forward and multi-block backward: time each candidate with a loop over blocks per "
+                             "window (0) and with one loop over (window, block) steps (1) (LaunchConfig.flat_loop)")
     parser.add_argument("--inference", action="store_true",
                         help="time the forward as under no_grad: no softmax statistics saved")
     parser.add_argument("--out", default=None)
@@ -162,7 +162,7 @@ def main() -> None:
         if args.one_region_loop is not None:
             configs = [config.with_changes(cfg, one_region_loop=bool(on)) for cfg in configs
                        for on in args.one_region_loop]
-        if args.flat_loop is not None and which == "fwd":
+        if args.flat_loop is not None and (which == "fwd" or multi_block_bwd):
             configs = [config.with_changes(cfg, flat_loop=bool(on)) for cfg in configs for on in args.flat_loop]
         dbias_key = ("dbias",) + key[1:]
         dbias_specs = args.dbias_tiles if args.dbias_tiles and multi_block_bwd else [None]

@@ -158,7 +158,7 @@ def main() -> int:
             build(backward.window_attention_bwd_dkdv_kernel, dtype,
                   dict(blocks, DQ_ATOMIC=atomics and bwd.dq_atomic, SCALE_GRAD=cosine and atomics and bwd.dq_atomic,
                        DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0, FROM_REGIONS=from_regions,
-                       ONE_REGION_LOOP=bwd.one_region_loop), bwd, streamed_bias)
+                       ONE_REGION_LOOP=bwd.one_region_loop, FLAT_LOOP=bwd.flat_loop), bwd, streamed_bias)
         build(backward.window_attention_bwd_dq_finish_kernel, dtype,
               dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine),
               config.with_changes(bwd, num_warps=4, maxnreg=None))

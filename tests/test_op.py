@@ -99,24 +99,37 @@ def test_one_region_loop_matches_reference(cosine, dtype, one_region_loop, monke
 
 @pytest.mark.parametrize("flat_loop", [True, False], ids=["flat-loop", "nested-loops"])
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
-def test_forward_loops_match_reference(cosine, flat_loop, monkeypatch):
-    """The forward's two loop structures (LaunchConfig.flat_loop): one loop over (window,
-    key block) steps, or a loop over key blocks inside a loop over windows, each program
-    taking two windows here. Both match the reference, forward and backward, and a NaN key
-    in one window makes that window's head NaN and no other: the flat loop starts each
-    window's softmax afresh with selects, not products with 0."""
-    key = ("fwd", 144, 32, torch.float32, cosine)
-    monkeypatch.setitem(config.OVERRIDES, key, config.with_changes(config.forward_config(*key[1:]),
-                                                                   flat_loop=flat_loop))
+def test_flat_and_nested_loops_match_reference(cosine, flat_loop, monkeypatch):
+    """The two loop structures of the forward and the dkdv kernel (LaunchConfig.flat_loop):
+    one loop over (window, block) steps, programs taking two windows here, or a loop over
+    blocks per window. Both match the reference, forward and backward, and a NaN in one
+    window stays in that window, as in the reference: a NaN key makes its head's output
+    NaN, a NaN output gradient its head's dK, its row's dQ and its channel's dV (the flat loops start
+    each window's sums afresh with selects, not products with 0)."""
+    for pass_, default in (("fwd", config.forward_config), ("bwd", config.backward_config)):
+        key = (pass_, 144, 32, torch.float32, cosine)
+        monkeypatch.setitem(config.OVERRIDES, key, config.with_changes(default(*key[1:]), flat_loop=flat_loop))
     case = make_case(6, 3, 3, 144, 32, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE, seed=12)
     assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
                              TOLERANCE[torch.float32])
+    # window 0, token 5, head 0; window 3 shares window 0's programs
     qkv = case.qkv.clone()
-    qkv[0, 5, 3 * 32 + 7] = float("nan")  # window 0, token 5: a key of head 0; window 3 shares its program
+    qkv[0, 5, 3 * 32 + 7] = float("nan")  # a key
     out = window_attention(qkv, 3, **case.kwargs())
     expected = window_attention_reference(qkv.double(), 3, **case.kwargs(mask=case.mask.double()))
     assert out[0, :, :32].isnan().all() and out.isnan().sum() == 144 * 32
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5, equal_nan=True)
+    grad_out = case.grad_out.clone()
+    grad_out[0, 5, 7] = float("nan")
+    qkv = case.qkv.clone().requires_grad_()
+    window_attention(qkv, 3, **case.kwargs()).backward(grad_out)
+    expected = case.qkv.double().requires_grad_()
+    window_attention_reference(expected, 3, **case.kwargs(mask=case.mask.double())).backward(grad_out.double())
+    dq, dk, dv = qkv.grad[0].view(144, 3, 3, 32)[:, :, 0].unbind(1)
+    assert dk.isnan().all() and dq[5].isnan().all() and dv[:, 7].isnan().all() and not qkv.grad[1:].isnan().any()
+    assert torch.equal(qkv.grad.isnan(), expected.grad.isnan())
+    finite = ~expected.grad.isnan()
+    assert relative_error(qkv.grad[finite], expected.grad[finite]) < TOLERANCE[torch.float32]
 
 
 def test_deterministic_mode_takes_the_dq_kernel(deterministic_algorithms, monkeypatch):

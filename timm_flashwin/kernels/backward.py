@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
-                    load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma, normalize_backward, scores,
-                    store_rows, window_in_one_region)
+                    load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma, normalize_backward, row_norms, scores,
+                    store_rows, unit_rows, window_in_one_region)
 
 
 @triton.jit
@@ -226,28 +226,31 @@ def window_attention_bwd_delta_kernel(
         tl.store(acc_ptrs, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), mask=(rows[:, None] < N) & (dims[None, :] < D))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_bwd_dkdv_kernel(
     qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
     dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
-    scale, dropout_p, num_periods, stats_stride, num_slots,
+    scale, dropout_p, stats_stride, num_slots,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
     stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
+    num_periods, windows_per_period, windows_per_program,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
     DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
+    FLAT_LOOP: tl.constexpr,
 ):
-    """Grid: (B_ * H * key blocks,). dK, dV of one key block, looping over query blocks.
+    """Grid: (key blocks * H * nW * window chunks,). dK, dV of one key block of head h for a
+    run of windows sharing a mask window (``dkdv_windows``), looping over query blocks.
 
     DQ_ATOMIC: also adds each tile's dZ K^ to dq_acc (B_ * H, N, D) fp32 with atomic adds
     (the key blocks of a window run as neighbouring programs, each at its own query block,
-    so few adds meet on one address) and, with SCALE_GRAD, writes the key block's share of
-    d(logit_scale) to dscale_partial[b, h, key block] (``scale_grad_terms``): the dq kernel,
+    so few adds meet on one address) and, with SCALE_GRAD, writes the program's share of
+    d(logit_scale) to dscale_partial[program] (``scale_grad_terms``): the dq kernel,
     which would compute every tile of P once more, is then not needed.
 
     DBIAS_ATOMIC: also adds each tile's dZ to dbias_slots[b % num_slots, h] (num_slots,
@@ -264,99 +267,202 @@ def window_attention_bwd_dkdv_kernel(
     those loads, made in the mask kind's branch at the top of each tile, and on rbar,
     which is now loaded an iteration ahead).
 
-    ONE_REGION_LOOP: the work (``dkdv_key_block``) is built twice, with and without the
+    ONE_REGION_LOOP: the work (``dkdv_windows``) is built twice, with and without the
     mask, and a window of one region takes the copy without it
-    (``tiles.window_in_one_region``; config.backward_config says where)."""
-    bh, b, h, cols = program_block(H, N, BLOCK_N)
+    (``tiles.window_in_one_region``; config.backward_config says where).
+
+    FLAT_LOOP: one loop over (window, query block) steps (``dkdv_windows``)."""
+    NUM_KEY_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
-    w = b % num_periods
+    rest = pid // NUM_KEY_BLOCKS
+    h = rest % H
+    rest = rest // H
+    w = rest % num_periods
+    first = (rest // num_periods) * windows_per_program
+    last = tl.minimum(first + windows_per_program, windows_per_period)
+    cols = (pid % NUM_KEY_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:  # with ONE_REGION_LOOP, windows of one region run a copy of the loop built without a mask
         if window_in_one_region(mask_info_ptr, w, FROM_REGIONS, ONE_REGION_LOOP):
-            dkdv_key_block(
+            dscale = dkdv_windows(
                 qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
-                dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
-                logit_scale_ptr, dropout_p, stats_stride, num_slots, bh, b, h, w, pid, cols, dims,
+                dqkv_ptr, dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, h, w, first, last,
+                num_periods, cols, dims,
                 stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
                 stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E)
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
         else:
-            dkdv_key_block(
+            dscale = dkdv_windows(
                 qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
-                dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
-                logit_scale_ptr, dropout_p, stats_stride, num_slots, bh, b, h, w, pid, cols, dims,
+                dqkv_ptr, dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, h, w, first, last,
+                num_periods, cols, dims,
                 stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
                 stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E)
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
+        if SCALE_GRAD:
+            tl.store(dscale_partial_ptr + pid, logit_scale_grad(dscale, s, logit_scale_ptr, h))
 
 
 @triton.jit
-def dkdv_key_block(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
-                   dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
-                   logit_scale_ptr, dropout_p, stats_stride, num_slots, bh, b, h, w, pid, cols, dims,
-                   stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
-                   stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
-                   stride_mask_w, stride_mask_i, stride_mask_j,
-                   H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-                   HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
-                   DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr):
-    """The dkdv kernel's work for the key block ``cols`` of window-head ``bh`` (head scale
-    ``s``); HAS_MASK False for a window of one region."""
-    q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-    k_base = q_base + (H * D) * stride_qkv_c
-    v_base = k_base + (H * D) * stride_qkv_c
-    do_base = dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c
-    k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-    v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                 dqkv_ptr, dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, h, w, first, last,
+                 num_periods, cols, dims,
+                 stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+                 stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
+                 stride_mask_w, stride_mask_i, stride_mask_j,
+                 H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
+                 DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
+                 FLAT_LOOP: tl.constexpr):
+    """The dkdv kernel's work: dK, dV of the key block ``cols`` of head h (head scale ``s``)
+    for windows w + nW * [first, last) (the mask window's); HAS_MASK False for a window of one region. Returns
+    the sum of the scale-gradient terms (``scale_grad_terms``) over its tiles.
+
+    FLAT_LOOP: one loop over (window, query block) steps, loading the key block's k and v
+    at every step, each window's first step starting its sums afresh and its last storing
+    them; else one window (the launcher gives each program one), k and v loaded once. The
+    pipeliner fetches loads ahead within a loop only (as in the forward, ``forward_windows``):
+    the flat loop fetches a window's first blocks while the previous one ends."""
+    NUM_Q_BLOCKS: tl.constexpr = (N + BLOCK_M - 1) // BLOCK_M
+    dscale = 0.0
     dk_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv_acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dscale_acc = 0.0
-    if SCALE_GRAD:
-        rbar_next = load_rbar(stats_ptr, bh, tl.arange(0, BLOCK_M), stats_stride, N)
-    for start_m in range(0, N, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
-        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        do = load_rows(do_base, rows, dims, stride_dout_n, stride_dout_c, N, D)
-        row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
-        if SCALE_GRAD:  # this block's rbar, loaded an iteration ahead: nothing else waits on it
-            rbar = rbar_next
-            rbar_next = load_rbar(stats_ptr, bh, rows + BLOCK_M, stats_stride, N)
-        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
-                                   stride_bias_h, stride_bias_i, stride_bias_j,
-                                   stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
-        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
-                                                bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
-                                                COSINE, FP32_DOT, False, HAS_DROPOUT)
-        ds_lowp = ds.to(q_lowp.dtype)
-        dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
-        dk_acc = mma(tl.trans(ds_lowp), q_lowp, dk_acc, FP32_DOT)
-        if DQ_ATOMIC:
-            dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
-            tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,
-                          mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
+    if FLAT_LOOP:
+        num_steps = (last - first) * NUM_Q_BLOCKS
         if SCALE_GRAD:
-            dscale_acc += tl.sum(scale_grad_terms(ds, raw, rbar), 0)
-        if DBIAS_ATOMIC:
-            slot = b % num_slots
-            tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :], ds,
-                          mask=(rows[:, None] < N) & (cols[None, :] < N), sem="relaxed")
+            rbar_next = load_rbar(stats_ptr, (w + first * num_periods).to(tl.int64) * H + h, tl.arange(0, BLOCK_M),
+                                  stats_stride, N)
+        k_lowp = tl.zeros((BLOCK_N, BLOCK_D), qkv_ptr.dtype.element_ty)
+        k_inv = tl.zeros((BLOCK_N,), tl.float32)
+        k_norm = tl.zeros((BLOCK_N,), tl.float32)
+        for step in range(0, num_steps):
+            window = first + step // NUM_Q_BLOCKS
+            start_m = (step % NUM_Q_BLOCKS) * BLOCK_M
+            b = (w + window * num_periods).to(tl.int64)
+            k_base = qkv_ptr + b * stride_qkv_b + ((H + h) * D) * stride_qkv_c
+            k_in = load_rows(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+            v = load_rows(k_base + (H * D) * stride_qkv_c, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+            # a window's first query block starts its sums afresh: selects, not products with
+            # 0, so that a previous window's NaN stays there (H200, window 12 cosine: 8% faster
+            # than new zeros after the last block's store, whose moves cost more)
+            first_block = start_m == 0
+            dk_acc = tl.where(first_block, 0.0, dk_acc)
+            dv_acc = tl.where(first_block, 0.0, dv_acc)
+            if COSINE:
+                if first_block:  # the key block's norms and unit rows, once per window
+                    k_norm, k_inv = row_norms(k_in)
+                    k_lowp = unit_rows(k_in, k_norm).to(k_in.dtype)
+            else:
+                k_lowp = k_in
+                k_inv = k_norm + 1.0
+            rbar = 0.0
+            if SCALE_GRAD:  # this step's rbar, loaded a step ahead: nothing else waits on it
+                rbar = rbar_next
+                following = tl.minimum(step + 1, num_steps - 1)
+                rbar_next = load_rbar(stats_ptr, (w + (first + following // NUM_Q_BLOCKS) * num_periods).to(tl.int64)
+                                      * H + h, (following % NUM_Q_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M),
+                                      stats_stride, N)
+            dk_acc, dv_acc, dscale_tile = dkdv_tile(
+                qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
+                start_m + tl.arange(0, BLOCK_M), cols, dims, k_in, k_lowp, k_inv, v, rbar, dk_acc, dv_acc,
+                stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+                stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E)
+            dscale += dscale_tile
+            if start_m + BLOCK_M >= N:  # the window's last query block
+                store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
+                           stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, H, N, D, COSINE)
+    else:  # one window per program (the launcher's split)
+        b = (w + first * num_periods).to(tl.int64)
+        k_base = qkv_ptr + b * stride_qkv_b + ((H + h) * D) * stride_qkv_c
+        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        v = load_rows(k_base + (H * D) * stride_qkv_c, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+        if SCALE_GRAD:
+            rbar_next = load_rbar(stats_ptr, b * H + h, tl.arange(0, BLOCK_M), stats_stride, N)
+        for start_m in range(0, N, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            rbar = 0.0
+            if SCALE_GRAD:  # this block's rbar, loaded an iteration ahead: nothing else waits on it
+                rbar = rbar_next
+                rbar_next = load_rbar(stats_ptr, b * H + h, rows + BLOCK_M, stats_stride, N)
+            dk_acc, dv_acc, dscale_tile = dkdv_tile(
+                qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
+                rows, cols, dims, k_in, k_lowp, k_inv, v, rbar, dk_acc, dv_acc,
+                stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+                stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E)
+            dscale += dscale_tile
+        store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
+                   stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, H, N, D, COSINE)
+    return dscale
 
+
+@triton.jit
+def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+              dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
+              rows, cols, dims, k_in, k_lowp, k_inv, v, rbar, dk_acc, dv_acc,
+              stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+              stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+              H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
+              DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr):
+    """One (query block ``rows``, key block ``cols``) tile of window b, head h: (dk_acc, dv_acc,
+    the tile's scale-gradient terms); with DQ_ATOMIC the tile's dQ and with DBIAS_ATOMIC
+    its dZ added with atomic adds."""
+    bh = b * H + h
+    q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+    q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims, stride_dout_n, stride_dout_c,
+                   N, D)
+    row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
+    bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+                               stride_bias_h, stride_bias_i, stride_bias_j,
+                               stride_mask_w, stride_mask_i, stride_mask_j,
+                               N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
+    p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
+                                            bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
+                                            COSINE, FP32_DOT, False, HAS_DROPOUT)
+    ds_lowp = ds.to(q_lowp.dtype)
+    dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
+    dk_acc = mma(tl.trans(ds_lowp), q_lowp, dk_acc, FP32_DOT)
+    if DQ_ATOMIC:
+        dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
+        tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,
+                      mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
+    dscale = 0.0
+    if SCALE_GRAD:
+        dscale = tl.sum(scale_grad_terms(ds, raw, rbar), 0)
+    if DBIAS_ATOMIC:
+        slot = b % num_slots
+        tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :], ds,
+                      mask=(rows[:, None] < N) & (cols[None, :] < N), sem="relaxed")
+    return dk_acc, dv_acc, dscale
+
+
+@triton.jit
+def store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
+               stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+               COSINE: tl.constexpr):
+    """dK (from dk_acc = dZ^T Q^, ``input_grad``) and dV of key block ``cols`` of window b, head h."""
     dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
     dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
     store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
     store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
-    if SCALE_GRAD:
-        tl.store(dscale_partial_ptr + pid, logit_scale_grad(dscale_acc, s, logit_scale_ptr, h))
 
 
 @triton.jit

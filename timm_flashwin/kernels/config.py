@@ -49,8 +49,8 @@ class LaunchConfig:
     #: kernels that stream key blocks over a region mask: a second copy of the key loop,
     #: built without a mask, for the windows of one region (``tiles.window_in_one_region``)
     one_region_loop: bool = False
-    #: the forward: one loop over (window, key block) steps rather than a loop over key
-    #: blocks per window (``forward.forward_windows``)
+    #: the forward and the dkdv kernel: one loop over (window, key block) steps rather than a
+    #: loop over blocks per window (``forward.forward_windows``, ``backward.dkdv_windows``)
     flat_loop: bool = False
 
     def single_tile(self, n: int) -> bool:
@@ -118,21 +118,23 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> L
     stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
     block = _streamed_block(n, max_block)
     return LaunchConfig(block, block, block_d, 4, stages, 8, _streamed_maxnreg(block_d, dtype),
-                        one_region_loop=_one_region_loop(n, block), flat_loop=_flat_loop(n, block))
+                        one_region_loop=_one_region_loop(n, block), flat_loop=_flat_loop(n, block, block_d))
 
 
-def _flat_loop(n: int, block: int) -> bool:
-    """Whether the forward of windows of n tokens streamed in key blocks of ``block`` runs one
-    loop over (window, key block) steps (``LaunchConfig.flat_loop``): where a window has
-    few key blocks, so that waiting for each window's first ones weighs more than loading
-    the q tile at every step. H200, bf16, D = 32, timm's shift mask, forward kernels alone
+def _flat_loop(n: int, block: int, block_d: int) -> bool:
+    """Whether the forward (and the dkdv kernel, ``backward_config``) of windows of n tokens
+    in blocks of ``block`` runs one loop over (window, block) steps (``LaunchConfig.flat_loop``):
+    where a window has few blocks, so that waiting for each window's first ones weighs more
+    than loading the q tile (the dkdv kernel: k and v) at every step. H200, bf16, D = 32, timm's shift mask, forward kernels alone
     with the statistics saved, nested -> flat (tune_op.py --passes fwd --only-default
     --flat-loop 0 1 1 0, 2026-11-24), us: window 12 (3 key blocks) V1 104.0 -> 95.4, cosine
     140.5 -> 138.9; window 16 (4) V1 104.7 -> 97.2, cosine 133.4 -> 126.2; window 24 (9)
     V1 273.5 -> 298.2, cosine 358.4 -> 379.4. Without statistics (--inference): 100.0 ->
     91.5, 129.4 -> 113.9; 103.4 -> 94.3, 122.8 -> 117.4; 272.3 -> 291.2, 328.9 -> 356.5.
-    One key block (N <= 128): the two loops are the same."""
-    return -(-n // block) <= 4
+    One key block (N <= 128): the two loops are the same. Measured for head_dim 32 only; wider
+    heads keep the nested loops (head_dim 256, sm_90 build: the flat dkdv kernel spills 4 KB
+    of registers per thread, the nested one 0.4 KB)."""
+    return -(-n // block) <= 4 and block_d <= 32
 
 
 def _one_region_loop(n: int, block: int) -> bool:
@@ -178,9 +180,15 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
     # (forward + backward less forward): V1 window 16 333 -> 316, 24 910 -> 860, 12 268 -> 271;
     # cosine 453 -> 462, 1217 -> 1219, 401 -> 389 (its dkdv kernel, at 255 registers, spills more
     # with two loops: 40 -> 96 B of stack on window 16, sm_90 build): V1 only.
-    return LaunchConfig(block, block, block_d, 4, stages, 4, None if cosine else _streamed_maxnreg(block_d, dtype),
+    # The dkdv kernel's flat loop (``_flat_loop``), programs of several windows: same runs
+    # (tune_op.py --passes bwd --only-default --flat-loop 0 1, 2026-11-24), backward us, one window
+    # per program -> flat: V1 window 12 264.7 -> 251.7, 16 314.3 -> 308.4, 24 861.6 -> 890.0;
+    # cosine 384.8 -> 339.9, 454.0 -> 416.8, 1206.4 -> 1387.7. 8, 16 or 32 programs per SM
+    # within 0.3% of each other where the loop is flat.
+    return LaunchConfig(block, block, block_d, 4, stages, 16, None if cosine else _streamed_maxnreg(block_d, dtype),
                         dq_atomic=True, dbias_slots=1 if cosine else 0,
-                        one_region_loop=not cosine and _one_region_loop(n, block))
+                        one_region_loop=not cosine and _one_region_loop(n, block),
+                        flat_loop=_flat_loop(n, block, block_d))
 
 
 def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
@@ -196,7 +204,7 @@ def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> Lau
     found = OVERRIDES.get(("dbias", n, head_dim, dtype, cosine))
     if found is not None:
         return found
-    return backward_config(n, head_dim, dtype, cosine)
+    return replace(backward_config(n, head_dim, dtype, cosine), programs_per_sm=4)
 
 
 def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:

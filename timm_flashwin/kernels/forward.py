@@ -97,8 +97,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                     BIAS_LOG2E: tl.constexpr, FLAT_LOOP: tl.constexpr):
     """The forward of one program's query block over its run of windows.
 
-    FLAT_LOOP: one loop over (window, key block) steps, each window's first step starting
-    its softmax afresh and its last storing its rows; else a loop over windows around a
+    FLAT_LOOP: one loop over (window, key block) steps, each window's last step storing its
+    rows and starting the next window's softmax afresh; else a loop over windows around a
     loop over key blocks. The pipeliner fetches loads ahead within a loop only: a loop of
     its own per window waits for the window's first blocks at every start, the flat loop
     fetches them while the previous window ends, but loads the q tile at every step
@@ -126,24 +126,23 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                                            stride_bias_h, stride_bias_i, stride_bias_j,
                                            stride_mask_w, stride_mask_i, stride_mask_j,
                                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
-            # a window's first key block starts its softmax afresh: selects, not products
-            # with 0, so that a previous window's NaN stays there
-            first_block = start_n == 0
-            m_i = tl.where(first_block, float("-inf"), m_i)
-            l_i = tl.where(first_block, 0.0, l_i)
-            r_i = tl.where(first_block, 0.0, r_i)
-            acc = tl.where(first_block, 0.0, acc)
             if COSINE:
-                if first_block:  # the rows' norms, once per window
+                if start_n == 0:  # the rows' norms, once per window
                     q_scale = row_norms(q_in)[1] * logit_scale2
             m_i, l_i, r_i, acc = softmax_step(
                 q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                 rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
                 H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT)
-            if start_n + BLOCK_N >= N:  # the window's last key block
+            if start_n + BLOCK_N >= N:  # the window's last key block: its rows are done
                 store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, logit_scale2, b, h, rows, dims,
                                      stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
                                      H, N, D, COSINE, STORE_STATS)
+                # the next window's softmax starts afresh (new values, not products with 0, so
+                # that this window's NaN stays here)
+                m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                l_i = tl.zeros((BLOCK_M,), tl.float32)
+                r_i = tl.zeros((BLOCK_M,), tl.float32)
+                acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     else:
         for window in range(first, last):
             b = (w + window * num_periods).to(tl.int64)

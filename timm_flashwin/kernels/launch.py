@@ -402,16 +402,26 @@ def attention_backward(
     )
     slots = min(dbias_slots(tiles), num_windows) if bias_grad else 0
     dbias = qkv.new_zeros((slots, num_heads, n, n) if slots else (0,), dtype=torch.float32)
-    # d(head scale) partials, per (window, head, key block) from the dkdv kernel with atomic
-    # dQ, else per (window, head, query block) from the dq kernel
-    dscale = qkv.new_empty((num_windows, num_heads, n_blocks if dq_atomic else m_blocks) if scale_grad else (0,),
-                           dtype=torch.float32)
+    # the dkdv kernel's programs: (key block, head, mask window, run of windows); one window
+    # per program without the flat loop
+    if tiles.flat_loop:
+        chunks, per_chunk = config.split_windows(per_period, n_blocks * num_heads * periods,
+                                                 config.target_programs(qkv.device, tiles.programs_per_sm))
+    else:
+        chunks, per_chunk = per_period, 1
+    # d(head scale) partials, per (run of windows, head, key block) from the dkdv kernel with
+    # atomic dQ, else per (window, head, query block) from the dq kernel
+    dscale = qkv.new_empty((chunks * periods, num_heads, n_blocks) if dq_atomic else
+                           (num_windows, num_heads, m_blocks), dtype=torch.float32) if scale_grad else \
+        qkv.new_empty((0,), dtype=torch.float32)
     for from_regions in _mask_kinds(mask_regions, mask):
-        wrap_triton(window_attention_bwd_dkdv_kernel)[(num_windows * num_heads * n_blocks,)](
+        wrap_triton(window_attention_bwd_dkdv_kernel)[(n_blocks * num_heads * periods * chunks,)](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
-            dq_acc, dscale, dbias, scale, dropout_p, periods, stats.stride(0), max(slots, 1), *strides,
+            dq_acc, dscale, dbias, scale, dropout_p, stats.stride(0), max(slots, 1), *strides,
+            periods, per_period, per_chunk,
             DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad and dq_atomic, DBIAS_ATOMIC=slots > 0,
-            FROM_REGIONS=from_regions, ONE_REGION_LOOP=tiles.one_region_loop, **blocks, **flags, **launch,
+            FROM_REGIONS=from_regions, ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop,
+            **blocks, **flags, **launch,
         )
     if dq_atomic:
         wrap_triton(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](
