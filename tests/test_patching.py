@@ -535,3 +535,54 @@ def test_gpu_torch_compile_inference_and_training(name):
         c = compare(n, p.grad, grads[n].grad, grads[n].grad, 1e-2, 1e-5)
         # SwinV2-CR's meta_mlp.fc2.bias has an exactly-zero true gradient (|g| ~ 1e-8): absolute
         assert c.err_ours < 5e-2 or c.max_abs < 1e-6, (n, c)
+
+
+@pytest.mark.cuda
+def test_gpu_torch_compile_recompute_qkv():
+    """patch_model(recompute_qkv=True) under torch.compile(fullgraph=True), AMP bf16: a
+    training step gives the plain patched model's loss and gradients, at a lower peak
+    memory (the qkv projections' outputs, recomputed in the backward, are not kept)."""
+    name, batch = "swin_tiny_patch4_window7_224", 16
+    x = images(batch, (224, 224), device="cuda")
+    runs = []
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        model = patch_model(create(name, drop_path_rate=0.0), recompute_qkv=recompute).cuda().train()
+        compiled = torch.compile(model, fullgraph=True)
+        for _ in range(2):  # the first step compiles; the second is measured
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(x).float().square().mean()
+            loss.backward()
+            torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        runs.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}, peak))
+        del compiled, model
+    (plain_loss, plain_grads, plain_peak), (loss, grads, peak) = runs
+    assert math.isclose(loss, plain_loss, rel_tol=1e-3)
+    for n, g in grads.items():
+        assert (g - plain_grads[n]).norm() <= 2e-2 * plain_grads[n].norm() + 1e-6, n
+    # the qkv outputs, (B_, N, 3 C) bf16 per block, of swin_tiny's (2, 2, 6, 2) blocks
+    qkv_bytes = sum(depth * batch * (56 // 2 ** s) ** 2 * 3 * 96 * 2 ** s * 2 for s, depth in enumerate((2, 2, 6, 2)))
+    assert plain_peak - peak >= 0.5 * qkv_bytes, (plain_peak, peak, qkv_bytes)
+
+
+def test_compiled_model_follows_recompute_qkv():
+    """A compiled patched model recompiles when patch_model turns recompute_qkv on or off:
+    the training graph then holds a checkpointed region (the qkv projection and the op)
+    or not."""
+    model = patch_model(tiny_swin()).train().to(KERNEL_DEVICE)
+    x = images(device=KERNEL_DEVICE)
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(model, fullgraph=True, backend=recording_backend(graphs))
+    checkpointed = []
+    for recompute in (False, True, False):
+        patch_model(model, recompute_qkv=recompute)
+        before = len(graphs)
+        compiled(x).sum().backward()
+        checkpointed.append([any("checkpoint" in t for t in g) for g in graphs[before:]])
+    assert checkpointed == [[False], [True], []]  # the last call reuses the first graph

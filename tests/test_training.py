@@ -44,10 +44,13 @@ class OpCalls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
+        self.matmuls = 0  # aten matrix products, any module's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "timm_flashwin":
             self.calls[func.overloadpacket.__name__] += 1
+        elif func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.matmuls += 1
         return func(*args, **(kwargs or {}))
 
     @property
@@ -186,3 +189,40 @@ def test_grad_checkpointing_regenerates_the_attention_dropout():
     model.set_grad_checkpointing(False)
     with torch.no_grad():
         assert not torch.allclose(plain_out, model.eval()(x), rtol=1e-3, atol=1e-3)  # dropout was active
+
+
+# ------------------------------------------------------------------ recomputed qkv projection
+@pytest.mark.parametrize("family", MODELS)
+def test_recompute_qkv(family):
+    """patch_model(recompute_qkv=True): the backward computes each module's qkv projection
+    again (one matrix product more per module: its output is not kept) and keeps the op's
+    outputs (the forward kernel runs once); the output and every gradient equal the plain
+    patched model's, with timm's block checkpointing on top too. patched() restores the
+    setting, unpatching drops it."""
+    from timm_flashwin import patched, unpatch_model
+    from timm_flashwin.adapters.base import RECOMPUTE_QKV_ATTR
+    factory, size = MODELS[family]
+    model = patch_model(factory(drop_path_rate=0.0).to(KERNEL_DEVICE))
+    x = images(2, size, device=KERNEL_DEVICE)
+    with OpCalls() as plain_calls:
+        plain_out, plain_grads = forward_backward_model(model, x)
+
+    with patched(model, recompute_qkv=True):
+        flags = [m.__dict__.get(RECOMPUTE_QKV_ATTR) for m in model.modules() if is_patched(m) and not
+                 any(is_patched(c) for c in m.children())]
+        assert flags == [True] * 4
+        with OpCalls() as calls:
+            out, grads = forward_backward_model(model, x)
+        model.set_grad_checkpointing(True)
+        checkpointed_out, checkpointed_grads = forward_backward_model(model, x)
+        model.set_grad_checkpointing(False)
+    assert not any(RECOMPUTE_QKV_ATTR in m.__dict__ for m in model.modules())
+
+    assert calls.attention == plain_calls.attention  # the op's outputs are kept, not recomputed
+    assert calls.matmuls == plain_calls.matmuls + 4  # each qkv projection once more, in the backward
+    for o, g in ((out, grads), (checkpointed_out, checkpointed_grads)):
+        torch.testing.assert_close(o, plain_out, rtol=1e-6, atol=1e-7)
+        assert_all_close(g, plain_grads, rtol=1e-6, atol=1e-7)
+    patch_model(model, recompute_qkv=True)
+    unpatch_model(model)
+    assert not any(RECOMPUTE_QKV_ATTR in m.__dict__ for m in model.modules())

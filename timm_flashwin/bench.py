@@ -24,7 +24,7 @@ from .verify import DTYPES, UsageError, build_model
 
 @dataclass
 class BenchRun:
-    variant: str  # "timm" or "flashwin", with "+compile"
+    variant: str  # "timm", "flashwin" or "flashwin-recompute-qkv", with "+compile"
     images_per_s: float
     median_ms: float
     peak_mib: float
@@ -107,11 +107,14 @@ def benchmark_model(
     warmup: int = 10,
     repeats: int = 30,
     progress: Optional[Callable[[str, int, int], None]] = None,
+    recompute_qkv: bool = False,
 ) -> BenchResult:
     """Images per second and peak memory of ``name``, unpatched then patched.
 
     compile_mode: torch.compile's ``mode`` (e.g. "reduce-overhead": CUDA graphs, for steps
-    whose kernel launches outlast the GPU work), with ``compile``."""
+    whose kernel launches outlast the GPU work), with ``compile``.
+    recompute_qkv: also the model patched with ``patch_model(..., recompute_qkv=True)``,
+    as a third variant ("flashwin-recompute-qkv")."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     if compile_mode is not None and not compile:
@@ -126,16 +129,17 @@ def benchmark_model(
     images = torch.randn(batch, 3, *size, device="cuda")
     runs = []
     patched_modules = 0
-    for variant in ("timm", "flashwin"):
+    for variant in ("timm", "flashwin") + (("flashwin-recompute-qkv",) if recompute_qkv else ()):
         model = copy.deepcopy(base).cuda()
-        if variant == "flashwin":
-            patch_model(model)
+        if variant != "timm":
+            patch_model(model, recompute_qkv=variant == "flashwin-recompute-qkv")
             patched_modules = len(patch_report(model).patched)
         model.train(train)
         if not train:
             model = model.to(torch_dtype)
         x = images.to(torch_dtype) if not train else images
         if compile:
+            torch._dynamo.reset()  # each variant compiles anew, not from the previous one's graphs
             model = torch.compile(model, mode=compile_mode)
         label = variant + (f"+compile({compile_mode})" if compile and compile_mode else "+compile" if compile else "")
         run = _measure(label, _step_fn(model, x, torch_dtype, train), warmup, repeats, progress)

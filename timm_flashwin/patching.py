@@ -30,6 +30,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from torch import nn
 
 from .adapters import ADAPTERS, WindowAttentionAdapter
+from .adapters.base import RECOMPUTE_QKV_ATTR
 
 logger = logging.getLogger("timm_flashwin")
 
@@ -152,7 +153,7 @@ def _is_patched(module: nn.Module) -> bool:
 def _clear(module: nn.Module) -> None:
     if _is_patched(module):
         module.__class__ = type(module).__mro__[1]  # timm's class
-    for attr in (_SKIP_ATTR, _CACHE_ATTR):
+    for attr in (_SKIP_ATTR, _CACHE_ATTR, RECOMPUTE_QKV_ATTR):
         module.__dict__.pop(attr, None)
 
 
@@ -164,19 +165,26 @@ def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapt
 
 
 # ------------------------------------------------------------------------ public API
-def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[FilterFn] = None) -> nn.Module:
+def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[FilterFn] = None,
+                recompute_qkv: bool = False) -> nn.Module:
     """Route every timm window-attention module of ``model`` through the fused op, in place.
 
     Works wherever the modules sit (timm models, features_only wrappers, a user's
     nn.Module, DistributedDataParallel). Each module keeps its own parameters, read at
-    call time. Patching twice is a no-op. Modules the op cannot serve keep timm's
-    forward; ``patch_report(model)`` says which and why.
+    call time. Patching twice patches nothing more (``recompute_qkv`` is set anew on every
+    patched module). Modules the op cannot serve keep timm's forward;
+    ``patch_report(model)`` says which and why.
 
     Args:
         model: any nn.Module.
         strict: raise ``PatchError`` (a ValueError) listing every module that cannot be
             served, and patch nothing; raise ValueError if there is nothing to patch.
         filter_fn: ``(module, qualified_name) -> bool``; False keeps that module on timm.
+        recompute_qkv: where gradients are recorded, do not keep the qkv projection's output
+            (B_, N, 3 C) for the backward but compute it again there from the module's
+            input (selective activation checkpointing; the op's own outputs are kept): less
+            memory for one more qkv matmul per module and training step. Gradients are the
+            same; eager mode and torch.compile alike.
 
     Returns:
         ``model`` itself.
@@ -197,9 +205,14 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
     for name, module, adapter, family in found:
         if name in reasons:
             module.__dict__[_SKIP_ATTR] = reasons[name]
-        elif not _is_patched(module):
+            continue
+        if not _is_patched(module):
             module.__dict__.pop(_SKIP_ATTR, None)
             module.__class__ = PATCHED_CLASSES[family]
+        if recompute_qkv:
+            module.__dict__[RECOMPUTE_QKV_ATTR] = True
+        else:
+            module.__dict__.pop(RECOMPUTE_QKV_ATTR, None)
     report = patch_report(model)
     level = logging.WARNING if report.skipped else logging.INFO
     logger.log(level, "timm_flashwin: %s", report.summary())
@@ -231,7 +244,8 @@ def patch_report(model: nn.Module) -> PatchReport:
 def patched(model: nn.Module, **kwargs) -> Iterator[nn.Module]:
     """``with patched(model): ...``: patch_model on entry; on exit (also on an exception)
     unpatch exactly the modules this call patched. kwargs go to ``patch_model``."""
-    before = {id(m) for _, m, _, _ in _attention_modules(model) if _is_patched(m)}
+    before = {id(m): m.__dict__.get(RECOMPUTE_QKV_ATTR) for _, m, _, _ in _attention_modules(model)
+              if _is_patched(m)}
     patch_model(model, **kwargs)
     try:
         yield model
@@ -239,3 +253,7 @@ def patched(model: nn.Module, **kwargs) -> Iterator[nn.Module]:
         for _, module, _, _ in _attention_modules(model):
             if id(module) not in before:
                 _clear(module)
+            elif before[id(module)] is None:  # patched before: its recompute_qkv as it was
+                module.__dict__.pop(RECOMPUTE_QKV_ATTR, None)
+            else:
+                module.__dict__[RECOMPUTE_QKV_ATTR] = before[id(module)]

@@ -3,13 +3,19 @@ skeleton (qkv -> window_attention -> proj) that reads the module's own tensors a
 time."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..kernels.config import MAX_HEAD_DIM, MAX_TOKENS
 from ..op import window_attention
+
+#: instance attribute of a patched module whose training forward recomputes its qkv
+#: projection in the backward (``patch_model(..., recompute_qkv=True)``)
+RECOMPUTE_QKV_ATTR = "_flashwin_recompute_qkv"
 
 
 class WindowAttentionAdapter:
@@ -86,9 +92,35 @@ class WindowAttentionAdapter:
                              f"(x of shape {tuple(x.shape)})")
         # attn_drop is read at call time too: nn.Dropout's p, active in training mode only
         dropout_p = self.attn_drop(module) if module.training else 0.0
-        out = window_attention(self.qkv(module, x), self.num_heads(module), bias=self.position_bias(module),
-                               mask=mask, dropout_p=dropout_p, **self.score_scale(module))
+        bias = self.position_bias(module)
+        # getattr, not __dict__: torch.compile guards on the attribute it reads, and recompiles when
+        # patch_model changes it
+        if getattr(module, RECOMPUTE_QKV_ATTR, False) and torch.is_grad_enabled():
+            out = checkpoint(self._attention, module, x, bias, mask, dropout_p, use_reentrant=False,
+                             context_fn=_save_attention_outputs)
+        else:
+            out = self._attention(module, x, bias, mask, dropout_p)
         return module.proj_drop(module.proj(out))
+
+    def _attention(self, module: nn.Module, x: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor],
+                   dropout_p: float) -> torch.Tensor:
+        """x (B_, N, C) -> the proj input (B_, N, C): the qkv projection and the op."""
+        return window_attention(self.qkv(module, x), self.num_heads(module), bias=bias, mask=mask,
+                                dropout_p=dropout_p, **self.score_scale(module))
+
+
+def _keep_attention_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing of ``_attention``: the op's outputs are kept (the backward
+    reads out and the softmax statistics; rerunning the forward kernel would cost more than
+    it saves), every other op, the qkv projection, is recomputed in the backward. The qkv
+    activations (3 C per token, the largest tensor the op's backward reads) are then not
+    kept between the passes."""
+    if op is torch.ops.timm_flashwin.window_attention_fwd.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_save_attention_outputs = functools.partial(create_selective_checkpoint_contexts, _keep_attention_outputs)
 
 
 def inference_cache(module: nn.Module, sources: Sequence[torch.Tensor], compute: Callable[[], torch.Tensor]):
