@@ -128,8 +128,8 @@ def _flat_loop(n: int, block: int, block_d: int) -> bool:
     than loading the q tile (the dkdv kernel: k and v) at every step. H200, bf16, D = 32, timm's shift mask, forward kernels alone
     with the statistics saved, nested -> flat (tune_op.py --passes fwd --only-default
     --flat-loop 0 1 1 0, 2026-11-24), us: window 12 (3 key blocks) V1 104.0 -> 95.4, cosine
-    140.5 -> 138.9; window 16 (4) V1 104.7 -> 97.2, cosine 133.4 -> 126.2; window 24 (9)
-    V1 273.5 -> 298.2, cosine 358.4 -> 379.4. Without statistics (--inference): 100.0 ->
+    140.6 -> 138.9; window 16 (4) V1 104.7 -> 97.3, cosine 133.4 -> 126.2; window 24 (9)
+    V1 273.6 -> 298.2, cosine 358.4 -> 379.4. Without statistics (--inference): 100.0 ->
     91.5, 129.4 -> 113.9; 103.4 -> 94.3, 122.8 -> 117.4; 272.3 -> 291.2, 328.9 -> 356.5.
     One key block (N <= 128): the two loops are the same. Measured for head_dim 32 only; wider
     heads keep the nested loops (head_dim 256, sm_90 build: the flat dkdv kernel spills 4 KB
@@ -184,7 +184,7 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
     # (tune_op.py --passes bwd --only-default --flat-loop 0 1, 2026-11-24), backward us, one window
     # per program -> flat: V1 window 12 264.7 -> 251.7, 16 314.3 -> 308.4, 24 861.6 -> 890.0;
     # cosine 384.8 -> 339.9, 454.0 -> 416.8, 1206.4 -> 1387.7. 8, 16 or 32 programs per SM
-    # within 0.3% of each other where the loop is flat.
+    # within 0.5% of each other where the loop is flat.
     return LaunchConfig(block, block, block_d, 4, stages, 16, None if cosine else _streamed_maxnreg(block_d, dtype),
                         dq_atomic=True, dbias_slots=1 if cosine else 0,
                         one_region_loop=not cosine and _one_region_loop(n, block),
