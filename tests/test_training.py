@@ -226,3 +226,21 @@ def test_recompute_qkv(family):
     patch_model(model, recompute_qkv=True)
     unpatch_model(model)
     assert not any(RECOMPUTE_QKV_ATTR in m.__dict__ for m in model.modules())
+
+
+def test_recompute_qkv_regenerates_the_attention_dropout():
+    """With attention dropout and recompute_qkv, the backward's recomputation draws the
+    same seed (checkpointing restores the RNG state) and keeps the op's outputs: the
+    gradients equal those without recomputation."""
+    model = patch_model(tiny_swin(drop_path_rate=0.0, attn_drop_rate=0.3)).to(KERNEL_DEVICE)
+    x = images(2, (56, 56), device=KERNEL_DEVICE)
+    runs = []
+    for recompute in (False, True):
+        patch_model(model, recompute_qkv=recompute)
+        torch.manual_seed(11)
+        runs.append(forward_backward_model(model, x))
+    (plain_out, plain_grads), (out, grads) = runs
+    torch.testing.assert_close(out, plain_out, rtol=1e-6, atol=1e-7)
+    assert_all_close(grads, plain_grads, rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        assert not torch.allclose(plain_out, model.eval()(x), rtol=1e-3, atol=1e-3)  # dropout was active

@@ -3,7 +3,8 @@
 Mechanism: patching swaps a module's ``__class__`` to a subclass of its timm class
 defined here (``FlashSwinWindowAttention``, ``FlashSwinV2WindowAttention``,
 ``FlashSwinV2CrWindowMultiHeadAttention``) whose ``forward`` calls the family's adapter.
-The subclass adds no state: it survives ``copy.deepcopy``,
+The subclass adds no state (``recompute_qkv`` sets one plain instance attribute, a bool): it
+survives ``copy.deepcopy``,
 ``torch.save(model)`` / ``torch.load`` (with timm_flashwin importable) and ``state_dict``
 round trips, adds no parameter or buffer, shows in ``repr``, and unpatching (restoring
 timm's class) restores timm's forward exactly.

@@ -411,9 +411,13 @@ def attention_backward(
         chunks, per_chunk = per_period, 1
     # d(head scale) partials, per (run of windows, head, key block) from the dkdv kernel with
     # atomic dQ, else per (window, head, query block) from the dq kernel
-    dscale = qkv.new_empty((chunks * periods, num_heads, n_blocks) if dq_atomic else
-                           (num_windows, num_heads, m_blocks), dtype=torch.float32) if scale_grad else \
-        qkv.new_empty((0,), dtype=torch.float32)
+    if not scale_grad:
+        dscale_shape = (0,)
+    elif dq_atomic:
+        dscale_shape = (chunks * periods, num_heads, n_blocks)
+    else:
+        dscale_shape = (num_windows, num_heads, m_blocks)
+    dscale = qkv.new_empty(dscale_shape, dtype=torch.float32)
     for from_regions in _mask_kinds(mask_regions, mask):
         wrap_triton(window_attention_bwd_dkdv_kernel)[(n_blocks * num_heads * periods * chunks,)](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
