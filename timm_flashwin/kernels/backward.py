@@ -248,8 +248,8 @@ def window_attention_bwd_dkdv_kernel(
     run of windows sharing a mask window (``dkdv_windows``), looping over query blocks.
 
     DQ_ATOMIC: also adds each tile's dZ K^ to dq_acc (B_ * H, N, D) fp32 with atomic adds
-    (the key blocks of a window run as neighbouring programs, each at its own query block,
-    so few adds meet on one address) and, with SCALE_GRAD, writes the program's share of
+    (the key blocks of a window run as neighbouring programs, so a window's adds meet in L2
+    while it is there) and, with SCALE_GRAD, writes the program's share of
     d(logit_scale) to dscale_partial[program] (``scale_grad_terms``): the dq kernel,
     which would compute every tile of P once more, is then not needed.
 
@@ -268,7 +268,7 @@ def window_attention_bwd_dkdv_kernel(
     which is now loaded an iteration ahead).
 
     ONE_REGION_LOOP: the work (``dkdv_windows``) is built twice, with and without the
-    mask, and a window of one region takes the copy without it
+    mask, and a program whose mask window is one region takes the copy without it
     (``tiles.window_in_one_region``; config.backward_config says where).
 
     FLAT_LOOP: one loop over (window, query block) steps (``dkdv_windows``)."""
