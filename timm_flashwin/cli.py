@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune"], default=None,
                    help="torch.compile both sides with this mode (implies --compile); reduce-overhead uses "
                         "CUDA graphs, for training steps bound by kernel launches")
+    b.add_argument("--recompute-qkv", action="store_true",
+                   help="also the model patched with recompute_qkv=True (less training memory, a third row)")
     b.add_argument("--warmup", type=int, default=10)
     b.add_argument("--repeats", type=int, default=30)
     b.add_argument("--json", action="store_true")
@@ -157,7 +159,7 @@ def _bench(args) -> int:
         result = benchmark_model(args.name, batch=args.batch, dtype=args.dtype, train=args.train,
                                  compile=args.compile or args.compile_mode is not None,
                                  compile_mode=args.compile_mode, img_size=args.img_size, warmup=args.warmup,
-                                 repeats=args.repeats, progress=report)
+                                 repeats=args.repeats, progress=report, recompute_qkv=args.recompute_qkv)
     if args.json:
         print(json.dumps(result.to_dict()))
         return EXIT_OK
