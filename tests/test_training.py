@@ -201,6 +201,7 @@ def test_recompute_qkv(family):
     setting, unpatching drops it."""
     from timm_flashwin import patched, unpatch_model
     from timm_flashwin.adapters.base import RECOMPUTE_QKV_ATTR
+    from timm_flashwin.patching import PATCHED_CLASSES
     factory, size = MODELS[family]
     model = patch_model(factory(drop_path_rate=0.0).to(KERNEL_DEVICE))
     x = images(2, size, device=KERNEL_DEVICE)
@@ -208,8 +209,7 @@ def test_recompute_qkv(family):
         plain_out, plain_grads = forward_backward_model(model, x)
 
     with patched(model, recompute_qkv=True):
-        flags = [m.__dict__.get(RECOMPUTE_QKV_ATTR) for m in model.modules() if is_patched(m) and not
-                 any(is_patched(c) for c in m.children())]
+        flags = [getattr(m, RECOMPUTE_QKV_ATTR, None) for m in model.modules() if type(m) in PATCHED_CLASSES.values()]
         assert flags == [True] * 4
         with OpCalls() as calls:
             out, grads = forward_backward_model(model, x)

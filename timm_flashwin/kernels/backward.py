@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
                     load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma, normalize_backward, row_norms, scores,
-                    store_rows, unit_rows, window_in_one_region)
+                    store_rows, unit_rows, window_in_one_region, window_run)
 
 
 @triton.jit
@@ -151,9 +151,7 @@ def window_attention_bwd_fused_kernel(
     pid = tl.program_id(0)
     h = pid % H
     group = (pid // H).to(tl.int64)  # = chunk * num_periods + w
-    w = group % num_periods
-    first = (group // num_periods) * windows_per_program
-    last = tl.minimum(first + windows_per_program, windows_per_period)
+    w, first, last = window_run(group, num_periods, windows_per_period, windows_per_program)
 
     idx = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -276,10 +274,7 @@ def window_attention_bwd_dkdv_kernel(
     pid = tl.program_id(0)
     rest = pid // NUM_KEY_BLOCKS
     h = rest % H
-    rest = rest // H
-    w = rest % num_periods
-    first = (rest // num_periods) * windows_per_program
-    last = tl.minimum(first + windows_per_program, windows_per_period)
+    w, first, last = window_run(rest // H, num_periods, windows_per_period, windows_per_program)
     cols = (pid % NUM_KEY_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
@@ -576,9 +571,7 @@ def window_attention_bwd_dbias_kernel(
     rest = rest // NUM_M_BLOCKS
     h = rest % H
     group = (rest // H).to(tl.int64)
-    w = group % num_periods
-    first = (group // num_periods) * windows_per_program
-    last = tl.minimum(first + windows_per_program, windows_per_period)
+    w, first, last = window_run(group, num_periods, windows_per_period, windows_per_program)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)

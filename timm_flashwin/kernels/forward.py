@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, mask_kind_launch, mma,
-                    row_norms, scores, store_rows, window_in_one_region)
+                    row_norms, scores, store_rows, window_in_one_region, window_run)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
@@ -46,10 +46,7 @@ def window_attention_fwd_kernel(
     m_block = pid % NUM_M_BLOCKS
     rest = pid // NUM_M_BLOCKS
     h = rest % H
-    rest = rest // H
-    w = rest % num_periods
-    first = (rest // num_periods) * windows_per_program
-    last = tl.minimum(first + windows_per_program, windows_per_period)
+    w, first, last = window_run(rest // H, num_periods, windows_per_period, windows_per_program)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)

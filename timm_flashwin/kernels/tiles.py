@@ -177,6 +177,16 @@ def logit_scale_grad(scale_grad, s, logit_scale_ptr, h):
 
 
 @triton.jit
+def window_run(group, num_periods, windows_per_period, windows_per_program):
+    """(w, first, last) of a program that takes a run of windows: ``group`` = run * nW + w,
+    the run's windows b = w + nW * [first, last) all sharing mask window w (and so one bias
+    and mask tile); runs of ``windows_per_program`` windows (``config.split_windows``)."""
+    w = group % num_periods
+    first = (group // num_periods) * windows_per_program
+    return w, first, tl.minimum(first + windows_per_program, windows_per_period)
+
+
+@triton.jit
 def load_mask_regions(mask_info_ptr, MASK_REGIONS: tl.constexpr):
     """(structured, value) of the mask, read once per program: whether the launcher found
     the mask to be value * [region_i != region_j] (``mask_structure``), and that value."""
