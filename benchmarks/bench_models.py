@@ -34,8 +34,9 @@ def main() -> None:
                         help="torch.compile's mode, with --compile (reduce-overhead: CUDA graphs)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--recompute-qkv", action="store_true",
-                        help="also time the model patched with recompute_qkv=True (a third variant)")
+    parser.add_argument("--recompute-qkv", nargs="*", default=None, metavar="NAME_PREFIX",
+                        help="also time the model patched with recompute_qkv=True (a third variant); with "
+                             "names, recompute_qkv only for the modules whose qualified names start with one")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
@@ -44,7 +45,7 @@ def main() -> None:
             batch = MODELS[name][mode == "train"]
             r = benchmark_model(name, batch=batch, dtype="bfloat16", train=mode == "train", compile=args.compile,
                                 compile_mode=args.compile_mode, warmup=args.warmup, repeats=args.repeats,
-                                recompute_qkv=args.recompute_qkv)
+                                recompute_qkv=True if args.recompute_qkv == [] else args.recompute_qkv or False)
             results.append(r.to_dict())
             runs = "  ".join(f"{x.variant}: {x.images_per_s:8.1f} img/s {x.peak_mib:7.0f} MiB (first {x.first_iter_s:.1f}s)"
                              for x in r.runs)

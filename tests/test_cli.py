@@ -132,6 +132,8 @@ def test_bench_on_cpu_exits_2(capsys):
     assert code == 2 and "needs a CUDA GPU" in err  # the option parses (argparse errors exit 2 too)
     code, _, err = run_cli(capsys, "bench", "swin_tiny_patch4_window7_224", "--train", "--recompute-qkv")
     assert code == 2 and "needs a CUDA GPU" in err
+    code, _, err = run_cli(capsys, "bench", "swin_tiny_patch4_window7_224", "--train", "--recompute-qkv", "layers.1.")
+    assert code == 2 and "needs a CUDA GPU" in err
 
 
 def test_bench_compile_mode_needs_compile():

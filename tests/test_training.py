@@ -228,6 +228,38 @@ def test_recompute_qkv(family):
     assert not any(RECOMPUTE_QKV_ATTR in m.__dict__ for m in model.modules())
 
 
+def test_recompute_qkv_for_some_modules():
+    """recompute_qkv as a predicate (module, qualified name) -> bool: only the modules it
+    picks recompute their projection (one matrix product more each); gradients unchanged.
+    Anything but a bool or a callable is refused, naming the argument."""
+    from timm_flashwin.adapters.base import RECOMPUTE_QKV_ATTR
+    from timm_flashwin.patching import PATCHED_CLASSES
+    model = patch_model(tiny_swin(drop_path_rate=0.0).to(KERNEL_DEVICE))
+    x = images(2, (56, 56), device=KERNEL_DEVICE)
+    with OpCalls() as plain_calls:
+        plain_out, plain_grads = forward_backward_model(model, x)
+    asked = []
+
+    def first_stage(module: nn.Module, name: str) -> bool:
+        asked.append((type(module), name))
+        return name.startswith("layers.0.")
+
+    patch_model(model, recompute_qkv=first_stage)
+    attention = {name: type(m) for name, m in model.named_modules() if type(m) in PATCHED_CLASSES.values()}
+    assert sorted(asked, key=str) == sorted(((cls, name) for name, cls in attention.items()), key=str)
+    recomputing = [name for name, m in model.named_modules() if getattr(m, RECOMPUTE_QKV_ATTR, False)]
+    assert recomputing == ["layers.0.blocks.0.attn", "layers.0.blocks.1.attn"]
+    with OpCalls() as calls:
+        out, grads = forward_backward_model(model, x)
+    assert calls.attention == plain_calls.attention
+    assert calls.matmuls == plain_calls.matmuls + 2
+    torch.testing.assert_close(out, plain_out, rtol=1e-6, atol=1e-7)
+    assert_all_close(grads, plain_grads, rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match="recompute_qkv must be a bool or a callable"):
+        patch_model(model, recompute_qkv="layers.0.")
+    assert recomputing == [name for name, m in model.named_modules() if getattr(m, RECOMPUTE_QKV_ATTR, False)]
+
+
 def test_recompute_qkv_regenerates_the_attention_dropout():
     """With attention dropout and recompute_qkv, the backward's recomputation draws the
     same seed (checkpointing restores the RNG state) and keeps the op's outputs: the

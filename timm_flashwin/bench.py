@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from .verify import DTYPES, UsageError, build_model
 
 @dataclass
 class BenchRun:
-    variant: str  # "timm", "flashwin" or "flashwin-recompute-qkv", with "+compile"
+    variant: str  # "timm", "flashwin" or "flashwin-recompute-qkv[(prefixes)]", with "+compile"
     images_per_s: float
     median_ms: float
     peak_mib: float
@@ -107,14 +107,15 @@ def benchmark_model(
     warmup: int = 10,
     repeats: int = 30,
     progress: Optional[Callable[[str, int, int], None]] = None,
-    recompute_qkv: bool = False,
+    recompute_qkv: Union[bool, Sequence[str]] = False,
 ) -> BenchResult:
     """Images per second and peak memory of ``name``, unpatched then patched.
 
     compile_mode: torch.compile's ``mode`` (e.g. "reduce-overhead": CUDA graphs, for steps
     whose kernel launches outlast the GPU work), with ``compile``.
     recompute_qkv: also the model patched with ``patch_model(..., recompute_qkv=True)``,
-    as a third variant ("flashwin-recompute-qkv")."""
+    as a third variant ("flashwin-recompute-qkv"); or names: with recompute_qkv for the
+    modules whose qualified names start with one of them ("flashwin-recompute-qkv(names)")."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     if compile_mode is not None and not compile:
@@ -129,10 +130,16 @@ def benchmark_model(
     images = torch.randn(batch, 3, *size, device="cuda")
     runs = []
     patched_modules = 0
-    for variant in ("timm", "flashwin") + (("flashwin-recompute-qkv",) if recompute_qkv else ()):
+    variants = {"timm": False, "flashwin": False}
+    if recompute_qkv is True:
+        variants["flashwin-recompute-qkv"] = True
+    elif recompute_qkv:
+        prefixes = tuple(recompute_qkv)
+        variants[f"flashwin-recompute-qkv({','.join(prefixes)})"] = lambda module, name: name.startswith(prefixes)
+    for variant, recompute in variants.items():
         model = copy.deepcopy(base).cuda()
         if variant != "timm":
-            patch_model(model, recompute_qkv=variant == "flashwin-recompute-qkv")
+            patch_model(model, recompute_qkv=recompute)
             patched_modules = len(patch_report(model).patched)
         model.train(train)
         if not train:

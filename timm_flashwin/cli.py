@@ -55,8 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune"], default=None,
                    help="torch.compile both sides with this mode (implies --compile); reduce-overhead uses "
                         "CUDA graphs, for training steps bound by kernel launches")
-    b.add_argument("--recompute-qkv", action="store_true",
-                   help="also the model patched with recompute_qkv=True (less training memory, a third row)")
+    b.add_argument("--recompute-qkv", nargs="*", default=None, metavar="NAME_PREFIX",
+                   help="also the model patched with recompute_qkv=True (less training memory, a third row); "
+                        "with names, only for the attention modules whose qualified names start with one "
+                        "(e.g. layers.0.)")
     b.add_argument("--warmup", type=int, default=10)
     b.add_argument("--repeats", type=int, default=30)
     b.add_argument("--json", action="store_true")
@@ -159,7 +161,8 @@ def _bench(args) -> int:
         result = benchmark_model(args.name, batch=args.batch, dtype=args.dtype, train=args.train,
                                  compile=args.compile or args.compile_mode is not None,
                                  compile_mode=args.compile_mode, img_size=args.img_size, warmup=args.warmup,
-                                 repeats=args.repeats, progress=report, recompute_qkv=args.recompute_qkv)
+                                 repeats=args.repeats, progress=report,
+                                 recompute_qkv=True if args.recompute_qkv == [] else args.recompute_qkv or False)
     if args.json:
         print(json.dumps(result.to_dict()))
         return EXIT_OK
