@@ -122,6 +122,9 @@ def main() -> None:
     parser.add_argument("--flat-loop", nargs="*", type=int, default=None, choices=[0, 1],
                         help="forward and multi-block backward: time each candidate with a loop over blocks per "
                              "window (0) and with one loop over (window, block) steps (1) (LaunchConfig.flat_loop)")
+    parser.add_argument("--grads", nargs="*", default=["all"], choices=["all", "bias", "scale", "none"],
+                        help="backward: which of the bias and logit-scale gradients to compute, for what each "
+                             "costs (all: both, as training asks; bias, scale: that one only; none: dqkv only)")
     parser.add_argument("--inference", action="store_true",
                         help="time the forward as under no_grad: no softmax statistics saved")
     parser.add_argument("--out", default=None)
@@ -167,7 +170,11 @@ def main() -> None:
         dbias_key = ("dbias",) + key[1:]
         dbias_specs = args.dbias_tiles if args.dbias_tiles and multi_block_bwd else [None]
         configs = [(cfg, spec) for cfg in configs for spec in (dbias_specs if cfg.dbias_slots == 0 else [None])]
-        for cfg, dbias_spec in configs:
+        grad_sets = args.grads if which == "bwd" else ["all"]
+        configs = [(cfg, spec, grads) for cfg, spec in configs for grads in grad_sets]
+        for cfg, dbias_spec, grads in configs:
+            bias_grad = bias is not None and grads in ("all", "bias")
+            scale_grad = cosine and grads in ("all", "scale")
             dq_path = "atomic" if cfg.dq_atomic else "kernel"
             config.OVERRIDES[key] = cfg
             dbias_tiles = None if dbias_spec is None else parse_tiles(dbias_spec, cfg)
@@ -181,7 +188,7 @@ def main() -> None:
                 else:
                     launch = lambda: attention_backward(inp["grad"], qkv, out, stats, regions, mask_info,  # noqa
                                                         bias, mask, logit_scale, heads, inp["scale"], cosine,
-                                                        bias is not None, cosine)
+                                                        bias_grad, scale_grad)
 
                 def fn(launch=launch):
                     with _direct_launches():  # as in eager use: launch options include the register cap
@@ -196,24 +203,26 @@ def main() -> None:
                 config.OVERRIDES.pop(key, None)
                 config.OVERRIDES.pop(dbias_key, None)
             info = _stats(kernels, before)
-            is_default = cfg == base and (dbias_tiles is None or dbias_tiles == config.dbias_config(*key[1:]))
+            is_default = (cfg == base and (dbias_tiles is None or dbias_tiles == config.dbias_config(*key[1:]))
+                          and grads == "all")
             row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=is_default,
-                       dq=dq_path,
+                       dq=dq_path, grads=grads,
                        without=args.without, dense=args.dense, bias_dtype=args.bias_dtype, inference=args.inference,
                        dbias_tiles=dbias_spec, **cfg.__dict__)
             results.append(row)
             mark = "*" if is_default else " "
             print(f"{shape_name:11s} {kind:6s} {which} {mark} {us:8.1f} us  bm={cfg.block_m} bn={cfg.block_n} "
                   f"w={cfg.num_warps} s={cfg.num_stages} pps={cfg.programs_per_sm} regs<={cfg.maxnreg} dq={dq_path} "
-                  f"slots={cfg.dbias_slots} dbias={dbias_spec or 'same'} one_region_loop={int(cfg.one_region_loop)} flat_loop={int(cfg.flat_loop)} "
+                  f"slots={cfg.dbias_slots} dbias={dbias_spec or 'same'} grads={grads} one_region_loop={int(cfg.one_region_loop)} flat_loop={int(cfg.flat_loop)} "
                   f"{' '.join(info)}", flush=True)
-            if best is None or us < best[0]:
+            if grads == "all" and (best is None or us < best[0]):
                 best = (us, (cfg, dbias_spec) if dbias_spec else cfg)
         default_us = next((r["us"] for r in results if r["is_default"] and r["shape"] == shape_name
                            and r["kind"] == kind and r["which"] == which), float("nan"))
-        print(f"BEST {shape_name} {kind} {which} without={args.without} dense={args.dense}: "
-              f"{best[0]:.1f} us (default {default_us:.1f}) "
-              f"{best[1]}", flush=True)
+        if best is not None:  # none where every candidate failed, or with --grads lacking "all"
+            print(f"BEST {shape_name} {kind} {which} without={args.without} dense={args.dense}: "
+                  f"{best[0]:.1f} us (default {default_us:.1f}) "
+                  f"{best[1]}", flush=True)
         if args.out:  # after every case, so that a run cut short keeps what it measured
             write_json(args.out, results)
 
