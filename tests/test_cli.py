@@ -136,6 +136,20 @@ def test_bench_on_cpu_exits_2(capsys):
     assert code == 2 and "needs a CUDA GPU" in err
 
 
+def test_bench_recompute_qkv_variants():
+    """bench's third variant: recompute_qkv for every module, or for names starting with a
+    prefix (one name or several; a single string is one prefix, not its characters)."""
+    from timm_flashwin.bench import model_variants
+    assert list(model_variants(False)) == ["timm", "flashwin"]
+    assert model_variants(True)["flashwin-recompute-qkv"] is True
+    for given, label in (("layers.1.", "layers.1."), (["layers.1.", "layers.2."], "layers.1.,layers.2.")):
+        picks = model_variants(given)[f"flashwin-recompute-qkv({label})"]
+        assert picks(None, "layers.1.blocks.0.attn") and not picks(None, "layers.0.blocks.0.attn")
+        assert not picks(None, "l")
+    assert model_variants(["layers.1.", "layers.2."])["flashwin-recompute-qkv(layers.1.,layers.2.)"](
+        None, "layers.2.blocks.5.attn")
+
+
 def test_bench_compile_mode_needs_compile():
     from timm_flashwin.bench import UsageError, benchmark_model
     with pytest.raises(UsageError, match="compile_mode='reduce-overhead' needs compile=True"):

@@ -95,6 +95,18 @@ def _measure(variant: str, step: Callable[[], None], warmup: int, repeats: int,
     return BenchRun(variant, 0.0, median, torch.cuda.max_memory_allocated() / 2 ** 20, first)
 
 
+def model_variants(recompute_qkv: Union[bool, str, Sequence[str]] = False) -> Dict[str, Union[bool, Callable]]:
+    """The variants ``benchmark_model`` times, label -> patch_model's recompute_qkv for it
+    (the unpatched "timm" maps to False too): see its ``recompute_qkv``."""
+    variants: Dict[str, Union[bool, Callable]] = {"timm": False, "flashwin": False}
+    if recompute_qkv is True:
+        variants["flashwin-recompute-qkv"] = True
+    elif recompute_qkv:
+        prefixes = (recompute_qkv,) if isinstance(recompute_qkv, str) else tuple(recompute_qkv)
+        variants[f"flashwin-recompute-qkv({','.join(prefixes)})"] = lambda module, name: name.startswith(prefixes)
+    return variants
+
+
 def benchmark_model(
     name: str,
     *,
@@ -107,15 +119,15 @@ def benchmark_model(
     warmup: int = 10,
     repeats: int = 30,
     progress: Optional[Callable[[str, int, int], None]] = None,
-    recompute_qkv: Union[bool, Sequence[str]] = False,
+    recompute_qkv: Union[bool, str, Sequence[str]] = False,
 ) -> BenchResult:
     """Images per second and peak memory of ``name``, unpatched then patched.
 
     compile_mode: torch.compile's ``mode`` (e.g. "reduce-overhead": CUDA graphs, for steps
     whose kernel launches outlast the GPU work), with ``compile``.
     recompute_qkv: also the model patched with ``patch_model(..., recompute_qkv=True)``,
-    as a third variant ("flashwin-recompute-qkv"); or names: with recompute_qkv for the
-    modules whose qualified names start with one of them ("flashwin-recompute-qkv(names)")."""
+    as a third variant ("flashwin-recompute-qkv"); or a name or names: with recompute_qkv for
+    the modules whose qualified names start with one of them ("flashwin-recompute-qkv(names)")."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     if compile_mode is not None and not compile:
@@ -130,13 +142,7 @@ def benchmark_model(
     images = torch.randn(batch, 3, *size, device="cuda")
     runs = []
     patched_modules = 0
-    variants = {"timm": False, "flashwin": False}
-    if recompute_qkv is True:
-        variants["flashwin-recompute-qkv"] = True
-    elif recompute_qkv:
-        prefixes = tuple(recompute_qkv)
-        variants[f"flashwin-recompute-qkv({','.join(prefixes)})"] = lambda module, name: name.startswith(prefixes)
-    for variant, recompute in variants.items():
+    for variant, recompute in model_variants(recompute_qkv).items():
         model = copy.deepcopy(base).cuda()
         if variant != "timm":
             patch_model(model, recompute_qkv=recompute)

@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--recompute-qkv", nargs="*", default=None, metavar="NAME_PREFIX",
                    help="also the model patched with recompute_qkv=True (less training memory, a third row); "
                         "with names, only for the attention modules whose qualified names start with one "
-                        "(e.g. layers.0.)")
+                        "(e.g. layers.1.; give the model's name before this option)")
     b.add_argument("--warmup", type=int, default=10)
     b.add_argument("--repeats", type=int, default=30)
     b.add_argument("--json", action="store_true")
