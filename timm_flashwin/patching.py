@@ -193,7 +193,8 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
             torch.compile with CUDA graphs, H200, peak memory and speed against the model
             patched without it: True 0.81x memory, 0.94x speed; the first stage's modules
             (names starting "layers.0.") 0.92x, 0.95x; the second's ("layers.1.") 0.96x,
-            1.00x; the third's 0.95x, 0.98x (benchmarks/RESULTS.md).
+            1.00x; the third's 0.95x, 0.98x (benchmarks/RESULTS.md). In eager mode the
+            checkpointing's dispatch adds host work per step (a host-bound step slows).
 
     Returns:
         ``model`` itself.
