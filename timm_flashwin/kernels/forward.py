@@ -106,10 +106,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,
                                    N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    r_i = tl.zeros((BLOCK_M,), tl.float32)  # cosine: sum_j P R (times the scale), as l_i sums P
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    m_i, l_i, r_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     q_scale = tl.zeros((BLOCK_M,), tl.float32)
     if FLAT_LOOP:
         for step in range(0, (last - first) * NUM_KEY_BLOCKS):
@@ -136,10 +133,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                                      H, N, D, COSINE, STORE_STATS)
                 # the next window's softmax starts afresh (new values, not products with 0, so
                 # that this window's NaN stays here)
-                m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-                l_i = tl.zeros((BLOCK_M,), tl.float32)
-                r_i = tl.zeros((BLOCK_M,), tl.float32)
-                acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+                m_i, l_i, r_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     else:
         for window in range(first, last):
             b = (w + window * num_periods).to(tl.int64)
@@ -147,10 +141,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
             q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if COSINE:
                 q_scale = row_norms(q_in)[1] * logit_scale2
-            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M,), tl.float32)
-            r_i = tl.zeros((BLOCK_M,), tl.float32)
-            acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            m_i, l_i, r_i, acc = softmax_start(BLOCK_M, BLOCK_D)
             for start_n in range(0, N, BLOCK_N):
                 if NUM_KEY_BLOCKS > 1:
                     bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows,
@@ -164,6 +155,14 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
             store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, logit_scale2, b, h, rows, dims,
                                  stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
                                  H, N, D, COSINE, STORE_STATS)
+
+
+@triton.jit
+def softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax's state before a window's first key block: (row max m = -inf,
+    row sum l, r (cosine: sum_j P R times the scale, as l sums P), output sum acc)."""
+    return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+            tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M, BLOCK_D), tl.float32))
 
 
 @triton.jit
