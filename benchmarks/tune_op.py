@@ -22,7 +22,7 @@ from bench_op import SHAPES, dense_bias, make_inputs  # noqa: E402
 from common import write_json  # noqa: E402
 from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
-from timm_flashwin.kernels.launch import attention_backward, attention_forward  # noqa: E402
+from timm_flashwin.kernels.launch import attention_backward, attention_forward, dq_by_atomic_adds  # noqa: E402
 from timm_flashwin.op import _direct_launches  # noqa: E402
 
 
@@ -125,11 +125,15 @@ def main() -> None:
     parser.add_argument("--grads", nargs="*", default=["all"], choices=["all", "bias", "scale", "none"],
                         help="backward: which of the bias and logit-scale gradients to compute, for what each "
                              "costs (all: both, as training asks; bias, scale: that one only; none: dqkv only)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="time under torch.use_deterministic_algorithms(True): no atomic adds (dQ by its "
+                             "own kernel, the bias gradient by the dbias kernel, which writes partials)")
     parser.add_argument("--inference", action="store_true",
                         help="time the forward as under no_grad: no softmax statistics saved")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config.MASK_REGIONS = "mask" not in args.dense
+    torch.use_deterministic_algorithms(args.deterministic)
     results = []
     for shape_name, kind, which in itertools.product(args.shapes, args.kinds, args.passes):
         windows, heads, n, head_dim, _ = SHAPES[shape_name]
@@ -175,7 +179,7 @@ def main() -> None:
         for cfg, dbias_spec, grads in configs:
             bias_grad = bias is not None and grads in ("all", "bias")
             scale_grad = cosine and grads in ("all", "scale")
-            dq_path = "atomic" if cfg.dq_atomic else "kernel"
+            dq_path = "atomic" if dq_by_atomic_adds(cfg) else "kernel"  # the kernel under --deterministic
             config.OVERRIDES[key] = cfg
             dbias_tiles = None if dbias_spec is None else parse_tiles(dbias_spec, cfg)
             if dbias_tiles is not None:
@@ -208,6 +212,7 @@ def main() -> None:
             row = dict(shape=shape_name, kind=kind, which=which, us=us, is_default=is_default,
                        dq=dq_path, grads=grads,
                        without=args.without, dense=args.dense, bias_dtype=args.bias_dtype, inference=args.inference,
+                       deterministic=args.deterministic,
                        dbias_tiles=dbias_spec, **cfg.__dict__)
             results.append(row)
             mark = "*" if is_default else " "

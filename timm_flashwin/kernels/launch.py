@@ -499,8 +499,13 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
     block_h = _heads_block(heads)
     if config.INTERPRET:  # few programs: the interpreter's cost is per operation
         block_t, block_j = max(16, 1024 // block_h), 16
-    else:  # many programs, each taking its rows' pairs in one to a few latency-bound steps
-        block_t, block_j = 4, 64
+    else:
+        # many programs, each taking its rows' pairs in one or a few latency-bound steps, at
+        # most 4 * 256 * 16 values a step. H200, fp32 gradient (kernel alone, 2026-11-24),
+        # BLOCK_J 64 -> 256, us: window 7 with 3 heads 2.30 -> 1.93, with 12 heads 3.76 ->
+        # 2.79; window 8 2.37 -> 2.08; 12 (4 heads) 3.31 -> 2.37; 16 (3) 5.30 -> 2.60; 24 (4)
+        # 9.13 -> 7.05; within 1.26x of the best of 48 (BLOCK_T, BLOCK_J, warps) everywhere.
+        block_t, block_j = 4, min(256, max(32, 4096 // block_h))
     wrap_triton(relative_bias_table_grad_kernel)[(-(-num_rows // block_t),)](
         grad, order, offsets, out, num_rows, grad.stride(0), *out.stride(),
         H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, num_warps=4,
