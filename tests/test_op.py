@@ -435,7 +435,7 @@ def test_forward_saves_softmax_statistics_only_for_a_backward(cosine, monkeypatc
     from timm_flashwin.kernels.launch import attention_backward, attention_forward
     shapes = _record_stats_shapes(monkeypatch)
     case = make_case(4, 2, 3, 144, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
-    saved = (3 if cosine else 2, 4, 3, 144)
+    saved = (4 if cosine else 2, 4, 3, 144)
     kwargs = case.kwargs()
     qkv = case.qkv.detach()
     with_grad = window_attention(qkv.clone().requires_grad_(), 3, **kwargs)
@@ -619,7 +619,7 @@ def test_compiled_inference_saves_no_statistics(monkeypatch):
     assert shapes and all(shape == (0,) for shape in shapes)
     shapes.clear()
     results = forward_backward(fn, case)
-    assert (3, 4, 3, 144) in shapes
+    assert (4, 4, 3, 144) in shapes
     torch.testing.assert_close(out, results[0].detach(), rtol=1e-6, atol=1e-7)
 
 

@@ -421,10 +421,14 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
     its dZ added with atomic adds."""
     bh = b * H + h
     q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-    q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
     do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims, stride_dout_n, stride_dout_c,
                    N, D)
     row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
+    # cosine: the rows' inverse norms as the forward computed them (stats[3]), q itself
+    # only an operand of the products (the rows' norms and unit rows would take registers
+    # and shared memory at every tile)
+    q_inv = tl.load(stats_ptr + 3 * stats_stride + bh * N + rows, mask=rows < N, other=0.0) if COSINE else 1.0
     bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                                stride_bias_h, stride_bias_i, stride_bias_j,
                                stride_mask_w, stride_mask_i, stride_mask_j,
@@ -432,9 +436,12 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
     p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
                                             bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                             COSINE, FP32_DOT, False, HAS_DROPOUT)
-    ds_lowp = ds.to(q_lowp.dtype)
+    ds_lowp = ds.to(q_in.dtype)
     dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
-    dk_acc = mma(tl.trans(ds_lowp), q_lowp, dk_acc, FP32_DOT)
+    if COSINE:  # dZ^T Q^ = (diag(1 / max(||q||, eps)) dZ)^T Q
+        dk_acc = mma(tl.trans((ds * q_inv[:, None]).to(q_in.dtype)), q_in, dk_acc, FP32_DOT)
+    else:
+        dk_acc = mma(tl.trans(ds_lowp), q_in, dk_acc, FP32_DOT)
     if DQ_ATOMIC:
         dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
         tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,

@@ -36,7 +36,8 @@ def window_attention_fwd_kernel(
     row max of the log2 logits, stats[1] 1 / sum(exp2(logits - max)), each (B_, H, N),
     and for cosine attention stats[2] the rows' P-weighted mean score
     rbar_i = sum_j P_ij R_ij (R = Q^ K^^T, undropped P), which centers the logit-scale
-    gradient (``backward.scale_grad_terms``).
+    gradient (``backward.scale_grad_terms``), and stats[3] the rows' 1 / max(||q_i||, eps)
+    (the dkdv kernel reads them rather than computing them at each of its tiles).
     Two numbers rather than one log-sum-exp: Z - max is exact where Z - lse would carry
     the rounding of lse (~1e-5 relative in P at logits ~100), which the cancelling sum
     of the logit-scale gradient amplifies."""
@@ -107,7 +108,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                                    stride_mask_w, stride_mask_i, stride_mask_j,
                                    N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
     m_i, l_i, r_i, acc = softmax_start(BLOCK_M, BLOCK_D)
-    q_scale = tl.zeros((BLOCK_M,), tl.float32)
+    q_inv = tl.zeros((BLOCK_M,), tl.float32)
+    q_scale = q_inv
     if FLAT_LOOP:
         for step in range(0, (last - first) * NUM_KEY_BLOCKS):
             window = first + step // NUM_KEY_BLOCKS
@@ -122,13 +124,14 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
             if COSINE:
                 if start_n == 0:  # the rows' norms, once per window
-                    q_scale = row_norms(q_in)[1] * logit_scale2
+                    q_inv = row_norms(q_in)[1]
+                    q_scale = q_inv * logit_scale2
             m_i, l_i, r_i, acc = softmax_step(
                 q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                 rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
                 H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT)
             if start_n + BLOCK_N >= N:  # the window's last key block: its rows are done
-                store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, logit_scale2, b, h, rows, dims,
+                store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, logit_scale2, b, h, rows, dims,
                                      stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
                                      H, N, D, COSINE, STORE_STATS)
                 # the next window's softmax starts afresh (new values, not products with 0, so
@@ -140,7 +143,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
             q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
             q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if COSINE:
-                q_scale = row_norms(q_in)[1] * logit_scale2
+                q_inv = row_norms(q_in)[1]
+                q_scale = q_inv * logit_scale2
             m_i, l_i, r_i, acc = softmax_start(BLOCK_M, BLOCK_D)
             for start_n in range(0, N, BLOCK_N):
                 if NUM_KEY_BLOCKS > 1:
@@ -152,7 +156,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                     q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                     rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
                     H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT)
-            store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, logit_scale2, b, h, rows, dims,
+            store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, logit_scale2, b, h, rows, dims,
                                  stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
                                  H, N, D, COSINE, STORE_STATS)
 
@@ -198,11 +202,12 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
 
 
 @triton.jit
-def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, logit_scale2, b, h, rows, dims,
+def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, logit_scale2, b, h, rows, dims,
                          stride_out_b, stride_out_n, stride_out_c, num_windows,
                          H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr,
                          STORE_STATS: tl.constexpr):
-    """A window's output rows, and with STORE_STATS its softmax statistics."""
+    """A window's output rows, and with STORE_STATS its softmax statistics (cosine: also
+    the rows' rbar and their inverse norms ``q_inv``, for the dkdv kernel)."""
     # A fully masked row has l = 0 and yields 0/0 = NaN, as the float64 reference does.
     out = acc / l_i[:, None]
     store_rows(out_ptr + b * stride_out_b + (h * D) * stride_out_c, out, rows, dims, stride_out_n, stride_out_c, N, D)
@@ -213,3 +218,4 @@ def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, logit_scale2, b
         if COSINE:
             rbar = tl.where(l_i == 0.0, 0.0, r_i / l_i) / logit_scale2
             tl.store(stats + 2 * num_windows * H * N, rbar, mask=rows < N)
+            tl.store(stats + 3 * num_windows * H * N, q_inv, mask=rows < N)
