@@ -336,7 +336,6 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
         if SCALE_GRAD:
             rbar_next = load_rbar(stats_ptr, (w + first * num_periods).to(tl.int64) * H + h, tl.arange(0, BLOCK_M),
                                   stats_stride, N)
-        k_lowp = tl.zeros((BLOCK_N, BLOCK_D), qkv_ptr.dtype.element_ty)
         k_inv = tl.zeros((BLOCK_N,), tl.float32)
         k_norm = tl.zeros((BLOCK_N,), tl.float32)
         for step in range(0, num_steps):
@@ -353,11 +352,9 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
             dk_acc = tl.where(first_block, 0.0, dk_acc)
             dv_acc = tl.where(first_block, 0.0, dv_acc)
             if COSINE:
-                if first_block:  # the key block's norms and unit rows, once per window
+                if first_block:  # the key block's norms, once per window
                     k_norm, k_inv = row_norms(k_in)
-                    k_lowp = unit_rows(k_in, k_norm).to(k_in.dtype)
             else:
-                k_lowp = k_in
                 k_inv = k_norm + 1.0
             rbar = 0.0
             if SCALE_GRAD:  # this step's rbar, loaded a step ahead: nothing else waits on it
@@ -369,11 +366,11 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
             dk_acc, dv_acc, dscale_tile = dkdv_tile(
                 qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
                 dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
-                start_m + tl.arange(0, BLOCK_M), cols, dims, k_in, k_lowp, k_inv, v, rbar, dk_acc, dv_acc,
+                start_m + tl.arange(0, BLOCK_M), cols, dims, k_in, k_in, k_inv, v, rbar, dk_acc, dv_acc,
                 stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E)
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, COSINE)
             dscale += dscale_tile
             if start_m + BLOCK_M >= N:  # the window's last query block
                 store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
@@ -398,7 +395,7 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
                 stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E)
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, False)
             dscale += dscale_tile
         store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
                    stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, H, N, D, COSINE)
@@ -415,10 +412,17 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
-              DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr):
+              DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
+              RAW_K: tl.constexpr):
     """One (query block ``rows``, key block ``cols``) tile of window b, head h: (dk_acc, dv_acc,
     the tile's scale-gradient terms); with DQ_ATOMIC the tile's dQ and with DBIAS_ATOMIC
-    its dZ added with atomic adds."""
+    its dZ added with atomic adds.
+
+    k_lowp is the operand of dQ's product (``load_qk``); with RAW_K (cosine) it is k as
+    loaded, and dZ K^ = (dZ diag(1 / max(||k||, eps))) K: in the flat loop, whose unit rows of
+    k would stay in registers across a window's steps (H200, f+b us: window 16 541.8 ->
+    522.0, 12 474.1 -> 460.3; window 24's nested loop, one window per program, 1482.7 with
+    unit rows against 1500.4 without)."""
     bh = b * H + h
     q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
     q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
@@ -443,7 +447,8 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
     else:
         dk_acc = mma(tl.trans(ds_lowp), q_in, dk_acc, FP32_DOT)
     if DQ_ATOMIC:
-        dq_part = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
+        ds_for_dq = (ds * k_inv[None, :]).to(q_in.dtype) if RAW_K else ds_lowp
+        dq_part = mma(ds_for_dq, k_lowp, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), FP32_DOT)
         tl.atomic_add(dq_acc_ptr + (bh * N + rows[:, None]) * D + dims[None, :], dq_part,
                       mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
     dscale = 0.0
