@@ -236,9 +236,10 @@ def _mask_kinds(mask_regions: bool, mask: Optional[torch.Tensor]) -> Tuple[bool,
 def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
                         cosine: bool, save: bool = True) -> Tuple[int, ...]:
     """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
-    1 / row sum where the backward streams key blocks, plus the rows' mean score and
-    their inverse norms for cosine attention (4, B_, H, N); nothing where a whole window fits one backward tile
-    (it renormalizes the rows itself), nor where no backward will run (``save`` False)."""
+    1 / row sum where the backward streams key blocks, plus the rows' mean score and their
+    inverse norms for cosine attention (4, B_, H, N); nothing where a whole window fits one
+    backward tile (it renormalizes the rows itself), nor where no backward will run
+    (``save`` False)."""
     if not save or config.backward_config(n, head_dim, dtype, cosine).single_tile(n):
         return (0,)
     return (4 if cosine else 2, num_windows, num_heads, n)
