@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
                     load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma, normalize_backward, row_norms, scores,
-                    store_rows, unit_rows, window_in_one_region, window_run)
+                    store_rows, window_in_one_region, window_run)
 
 
 @triton.jit
