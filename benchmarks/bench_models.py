@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import write_json  # noqa: E402
-from timm_flashwin.bench import benchmark_model  # noqa: E402
+from timm_flashwin.bench import benchmark_model, recompute_qkv_option  # noqa: E402
 
 MODELS = {  # name: (inference batch, training batch)
     "swin_tiny_patch4_window7_224": (128, 64),
@@ -45,7 +45,7 @@ def main() -> None:
             batch = MODELS[name][mode == "train"]
             r = benchmark_model(name, batch=batch, dtype="bfloat16", train=mode == "train", compile=args.compile,
                                 compile_mode=args.compile_mode, warmup=args.warmup, repeats=args.repeats,
-                                recompute_qkv=True if args.recompute_qkv == [] else args.recompute_qkv or False)
+                                recompute_qkv=recompute_qkv_option(args.recompute_qkv))
             results.append(r.to_dict())
             runs = "  ".join(f"{x.variant}: {x.images_per_s:8.1f} img/s {x.peak_mib:7.0f} MiB (first {x.first_iter_s:.1f}s)"
                              for x in r.runs)

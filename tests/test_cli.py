@@ -139,7 +139,10 @@ def test_bench_on_cpu_exits_2(capsys):
 def test_bench_recompute_qkv_variants():
     """bench's third variant: recompute_qkv for every module, or for names starting with a
     prefix (one name or several; a single string is one prefix, not its characters)."""
-    from timm_flashwin.bench import model_variants
+    from timm_flashwin.bench import model_variants, recompute_qkv_option
+    # the option as parsed: absent, given alone, given with names
+    assert recompute_qkv_option(None) is False and recompute_qkv_option([]) is True
+    assert recompute_qkv_option(["layers.1."]) == ["layers.1."]
     assert list(model_variants(False)) == ["timm", "flashwin"]
     assert model_variants(True)["flashwin-recompute-qkv"] is True
     for given, label in (("layers.1.", "layers.1."), (["layers.1.", "layers.2."], "layers.1.,layers.2.")):

@@ -95,6 +95,12 @@ def _measure(variant: str, step: Callable[[], None], warmup: int, repeats: int,
     return BenchRun(variant, 0.0, median, torch.cuda.max_memory_allocated() / 2 ** 20, first)
 
 
+def recompute_qkv_option(names: Optional[List[str]]) -> Union[bool, List[str]]:
+    """``benchmark_model``'s recompute_qkv from a ``--recompute-qkv [NAME_PREFIX ...]``
+    option: absent (None) False, given without names True (every module), else the names."""
+    return True if names == [] else names or False
+
+
 def model_variants(recompute_qkv: Union[bool, str, Sequence[str]] = False) -> Dict[str, Union[bool, Callable]]:
     """The variants ``benchmark_model`` times, label -> patch_model's recompute_qkv for it
     (the unpatched "timm" maps to False too): see its ``recompute_qkv``."""

@@ -149,7 +149,7 @@ def _bench(args) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from .bench import benchmark_model
+    from .bench import benchmark_model, recompute_qkv_option
     with Progress(transient=True, disable=args.json) as progress:
         tasks = {}
 
@@ -162,7 +162,7 @@ def _bench(args) -> int:
                                  compile=args.compile or args.compile_mode is not None,
                                  compile_mode=args.compile_mode, img_size=args.img_size, warmup=args.warmup,
                                  repeats=args.repeats, progress=report,
-                                 recompute_qkv=True if args.recompute_qkv == [] else args.recompute_qkv or False)
+                                 recompute_qkv=recompute_qkv_option(args.recompute_qkv))
     if args.json:
         print(json.dumps(result.to_dict()))
         return EXIT_OK
