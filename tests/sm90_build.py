@@ -31,7 +31,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 #: (N, head_dim, dtype, cosine, dropout): one-tile and multi-block windows, the largest
 #: window and head_dim, a head_dim that is not a power of two, every dtype; 1024 and 256
-#: build the one-region loop copy (V1: forward and dkdv; cosine: forward).
+#: build the one-region loop copy (V1: forward and dkdv; cosine: forward), 256 the
+#: forward's key blocks of 128 (config._wide_key_blocks).
 CASES = [
     (49, 32, torch.bfloat16, True, True),
     (49, 32, torch.float16, False, False),
@@ -39,6 +40,7 @@ CASES = [
     (144, 32, torch.bfloat16, True, True),
     (1024, 32, torch.bfloat16, False, False),
     (256, 32, torch.bfloat16, True, False),
+    (256, 32, torch.bfloat16, False, False),
     (49, 256, torch.bfloat16, True, False),
     (100, 24, torch.float16, False, True),
 ]
@@ -127,7 +129,7 @@ def main() -> int:
               f"{' dropout' if dropout else ''}")
         flags = dict(H=3, N=n, D=head_dim, HAS_BIAS=True, HAS_MASK=True, COSINE=cosine,
                      FP32_DOT=dtype == torch.float32, HAS_DROPOUT=dropout)
-        fwd = config.forward_config(n, head_dim, dtype, cosine)
+        fwd = config.forward_config(n, head_dim, dtype, cosine, dropout)
         bwd = config.backward_config(n, head_dim, dtype, cosine)
         streamed = n > fwd.block_n  # with region ids: one build per kind of mask
         # kernels that stream key blocks read a float16 copy of the bias times log2(e) with 16-bit inputs
@@ -139,7 +141,7 @@ def main() -> int:
                        STORE_STATS=not bwd.single_tile(n), MASK_REGIONS=streamed, FROM_REGIONS=from_regions,
                        BIAS_LOG2E=streamed and bias_log2e, ONE_REGION_LOOP=fwd.one_region_loop, FLAT_LOOP=fwd.flat_loop), fwd,
                   streamed_bias if streamed else torch.float32)
-        if streamed and cosine and not dropout:  # inference: no statistics, no mean score
+        if streamed and not dropout:  # inference: no statistics (cosine: no mean score)
             build(window_attention_fwd_kernel, dtype,
                   dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
                        STORE_STATS=False, MASK_REGIONS=True, FROM_REGIONS=True, BIAS_LOG2E=bias_log2e,

@@ -96,7 +96,9 @@ def _streamed_maxnreg(block_d: int, dtype: torch.dtype) -> Optional[int]:
     return 168 if block_d <= 32 and dtype != torch.float32 else None
 
 
-def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
+def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool = False) -> LaunchConfig:
+    """dropout: with attention dropout (its random numbers take registers; OVERRIDES
+    apply either way)."""
     n, head_dim = int(n), int(head_dim)  # compile-time constants of the kernels, even when traced
     found = OVERRIDES.get(("fwd", n, head_dim, dtype, cosine))
     if found is not None:
@@ -113,12 +115,39 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> L
     if n <= 128 and block_d <= 32:
         return LaunchConfig(64, 128, block_d, 4, 2, 8, flat_loop=True)
     # N > 128, D = 32 on an H200 (tune_op.py --quick, 2026-11-22, dense mask): 64x64, 4 warps,
-    # 3 stages beat 2 stages by 1.1x to 1.2x and 128x64, 64x128, 32x64 or 8 warps by more.
+    # 3 stages beat 2 stages by 1.1x to 1.2x and 128x64, 64x128, 32x64 or 8 warps by more
+    # (before the flat loop; window 16 takes 64x128 since: ``_wide_key_blocks``).
     # Wider heads keep the shallower pipelines (shared memory).
     stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
+    if _wide_key_blocks(n, block_d, dtype) and not dropout:
+        block_m = _streamed_block(n, 64)
+        return LaunchConfig(block_m, 128, block_d, 4, 3, 8, None if cosine else 200,
+                            one_region_loop=True, flat_loop=True)
     block = _streamed_block(n, max_block)
     return LaunchConfig(block, block, block_d, 4, stages, 8, _streamed_maxnreg(block_d, dtype),
                         one_region_loop=_one_region_loop(n, block), flat_loop=_flat_loop(n, block, block_d))
+
+
+def _wide_key_blocks(n: int, block_d: int, dtype: torch.dtype) -> bool:
+    """Whether the forward of windows of n tokens takes key blocks of 128 (query blocks of
+    64, 4 warps, a flat loop): where n is a multiple of 128 with at most 4 such blocks
+    (window 16: 256 tokens), head_dim <= 32 and 16-bit inputs. Half the steps of 64x64
+    tiles, each twice as long, so the per-step latencies (the q tile's load, the softmax's
+    row reductions) are hidden behind twice the work. Register cap 200 for V1 (192 used,
+    no spills; two programs per SM either way), none for cosine (255 used, 0 spills; a
+    cap of 200 spilled 34 B and took 142 us). H200, bf16, D = 32, window 16 (512, 3, 256,
+    32), forward kernels alone (tune_op.py --passes fwd --only-default --tiles, 2026-11-24),
+    64x64 capped at 168 (the default before) -> 64x128, us: V1 98.1 -> 88.4, cosine
+    126.0 -> 124.1; without statistics (--inference, uncapped) 94.8 -> 86.9 and 114.3 ->
+    108.3. Whole op, 4 alternated rounds (bench_op.py --impls ours), forward (no_grad) /
+    f+b us: V1 97.8 -> 89.3 / 419.2 -> 409.3, cosine 119.0 -> 113.0 / 518.8 -> 517.3.
+    Slower elsewhere: window 12 (144 tokens, the second block of 128 nearly empty)
+    V1 94.3 -> 120.6, cosine 131.0 -> 163.0; window 24 (576 tokens) 273.0 -> 409.1 (20 B
+    of spills); 8 warps, 128x64 or 64x256 tiles (the whole window one key block) on window
+    16: 91.9 to 224.1 us for V1. The backward keeps 64x64 (64x128 with 4 or 8 warps: 346.9
+    and 404.8 against 309.1 us), and so does the forward with attention dropout (sm_90
+    build, window 16: 64x128 spills 0.7 to 1.2 KB per thread, 64x64 nothing)."""
+    return n % 128 == 0 and n // 128 <= 4 and block_d <= 32 and dtype != torch.float32
 
 
 def _flat_loop(n: int, block: int, block_d: int) -> bool:

@@ -265,7 +265,7 @@ def attention_forward(
     one-element int64 tensor, with dropout_p > 0."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
-    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine)
+    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine, dropout_p > 0)
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
     used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask is not None)
     if used:
