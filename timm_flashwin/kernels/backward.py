@@ -200,18 +200,26 @@ def window_attention_bwd_fused_kernel(
         tl.store(dscale_partial_ptr + group * H + h, logit_scale_grad(tl.sum(dscale_acc, 0), s, logit_scale_ptr, h))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sums_numel", "sums_per_program"])
 def window_attention_bwd_delta_kernel(
-    out_ptr, dout_ptr, delta_ptr, dq_acc_ptr,
+    out_ptr, dout_ptr, delta_ptr, dq_acc_ptr, sums_ptr, sums_numel, sums_per_program,
     stride_out_b, stride_out_n, stride_out_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, ZERO_SUMS: tl.constexpr,
 ):
     """delta[b, h, i] = sum_d dO * O (fp32), for the multi-block path. With DQ_ATOMIC it
-    also zeroes the same rows of the buffer the dkdv kernel adds dQ into (B_ * H, N, D):
-    in the same pass, not a memset launch of its own."""
+    also zeroes the same rows of the buffer the dkdv kernel adds dQ into (B_ * H, N, D),
+    and with ZERO_SUMS its run of ``sums_per_program`` elements of the fp32 buffer
+    ``sums`` (``sums_numel`` elements) that the bias gradient is added into with atomic
+    adds: in the same pass, not fill kernels of their own."""
+    if ZERO_SUMS:
+        start = tl.program_id(0).to(tl.int64) * sums_per_program
+        for offset in range(0, sums_per_program, 128):
+            idx = offset + tl.arange(0, 128)
+            tl.store(sums_ptr + start + idx, tl.zeros((128,), tl.float32),
+                     mask=(idx < sums_per_program) & (start + idx < sums_numel))
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     o = load_rows(out_ptr + b * stride_out_b + (h * D) * stride_out_c, rows, dims,
