@@ -132,23 +132,26 @@ def test_flat_and_nested_loops_match_reference(cosine, flat_loop, monkeypatch):
     assert relative_error(qkv.grad[finite], expected.grad[finite]) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("numel", [1, 777, 3 * 144 * 144 + 5])
-def test_delta_kernel_zeroes_the_bias_gradient_sums(numel):
-    """The delta kernel zeroes the buffer the bias gradient's atomic adds go into, every
-    element of it whatever its size against the kernel's programs (fewer elements than
-    programs, not a multiple of them, many per program), and computes rowsum(dO * O)."""
+@pytest.mark.parametrize("numel, heads", [(1, 3), (777, 20), (3 * 144 * 144 + 5, 3)])
+def test_delta_kernel_zeroes_the_gradient_sums(numel, heads):
+    """The delta kernel zeroes the buffers the atomic adds of the bias gradient and of the
+    (H,) logit-scale gradient go into, every element whatever their sizes against the
+    kernel's programs (fewer elements than programs, not a multiple of them, many per
+    program; more than 16 heads), and computes rowsum(dO * O)."""
     from timm_flashwin.kernels.backward import window_attention_bwd_delta_kernel
-    windows, heads, n, head_dim, block = 2, 3, 144, 32, 64
+    windows, n, head_dim, block = 2, 144, 32, 64
     g = torch.Generator().manual_seed(0)
     out = torch.randn(windows, n, heads * head_dim, generator=g).to(KERNEL_DEVICE)
     dout = torch.randn(windows, n, heads * head_dim, generator=g).to(KERNEL_DEVICE)
     delta = torch.empty(windows, heads, n, device=KERNEL_DEVICE)
     sums = torch.full((numel,), float("nan"), device=KERNEL_DEVICE)
+    scale_sums = torch.full((heads + 1,), float("nan"), device=KERNEL_DEVICE)
     programs = windows * heads * -(-n // block)
     window_attention_bwd_delta_kernel[(programs,)](
-        out, dout, delta, sums, sums, numel, -(-numel // programs), *out.stride(), *dout.stride(),
-        H=heads, N=n, D=head_dim, BLOCK_M=block, BLOCK_D=head_dim, DQ_ATOMIC=False, ZERO_SUMS=True)
-    assert (sums == 0).all()
+        out, dout, delta, sums, sums, numel, -(-numel // programs), scale_sums, *out.stride(), *dout.stride(),
+        H=heads, N=n, D=head_dim, BLOCK_M=block, BLOCK_D=head_dim, DQ_ATOMIC=False, ZERO_SUMS=True,
+        ZERO_SCALE_SUMS=True)
+    assert (sums == 0).all() and (scale_sums[:heads] == 0).all() and scale_sums[heads].isnan()
     expected = (out * dout).view(windows, n, heads, head_dim).sum(-1).transpose(1, 2)
     torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
 

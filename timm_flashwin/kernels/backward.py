@@ -202,18 +202,25 @@ def window_attention_bwd_fused_kernel(
 
 @triton.jit(do_not_specialize=["sums_numel", "sums_per_program"])
 def window_attention_bwd_delta_kernel(
-    out_ptr, dout_ptr, delta_ptr, dq_acc_ptr, sums_ptr, sums_numel, sums_per_program,
+    out_ptr, dout_ptr, delta_ptr, dq_acc_ptr, sums_ptr, sums_numel, sums_per_program, scale_sums_ptr,
     stride_out_b, stride_out_n, stride_out_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, ZERO_SUMS: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, ZERO_SUMS: tl.constexpr, ZERO_SCALE_SUMS: tl.constexpr,
 ):
     """delta[b, h, i] = sum_d dO * O (fp32), for the multi-block path. With DQ_ATOMIC it
     also zeroes the same rows of the buffer the dkdv kernel adds dQ into (B_ * H, N, D),
-    and with ZERO_SUMS its run of ``sums_per_program`` elements of the fp32 buffer
-    ``sums`` (``sums_numel`` elements) that the bias gradient is added into with atomic
-    adds: in the same pass, not fill kernels of their own."""
+    with ZERO_SUMS its run of ``sums_per_program`` elements of the fp32 buffer ``sums``
+    (``sums_numel`` elements) that the bias gradient is added into with atomic adds, and
+    with ZERO_SCALE_SUMS (program 0) the (H,) fp32 sums of d(logit_scale): in the same
+    pass, not fill kernels of their own."""
+    if ZERO_SCALE_SUMS:
+        if tl.program_id(0) == 0:
+            heads = tl.arange(0, 16)
+            for first_head in range(0, H, 16):
+                tl.store(scale_sums_ptr + first_head + heads, tl.zeros((16,), tl.float32),
+                         mask=first_head + heads < H)
     if ZERO_SUMS:
         start = tl.program_id(0).to(tl.int64) * sums_per_program
         for offset in range(0, sums_per_program, 128):
@@ -235,7 +242,7 @@ def window_attention_bwd_delta_kernel(
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
 def window_attention_bwd_dkdv_kernel(
     qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
-    dqkv_ptr, dq_acc_ptr, dscale_partial_ptr, dbias_slots_ptr,
+    dqkv_ptr, dq_acc_ptr, dscale_sums_ptr, dbias_slots_ptr,
     scale, dropout_p, stats_stride, num_slots,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
@@ -255,9 +262,11 @@ def window_attention_bwd_dkdv_kernel(
 
     DQ_ATOMIC: also adds each tile's dZ K^ to dq_acc (B_ * H, N, D) fp32 with atomic adds
     (the key blocks of a window run as neighbouring programs, so a window's adds meet in L2
-    while it is there) and, with SCALE_GRAD, writes the program's share of
-    d(logit_scale) to dscale_partial[program] (``scale_grad_terms``): the dq kernel,
-    which would compute every tile of P once more, is then not needed.
+    while it is there) and, with SCALE_GRAD, the program's share of d(logit_scale)
+    (``scale_grad_terms``) to dscale_sums[h] (H,) fp32 (zeroed by the delta kernel): the
+    dq kernel, which would compute every tile of P once more, is then not needed, nor a
+    reduction of per-program partials (H200, cosine f+b, 3 alternated rounds: window 16
+    511.4 -> 504.4 us, 12 454.7 -> 450.8, 24 1475.2 -> 1469.8).
 
     DBIAS_ATOMIC: also adds each tile's dZ to dbias_slots[b % num_slots, h] (num_slots,
     H, N, N) fp32 with atomic adds, for the bias gradient (the slots summed afterwards),
@@ -310,7 +319,7 @@ def window_attention_bwd_dkdv_kernel(
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
                 DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
         if SCALE_GRAD:
-            tl.store(dscale_partial_ptr + pid, logit_scale_grad(dscale, s, logit_scale_ptr, h))
+            tl.atomic_add(dscale_sums_ptr + h, logit_scale_grad(dscale, s, logit_scale_ptr, h), sem="relaxed")
 
 
 @triton.jit

@@ -407,11 +407,15 @@ def attention_backward(
     atomic_sum = bias_grad and not slots and dbias_sum_by_atomic_adds()
     sums = slots or int(atomic_sum)
     dbias_sums = qkv.new_empty((sums, num_heads, n, n) if sums else (0,), dtype=torch.float32)
+    # d(head scale): added up per head by the dkdv kernel with atomic dQ (zeroed by the delta
+    # kernel), else partials per (window, head, query block) from the dq kernel
+    dscale_shape = (0,) if not scale_grad else (num_heads,) if dq_atomic else (num_windows, num_heads, m_blocks)
+    dscale = qkv.new_empty(dscale_shape, dtype=torch.float32)
     delta_programs = num_windows * num_heads * m_blocks
     wrap_triton(window_attention_bwd_delta_kernel)[(delta_programs,)](
-        out, dout, delta, dq_acc, dbias_sums, dbias_sums.numel(), -(-dbias_sums.numel() // delta_programs),
+        out, dout, delta, dq_acc, dbias_sums, dbias_sums.numel(), -(-dbias_sums.numel() // delta_programs), dscale,
         *out.stride(), *dout.stride(), H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m,
-        BLOCK_D=tiles.block_d, DQ_ATOMIC=dq_atomic, ZERO_SUMS=sums > 0,
+        BLOCK_D=tiles.block_d, DQ_ATOMIC=dq_atomic, ZERO_SUMS=sums > 0, ZERO_SCALE_SUMS=scale_grad and dq_atomic,
     )
     # the dkdv kernel's programs: (key block, head, mask window, run of windows); one window
     # per program without the flat loop
@@ -420,15 +424,6 @@ def attention_backward(
                                                  config.target_programs(qkv.device, tiles.programs_per_sm))
     else:
         chunks, per_chunk = per_period, 1
-    # d(head scale) partials, per (run of windows, head, key block) from the dkdv kernel with
-    # atomic dQ, else per (window, head, query block) from the dq kernel
-    if not scale_grad:
-        dscale_shape = (0,)
-    elif dq_atomic:
-        dscale_shape = (chunks * periods, num_heads, n_blocks)
-    else:
-        dscale_shape = (num_windows, num_heads, m_blocks)
-    dscale = qkv.new_empty(dscale_shape, dtype=torch.float32)
     for from_regions in _mask_kinds(mask_regions, mask):
         wrap_triton(window_attention_bwd_dkdv_kernel)[(n_blocks * num_heads * periods * chunks,)](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
@@ -473,7 +468,7 @@ def attention_backward(
         dbias = dbias[0] if atomic_sum else dbias.sum(0)
     else:
         dbias = qkv.new_empty((0,), dtype=torch.float32)
-    return dqkv, dbias, dscale.sum((0, 2)) if scale_grad else dscale
+    return dqkv, dbias, dscale.sum((0, 2)) if scale_grad and not dq_atomic else dscale
 
 
 def _heads_block(heads: int) -> int:
