@@ -400,10 +400,11 @@ def attention_backward(
     slots = min(dbias_slots(tiles), num_windows) if bias_grad else 0
     # the bias gradient's sums that atomic adds go into, zeroed by the delta kernel: the dkdv
     # kernel's slots, or the dbias kernel's one (H, N, N) sum (``dbias_sum_by_atomic_adds``).
-    # With the materialized zero gradients of the statistics gone (op._setup_context), one
-    # fill kernel of four left: H200, f+b us (3 alternated rounds), window 16 V1 409.8 ->
-    # 403.3, cosine 520.5 -> 511.4; window 12 357.6 -> 351.0, 462.5 -> 455.7; window 24
-    # 1147.3 -> 1138.9, 1487.1 -> 1476.6.
+    # The backward then launches none of the four fill kernels it did (the other three were
+    # autograd's zero gradients of the statistics outputs, no longer materialized:
+    # op._setup_context): H200, f+b us (3 alternated rounds), window 16 V1 409.8 -> 403.3,
+    # cosine 520.5 -> 511.4; window 12 357.6 -> 351.0, 462.5 -> 455.7; window 24 1147.3 ->
+    # 1138.9, 1487.1 -> 1476.6.
     atomic_sum = bias_grad and not slots and dbias_sum_by_atomic_adds()
     sums = slots or int(atomic_sum)
     dbias_sums = qkv.new_empty((sums, num_heads, n, n) if sums else (0,), dtype=torch.float32)
