@@ -122,7 +122,7 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, drop
     if _wide_key_blocks(n, block_d, dtype) and not dropout:
         block_m = _streamed_block(n, 64)
         return LaunchConfig(block_m, 128, block_d, 4, 3, 8, None if cosine else 200,
-                            one_region_loop=True, flat_loop=True)
+                            one_region_loop=not cosine, flat_loop=True)
     block = _streamed_block(n, max_block)
     return LaunchConfig(block, block, block_d, 4, stages, 8, _streamed_maxnreg(block_d, dtype),
                         one_region_loop=_one_region_loop(n, block), flat_loop=_flat_loop(n, block, block_d))
@@ -146,7 +146,11 @@ def _wide_key_blocks(n: int, block_d: int, dtype: torch.dtype) -> bool:
     of spills); 8 warps, 128x64 or 64x256 tiles (the whole window one key block) on window
     16: 91.9 to 224.1 us for V1. The backward keeps 64x64 (64x128 with 4 or 8 warps: 346.9
     and 404.8 against 309.1 us), and so does the forward with attention dropout (sm_90
-    build, window 16: 64x128 spills 0.7 to 1.2 KB per thread, 64x64 nothing)."""
+    build, window 16: 64x128 spills 0.7 to 1.2 KB per thread, 64x64 nothing).
+    The loop copy for windows of one region (``_one_region_loop``) for V1 only: without
+    it, same measurement, V1 87.2 -> 88.2 us (no_grad 84.2 -> 85.5), cosine 125.1 -> 119.9
+    (no_grad 108.7 -> 108.8; the copy of its 255-register loop costs more than the mask
+    it saves); cosine f+b, 3 alternated rounds: 502.1 -> 500.1 us."""
     return n % 128 == 0 and n // 128 <= 4 and block_d <= 32 and dtype != torch.float32
 
 
