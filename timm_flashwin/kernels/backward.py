@@ -200,6 +200,14 @@ def window_attention_bwd_fused_kernel(
         tl.store(dscale_partial_ptr + group * H + h, logit_scale_grad(tl.sum(dscale_acc, 0), s, logit_scale_ptr, h))
 
 
+@triton.jit
+def zero_run(ptr, start, count, numel):
+    """Zeroes the fp32 elements ptr[start : start + count] that lie below ``numel``."""
+    for offset in range(0, count, 128):
+        idx = offset + tl.arange(0, 128)
+        tl.store(ptr + start + idx, tl.zeros((128,), tl.float32), mask=(idx < count) & (start + idx < numel))
+
+
 @triton.jit(do_not_specialize=["sums_numel", "sums_per_program"])
 def window_attention_bwd_delta_kernel(
     out_ptr, dout_ptr, delta_ptr, dq_acc_ptr, sums_ptr, sums_numel, sums_per_program, scale_sums_ptr,
@@ -217,16 +225,9 @@ def window_attention_bwd_delta_kernel(
     pass, not fill kernels of their own."""
     if ZERO_SCALE_SUMS:
         if tl.program_id(0) == 0:
-            heads = tl.arange(0, 16)
-            for first_head in range(0, H, 16):
-                tl.store(scale_sums_ptr + first_head + heads, tl.zeros((16,), tl.float32),
-                         mask=first_head + heads < H)
+            zero_run(scale_sums_ptr, 0, H, H)
     if ZERO_SUMS:
-        start = tl.program_id(0).to(tl.int64) * sums_per_program
-        for offset in range(0, sums_per_program, 128):
-            idx = offset + tl.arange(0, 128)
-            tl.store(sums_ptr + start + idx, tl.zeros((128,), tl.float32),
-                     mask=(idx < sums_per_program) & (start + idx < sums_numel))
+        zero_run(sums_ptr, tl.program_id(0).to(tl.int64) * sums_per_program, sums_per_program, sums_numel)
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     o = load_rows(out_ptr + b * stride_out_b + (h * D) * stride_out_c, rows, dims,
