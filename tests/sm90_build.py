@@ -24,19 +24,21 @@ from triton.compiler import ASTSource
 from timm_flashwin.kernels import backward, config
 from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel
-from timm_flashwin.kernels.launch import launch_options
+from timm_flashwin.kernels.launch import folds_mask, launch_options
 from timm_flashwin.op import _direct_launches
 
 TARGET = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 #: (N, head_dim, dtype, cosine, dropout): one-tile and multi-block windows, the largest
-#: window and head_dim, a head_dim that is not a power of two, every dtype; 1024 and 256
-#: build the one-region loop copy (V1: forward and dkdv; cosine: forward), 256 the
-#: forward's key blocks of 128 (config._wide_key_blocks).
+#: window and head_dim, a head_dim that is not a power of two, every dtype; 256 in float32
+#: and 1024 in bf16 (its bias + mask copy too large to fold) build the kernels that read
+#: the mask's region ids, 256 in float32 with the one-region loop copy (V1: forward and
+#: dkdv kernel), 256 in bf16 the forward's key blocks of 128 (config._wide_key_blocks).
 CASES = [
     (49, 32, torch.bfloat16, True, True),
     (49, 32, torch.float16, False, False),
     (64, 32, torch.float32, True, False),
+    (256, 32, torch.float32, False, False),
     (144, 32, torch.bfloat16, True, True),
     (1024, 32, torch.bfloat16, False, False),
     (256, 32, torch.bfloat16, True, False),
@@ -76,7 +78,8 @@ def as_launched(kernel, types: dict, constexprs: dict):
     n, channels = constexprs["N"], constexprs["H"] * constexprs["D"]
     values = dict(stride_qkv_b=n * 3 * channels, stride_qkv_n=3 * channels, stride_dqkv_b=n * 3 * channels,
                   stride_dqkv_n=3 * channels, stride_out_b=n * channels, stride_out_n=channels,
-                  stride_dout_b=n * channels, stride_dout_n=channels, stride_bias_h=n * n, stride_bias_i=n,
+                  stride_dout_b=n * channels, stride_dout_n=channels, stride_bias_w=3 * n * n, stride_bias_h=n * n,
+                  stride_bias_i=n,
                   stride_mask_w=n * n, stride_mask_i=n, num_periods=16, stats_stride=256 * n)
     types, constexprs = dict(types), dict(constexprs)
     for name in kernel.arg_names:
@@ -112,11 +115,13 @@ def _report(kernel, compiled) -> None:
 
 
 def build_bias_copy() -> None:
-    """The float16 bias copy (launch.streamed_bias): float32 in, float16 out."""
-    types = dict(bias_ptr="*fp32", out_ptr="*fp16", numel="i32", n="i32", stride_h="i32", stride_i="i32",
-                 stride_j="i32", BLOCK="constexpr")
-    source = ASTSource(fn=float16_bias_copy_kernel, signature=types, constexprs=dict(BLOCK=1024),
-                       attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+    """The float16 copy of bias + mask (launch.streamed_bias): float32 in, float16 out."""
+    types = dict(bias_ptr="*fp32", mask_ptr="*fp32", out_ptr="*fp16", numel="i32", n="i32", heads="i32",
+                 stride_h="i32", stride_i="i32", stride_j="i32", stride_mask_w="i32", stride_mask_i="i32",
+                 stride_mask_j="i32", HAS_BIAS="constexpr", HAS_MASK="constexpr", BLOCK="constexpr")
+    source = ASTSource(fn=float16_bias_copy_kernel, signature=types,
+                       constexprs=dict(HAS_BIAS=True, HAS_MASK=True, BLOCK=1024),
+                       attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
     _report(float16_bias_copy_kernel, triton.compile(source, target=TARGET, options=dict(num_warps=4)))
 
 
@@ -131,32 +136,36 @@ def main() -> int:
                      FP32_DOT=dtype == torch.float32, HAS_DROPOUT=dropout)
         fwd = config.forward_config(n, head_dim, dtype, cosine, dropout)
         bwd = config.backward_config(n, head_dim, dtype, cosine)
-        streamed = n > fwd.block_n  # with region ids: one build per kind of mask
-        # kernels that stream key blocks read a float16 copy of the bias times log2(e) with 16-bit inputs
-        bias_log2e = dtype != torch.float32
-        streamed_bias = torch.float16 if bias_log2e else torch.float32
-        for from_regions in (True, False) if streamed else (False,):
-            build(window_attention_fwd_kernel, dtype,
-                  dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
-                       STORE_STATS=not bwd.single_tile(n), MASK_REGIONS=streamed, FROM_REGIONS=from_regions,
-                       BIAS_LOG2E=streamed and bias_log2e, ONE_REGION_LOOP=fwd.one_region_loop, FLAT_LOOP=fwd.flat_loop), fwd,
-                  streamed_bias if streamed else torch.float32)
-        if streamed and not dropout:  # inference: no statistics (cosine: no mean score)
-            build(window_attention_fwd_kernel, dtype,
-                  dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
-                       STORE_STATS=False, MASK_REGIONS=True, FROM_REGIONS=True, BIAS_LOG2E=bias_log2e,
-                       ONE_REGION_LOOP=fwd.one_region_loop, FLAT_LOOP=fwd.flat_loop), fwd,
-                  streamed_bias)
+        streamed = n > fwd.block_n
+        # kernels that stream key blocks read, with 16-bit inputs, a float16 copy of bias + mask
+        # times log2(e) and no mask of their own where that copy is small (launch.streamed_bias),
+        # else the bias (float16 copy with 16-bit inputs) and the mask's region ids, one build
+        # per kind of mask
+        folded = folds_mask(dtype, 3, 16, n)  # as for 16 mask windows of 3 heads
+        streamed_bias = torch.float16 if dtype != torch.float32 else torch.float32
+        streaming = dict(HAS_MASK=not folded, MASK_REGIONS=not folded, BIAS_LOG2E=dtype != torch.float32)
+        kinds = (False,) if folded else (True, False)
+        fwd_blocks = dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
+                          ONE_REGION_LOOP=fwd.one_region_loop, FLAT_LOOP=fwd.flat_loop)
+        if streamed:
+            for from_regions in kinds:
+                build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=from_regions,
+                                                               STORE_STATS=not bwd.single_tile(n)), fwd, streamed_bias)
+            if not dropout:  # inference: no statistics (cosine: no mean score)
+                build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=kinds[0],
+                                                               STORE_STATS=False), fwd, streamed_bias)
+        else:
+            build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, STORE_STATS=not bwd.single_tile(n),
+                                                           MASK_REGIONS=False, FROM_REGIONS=False, BIAS_LOG2E=False), fwd)
         if bwd.single_tile(n):
             build(backward.window_attention_bwd_fused_kernel, dtype,
                   dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine), bwd)
             continue
-        blocks = dict(flags, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, MASK_REGIONS=True,
-                      BIAS_LOG2E=bias_log2e)
+        blocks = dict(flags, **streaming, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d)
         # as configured (atomic dQ, the bias gradient by atomics where bwd.dbias_slots), one build
         # per mask kind as launched, and as in deterministic mode (the dq and dbias kernels do
         # that work)
-        for atomics, from_regions in ((True, True), (True, False), (False, True)):
+        for atomics, from_regions in [(True, kind) for kind in kinds] + [(False, kinds[0])]:
             build(backward.window_attention_bwd_dkdv_kernel, dtype,
                   dict(blocks, DQ_ATOMIC=atomics and bwd.dq_atomic, SCALE_GRAD=cosine and atomics and bwd.dq_atomic,
                        DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0, FROM_REGIONS=from_regions,
@@ -164,8 +173,8 @@ def main() -> int:
         build(backward.window_attention_bwd_dq_finish_kernel, dtype,
               dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine),
               config.with_changes(bwd, num_warps=4, maxnreg=None))
-        build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine, FROM_REGIONS=True), bwd,
-              streamed_bias)
+        build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine, FROM_REGIONS=kinds[0]),
+              bwd, streamed_bias)
         dbias = config.dbias_config(n, head_dim, dtype, cosine)
         for atomic_sum in (True, False):  # as by default, and as in deterministic mode
             build(backward.window_attention_bwd_dbias_kernel, dtype,

@@ -85,7 +85,10 @@ def test_one_region_loop_matches_reference(cosine, dtype, one_region_loop, monke
     """The kernels that stream key blocks, with and without the loop copy that runs the
     windows of one region without the mask (LaunchConfig.one_region_loop), forward and
     dkdv kernel; the case's mask has windows of one region and windows of three
-    (opcases.shift_mask), each config takes one or the other by default, forced here."""
+    (opcases.shift_mask), each config takes one or the other by default, forced here.
+    bfloat16 inputs read the mask's region ids too where the float16 copy of bias + mask
+    would be too large (config.FOLDED_MASK_MAX_BYTES, set to 0 here)."""
+    monkeypatch.setattr(config, "FOLDED_MASK_MAX_BYTES", 0)
     for pass_, default in (("fwd", config.forward_config), ("bwd", config.backward_config)):
         key = (pass_, 144, 32, dtype, cosine)
         monkeypatch.setitem(config.OVERRIDES, key, config.with_changes(default(*key[1:]),
@@ -289,21 +292,28 @@ def test_inference_tensor_masks_launch_both_builds(monkeypatch):
     assert relative_error(out, expected) < TOLERANCE[torch.float32]
 
 
-def test_inference_tensors_are_not_kept_on(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_inference_tensors_are_not_kept_on(dtype, monkeypatch):
     """Bias and mask made under torch.inference_mode (a mask timm computes in the forward,
-    a bias gathered there) have no version counter: what is derived from them (the mask's
-    region structure, the bias's float16 copy) is computed in every call, not kept."""
+    a bias gathered there) have no version counter: what is derived from them (float32:
+    the mask's region structure, a contiguous bias; 16-bit inputs: the float16 copy of
+    bias + mask) is computed in every call, not kept."""
     from timm_flashwin.kernels import launch
     found = []
     monkeypatch.setattr(launch, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
-    case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    copies = []
+    real_copy = launch._log2e_float16_copy
+    monkeypatch.setattr(launch, "_log2e_float16_copy", lambda *a: (copies.append(1), real_copy(*a))[1])
+    case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=dtype, device=KERNEL_DEVICE)
     with torch.inference_mode():
         bias, mask = case.bias.clone(), case.mask.clone()
-        outs = [window_attention(case.qkv, 3, bias=bias, mask=mask, scale=case.scale) for _ in range(2)]
-    assert len(found) == 2 and torch.equal(outs[0], outs[1])
+        outs = [window_attention(case.qkv, 3, bias=bias, mask=mask, scale=case.scale)
+                for _ in range(2)]
+    assert (len(found), len(copies)) == ((2, 0) if dtype == torch.float32 else (0, 2))
+    assert torch.equal(outs[0], outs[1])
     assert "_flashwin_streamed_bias" not in bias.__dict__ and "_flashwin_mask_structure" not in mask.__dict__
     expected = window_attention_reference(case.qkv.double(), 3, **case.kwargs(mask=case.mask.double()))
-    assert relative_error(outs[0], expected) < TOLERANCE[torch.bfloat16]
+    assert relative_error(outs[0], expected) < TOLERANCE[dtype]
 
 
 def test_many_windows_per_program():
@@ -435,6 +445,90 @@ def test_bias_beyond_float16_range_gives_nan_rows():
     torch.testing.assert_close(out[:, :, :16].double(), reference[:, :, :16], rtol=2e-2, atol=2e-2)
     out32 = window_attention(case.qkv.float(), 3, bias=bias, scale=case.scale)
     assert not out32.isnan().any()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's numpy cast
+def test_float16_copy_folds_the_mask_into_the_bias():
+    """The copy the streaming kernels read with 16-bit inputs: (bias[h] + mask[w]) * log2(e)
+    per (window, head), rounded to float16; a finite sum beyond float16's range is NaN where
+    positive and float16's lowest where negative (a mask of -1e9); +-inf and NaN stay."""
+    from timm_flashwin.kernels.launch import _log2e_float16_copy
+    g = torch.Generator().manual_seed(5)
+    bias = torch.randn(3, 9, 9, generator=g).permute(0, 2, 1).to(KERNEL_DEVICE)  # strided, as SwinV2-CR's
+    mask = torch.where(torch.rand(2, 9, 9, generator=g) < 0.3, -100.0, 0.0).to(KERNEL_DEVICE)
+    bias[1, 2, 3], mask[0, 4, 5], mask[1, 0, 1], mask[1, 6, 7] = 1e5, -1e9, float("-inf"), float("nan")
+    log2e = 1.4426950408889634
+
+    def expected(exact):
+        rounded = exact.half()
+        beyond = exact.isfinite() & rounded.isinf()
+        rounded[beyond & (exact > 0)] = float("nan")
+        rounded[beyond & (exact < 0)] = -65504.0
+        return rounded.float()
+
+    copy = _log2e_float16_copy(bias, mask)
+    assert copy.shape == (2, 3, 9, 9) and copy.dtype == torch.float16 and copy.is_contiguous()
+    same = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(copy.float(), expected((bias[None] + mask[:, None]).float() * log2e), **same)
+    assert copy[0, 1, 2, 3].isnan() and copy[0, :, 4, 5].eq(-65504).all() and copy[1, :, 0, 1].eq(float("-inf")).all()
+    assert copy[1, :, 6, 7].isnan().all()
+    torch.testing.assert_close(_log2e_float16_copy(None, mask)[:, 0].float(), expected(mask.float() * log2e), **same)
+    torch.testing.assert_close(_log2e_float16_copy(bias, None)[0].float(), expected(bias.float() * log2e), **same)
+
+
+def test_masks_fold_into_the_bias_copy_where_it_is_small():
+    """16-bit inputs fold the mask into the streaming kernels' float16 bias copy where that
+    (nW, H, N, N) copy is at most config.FOLDED_MASK_MAX_BYTES: window 16 of the benchmarks
+    (16 mask windows, 3 heads, 256 tokens: 6.3 MB) does, window 24 (16, 4, 576: 42.5 MB)
+    reads the mask's region ids; float32 inputs always do."""
+    from timm_flashwin.kernels.launch import folds_mask
+    assert folds_mask(torch.bfloat16, 3, 16, 256) and folds_mask(torch.float16, 4, 16, 144)
+    assert not folds_mask(torch.bfloat16, 4, 16, 576) and not folds_mask(torch.float32, 3, 16, 256)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_16bit_streaming_kernels_read_the_mask_folded_into_the_bias(cosine, with_bias, monkeypatch):
+    """With 16-bit inputs the kernels that stream key blocks (N = 144) read the mask folded
+    into their float16 bias copy: launched without a mask of their own, and without region
+    ids, whatever the mask (here a dense one, not region-structured, with -1e9 entries, a
+    fully masked row and a partly masked one). Forward and every gradient as the float64
+    reference's; the fully masked row NaN as there."""
+    case = make_case(4, 2, 3, 144, 16, cosine=cosine, masked=True, dtype=torch.float16, device=KERNEL_DEVICE,
+                     seed=21, with_bias=with_bias)
+    mask = torch.randn(case.mask.shape, generator=torch.Generator().manual_seed(4)).to(KERNEL_DEVICE)
+    mask[0, 3, ::2] = -1e9
+    mask[1, 5, :] = float("-inf")
+    case.mask = mask
+    launches = []
+    from timm_flashwin.kernels import launch
+    wrap = launch.wrap_triton
+
+    def recording(kernel):
+        launcher = wrap(kernel)
+
+        class Recorded:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    launches.append((kernel.__name__, kwargs.get("HAS_MASK"), kwargs.get("MASK_REGIONS")))
+                    return launcher[grid](*args, **kwargs)
+                return run
+        return Recorded()
+
+    monkeypatch.setattr(launch, "wrap_triton", recording)
+    results = forward_backward(window_attention, case)
+    streaming = [name for name, has_mask, regions in launches if regions is not None]
+    assert streaming == ["window_attention_fwd_kernel", "window_attention_bwd_dkdv_kernel"] + (
+        ["window_attention_bwd_dbias_kernel"] if with_bias and not cosine else [])
+    assert all(has_mask is False and not regions for _, has_mask, regions in launches if regions is not None)
+    reference = reference_forward_backward(case)
+    nan_rows = results[0].isnan().any(-1)
+    assert nan_rows[1::2, 5].all() and nan_rows.sum() == 2  # query 5 of the windows b of mask window 1
+    for got, ref in zip(results, reference):
+        assert torch.equal(got.isnan(), ref.isnan())
+    case.mask = torch.where(mask.isinf(), 0.0, mask)  # no NaN row: every value compared
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
+                             TOLERANCE[torch.float16])
 
 
 def _record_stats_shapes(monkeypatch):

@@ -68,7 +68,7 @@ def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropou
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
     stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats)
-    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask is not None)
+    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads)
     regions_shape, info_shape = mask_regions_shapes(mask.shape[0] if mask is not None else 1, n, used)
     return (out, qkv.new_empty(stats_shape, dtype=torch.float32), qkv.new_empty(regions_shape, dtype=torch.int32),
             qkv.new_empty(info_shape, dtype=torch.float32))

@@ -139,7 +139,7 @@ def window_attention_bwd_fused_kernel(
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
-    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     num_periods, windows_per_period, windows_per_program,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
@@ -152,6 +152,7 @@ def window_attention_bwd_fused_kernel(
     h = pid % H
     group = (pid // H).to(tl.int64)  # = chunk * num_periods + w
     w, first, last = window_run(group, num_periods, windows_per_period, windows_per_program)
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
 
     idx = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -248,7 +249,7 @@ def window_attention_bwd_dkdv_kernel(
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
-    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     num_periods, windows_per_period, windows_per_program,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
@@ -293,6 +294,7 @@ def window_attention_bwd_dkdv_kernel(
     rest = pid // NUM_KEY_BLOCKS
     h = rest % H
     w, first, last = window_run(rest // H, num_periods, windows_per_period, windows_per_program)
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
     cols = (pid % NUM_KEY_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
@@ -499,7 +501,7 @@ def window_attention_bwd_dq_kernel(
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
-    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -513,6 +515,7 @@ def window_attention_bwd_dq_kernel(
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     pid = tl.program_id(0)
     w = b % num_periods
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
@@ -578,7 +581,7 @@ def window_attention_bwd_dbias_kernel(
     scale, dropout_p, stats_stride,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_dout_b, stride_dout_n, stride_dout_c,
-    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     num_periods, windows_per_period, windows_per_program,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
@@ -602,6 +605,7 @@ def window_attention_bwd_dbias_kernel(
     h = rest % H
     group = (rest // H).to(tl.int64)
     w, first, last = window_run(group, num_periods, windows_per_period, windows_per_program)
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)

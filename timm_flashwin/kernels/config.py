@@ -46,8 +46,8 @@ class LaunchConfig:
     #: into this many (H, N, N) slots (0: by a dbias kernel of its own;
     #: ``launch.dbias_slots``; never in deterministic mode)
     dbias_slots: int = 0
-    #: kernels that stream key blocks over a region mask: a second copy of the key loop,
-    #: built without a mask, for the windows of one region (``tiles.window_in_one_region``)
+    #: kernels that stream key blocks over the region ids of a mask: a second copy of the key
+    #: loop, built without a mask, for the windows of one region (``tiles.window_in_one_region``)
     one_region_loop: bool = False
     #: the forward and the dkdv kernel: one loop over (window, key block) steps rather than a
     #: loop over blocks per window (``forward.forward_windows``, ``backward.dkdv_windows``)
@@ -66,6 +66,15 @@ OVERRIDES: Dict[Tuple[str, int, int, torch.dtype, bool], LaunchConfig] = {}
 #: region ids (launch.mask_structure) rather than read it; benchmarks/tune_op.py turns it
 #: off to measure what that saves.
 MASK_REGIONS = True
+
+#: The largest float16 copy of bias + mask, (nW, H, N, N), into which the launcher folds a
+#: mask for the kernels that stream key blocks with 16-bit inputs (``launch.folds_mask``);
+#: beyond it they read the mask's region ids. H200, bf16, the whole op (bench_op.py, 3
+#: alternated rounds, 2026-11-24): copies of 2.6 MB (window 12) and 6.3 MB (window 16)
+#: took f+b 12% and 6% off (V1); one of 42.5 MB (window 24, (256, 4, 576, 32)) still took
+#: 2% (V1) and 4% (cosine) off the f+b but made the forward 3% slower (the copy, 20 us)
+#: and the f+b's peak 37.6 MiB higher, above FlexAttention's.
+FOLDED_MASK_MAX_BYTES = 16 << 20
 
 
 def _pow2(x: int) -> int:
@@ -147,10 +156,11 @@ def _wide_key_blocks(n: int, block_d: int, dtype: torch.dtype) -> bool:
     16: 91.9 to 224.1 us for V1. The backward keeps 64x64 (64x128 with 4 or 8 warps: 346.9
     and 404.8 against 309.1 us), and so does the forward with attention dropout (sm_90
     build, window 16: 64x128 spills 0.7 to 1.2 KB per thread, 64x64 nothing).
-    The loop copy for windows of one region (``_one_region_loop``) for V1 only: without
-    it, same measurement, V1 87.2 -> 88.2 us (no_grad 84.2 -> 85.5), cosine 125.1 -> 119.9
-    (no_grad 108.7 -> 108.8; the copy of its 255-register loop costs more than the mask
-    it saves); cosine f+b, 3 alternated rounds: 502.1 -> 500.1 us."""
+    The loop copy for windows of one region (``_one_region_loop``, where the mask is read
+    from region ids) for V1 only: without it, same measurement, V1 87.2 -> 88.2 us (no_grad
+    84.2 -> 85.5), cosine 125.1 -> 119.9 (no_grad 108.7 -> 108.8; the copy of its
+    255-register loop costs more than the mask it saves); cosine f+b, 3 alternated rounds:
+    502.1 -> 500.1 us."""
     return n % 128 == 0 and n // 128 <= 4 and block_d <= 32 and dtype != torch.float32
 
 
@@ -172,8 +182,10 @@ def _flat_loop(n: int, block: int, block_d: int) -> bool:
 
 def _one_region_loop(n: int, block: int) -> bool:
     """Whether the kernels that stream key blocks of n tokens take a second copy of their
-    loop, without the mask, for the windows of one region (``LaunchConfig.one_region_loop``).
-    Where the last key block is whole. H200, bf16, D = 32, timm's shift mask (9 of 16
+    loop, without the mask, for the windows of one region (``LaunchConfig.one_region_loop``),
+    where they read the mask's region ids (where the launcher folds the mask into their
+    bias copy, ``launch.folds_mask``, they are built without a mask and the copy is not
+    built), and where the last key block is whole. H200, bf16, D = 32, timm's shift mask (9 of 16
     windows of one region), old and new alternated (bench_op.py --impls ours, 2026-11-24),
     forward us: window 16 V1 109.9 -> 106.8, cosine 131.7 -> 126.2; window 24 292.3 -> 281.0,
     352.8 -> 334.1; but window 12 (144 tokens, the last of three key blocks partial) 104.1 ->

@@ -21,7 +21,7 @@ def window_attention_fwd_kernel(
     scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_out_b, stride_out_n, stride_out_c,
-    stride_bias_h, stride_bias_i, stride_bias_j,
+    stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     num_periods, windows_per_period, windows_per_program,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
@@ -48,6 +48,7 @@ def window_attention_fwd_kernel(
     rest = pid // NUM_M_BLOCKS
     h = rest % H
     w, first, last = window_run(rest // H, num_periods, windows_per_period, windows_per_program)
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)

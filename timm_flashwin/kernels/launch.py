@@ -60,10 +60,18 @@ def _fp32_dot(dtype: torch.dtype) -> bool:
 
 
 def _bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], qkv: torch.Tensor):
-    """Pointers and strides of bias (H, N, N) and mask (nW, N, N); a dummy where absent."""
+    """Pointers and strides of the bias, (H, N, N) or with the mask folded in (nW, H, N, N)
+    (``streamed_bias``), and of the mask (nW, N, N); a dummy where absent. The bias's
+    strides are (window, head, row, column), 0 along a dimension of one (a bias without
+    windows serves every window, a folded mask without a bias every head)."""
     bias_ptr = bias if bias is not None else qkv
     mask_ptr = mask if mask is not None else qkv
-    bias_strides = bias.stride() if bias is not None else (0, 0, 0)
+    if bias is None:
+        bias_strides = (0, 0, 0, 0)
+    else:
+        sizes = (1, *bias.shape)[-4:]
+        strides = (0, *bias.stride())[-4:]
+        bias_strides = tuple(0 if size == 1 else stride for size, stride in zip(sizes, strides))
     mask_strides = mask.stride() if mask is not None else (0, 0, 0)
     return bias_ptr, mask_ptr, bias_strides, mask_strides
 
@@ -95,53 +103,89 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
                                one_region.to(torch.float32)))
 
 
-def _log2e_float16_copy(bias: torch.Tensor) -> torch.Tensor:
-    """bias (H, N, N), any float dtype and strides, times log2(e) as a contiguous float16
-    copy; finite values beyond float16's range (|bias| > 65504 / log2(e) = 45403) become
-    NaN (``float16_bias_copy_kernel``)."""
-    heads, n, _ = bias.shape
-    out = bias.new_empty((heads, n, n), dtype=torch.float16)
+def _log2e_float16_copy(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """(bias (H, N, N) + mask (nW, N, N)) times log2(e), any float dtype and strides, as a
+    contiguous float16 (nW, H, N, N), nW or H 1 where the mask or the bias is missing
+    (``float16_bias_copy_kernel`` says what becomes of values beyond float16's range)."""
+    some = bias if bias is not None else mask
+    n = some.shape[-1]
+    heads = bias.shape[0] if bias is not None else 1
+    windows = mask.shape[0] if mask is not None else 1
+    out = some.new_empty((windows, heads, n, n), dtype=torch.float16)
     block = 1024
     wrap_triton(float16_bias_copy_kernel)[(-(-out.numel() // block),)](
-        bias, out, out.numel(), n, *bias.stride(), BLOCK=block, num_warps=4,
+        some if bias is None else bias, some if mask is None else mask, out, out.numel(), n, heads,
+        *(bias.stride() if bias is not None else (0, 0, 0)), *(mask.stride() if mask is not None else (0, 0, 0)),
+        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK=block, num_warps=4,
     )
     return out
 
 
-def streamed_bias(bias: Optional[torch.Tensor], dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], bool]:
-    """(the bias (H, N, N) that the kernels streaming key blocks read, whether it is already
-    times log2(e): their BIAS_LOG2E). For float16 and bfloat16 inputs, a float16 copy of
-    the bias times log2(e); for float32 inputs the bias, contiguous.
+def folds_mask(dtype: torch.dtype, num_heads: int, num_periods: int, n: int) -> bool:
+    """Whether the kernels that stream key blocks read the mask folded into their float16
+    bias copy (``streamed_bias``) rather than read it themselves: with 16-bit inputs, where
+    that (nW, H, N, N) copy is at most ``config.FOLDED_MASK_MAX_BYTES``. Shapes only, so
+    that a traced call decides as an eager one does."""
+    return dtype != torch.float32 and 2 * num_periods * num_heads * n * n <= config.FOLDED_MASK_MAX_BYTES
 
-    Those kernels read a bias tile for every (window, query block, key block): on window
-    16 (512, 3, 256, 32) 400 MB of bias reads per forward from L2, which set its pace.
-    Read as float16 (H100, bf16, kernels alone, tune_op.py --bias-dtype, 2026-11-23),
-    the forward took 153 -> 111 us on window 16 V1, 179 -> 139 cosine, 422 -> 302 and
-    492 -> 385 us on window 24 (no bias at all: 97, 122, 260, 333 us); the backward, whose
-    heavy part is the bias gradient, not the bias reads, 1 to 4% less. Times log2(e), the
-    kernels add it to their log2-domain logits as it is: one multiply per logit fewer.
-    Precision: float16 keeps 11 bits, |error| <= |bias * log2(e)| * 2^-12, below the
-    bfloat16 rounding of P that the P V product takes anyway, and finer than timm's own
-    fused path (scaled_dot_product_attention), which casts the bias to the inputs' dtype.
-    Its range ends at 65504: |bias| beyond 65504 / log2(e) = 45403 gives NaN
-    (``_log2e_float16_copy``).
+
+def streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], dtype: torch.dtype, num_heads: int
+                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], bool]:
+    """(bias, mask, BIAS_LOG2E) as the kernels that stream key blocks read them.
+
+    For float16 and bfloat16 inputs: a float16 copy of (bias + mask) times log2(e), (nW, H,
+    N, N) (nW 1 without a mask, H 1 without a bias), and no mask, where that copy is small
+    enough (``folds_mask``), else a float16 copy of the bias alone and the mask as it is;
+    for float32 inputs the bias (H, N, N), contiguous, and the mask as it is (the kernels
+    read it through its region ids where it has them, ``mask_structure``).
+
+    Those kernels read a tile of the bias for every (window, query block, key block): on
+    window 16 (512, 3, 256, 32) 400 MB of reads per forward from L2. Read as float16 (H100,
+    bf16, kernels alone, tune_op.py --bias-dtype, 2026-11-23), the forward took 153 -> 111
+    us on window 16 V1, 179 -> 139 cosine, 422 -> 302 and 492 -> 385 us on window 24 (no
+    bias at all: 97, 122, 260, 333 us); the backward, whose heavy part is the bias
+    gradient, not the bias reads, 1 to 4% less. Times log2(e), the kernels add it to their
+    log2-domain logits as it is: one multiply per logit fewer.
+
+    With the mask folded in, the kernels spend nothing on it per logit (timm's region mask
+    took a compare and a predicated multiply-add per logit: 194 of a 64x128 step's 835
+    instructions on window 16, ncu), for a copy of nW * H * N * N float16 values per bias
+    (inference with a cached bias: once). H200, bf16, kernels alone (tune_op.py
+    --only-default, 2026-11-24), forward / backward us, region ids -> folded: window 16 V1
+    87.9 / 307.7 -> 82.2 / 290.0, cosine 120.7 / 374.7 -> 116.4 / 368.5; window 24 V1 272.6
+    / 863.0 -> 263.5 / 832.1, cosine 356.0 / 1114.6 -> 341.7 / 1023.5 (the whole op, the
+    copy included: benchmarks/RESULTS.md, seventeenth session).
+
+    Precision: float16 keeps 11 bits, |error| <= |(bias + mask) * log2(e)| * 2^-12, below
+    the bfloat16 rounding of P that the P V product takes anyway, and finer than timm's
+    own fused path (scaled_dot_product_attention), which casts bias + mask to the inputs'
+    dtype; under a large mask (timm's -100) the error is as large, on logits whose
+    probabilities are e^-100 of their row's largest.
     Contiguous: SwinV2-CR's bias is a transposed view (column stride H), whose tiles would
     be read as single elements.
-    The copy is kept on the bias tensor (``kept_on``): the backward reuses the forward's,
-    and inference with a cached bias makes it once.
+    The copy is kept on the bias tensor (``kept_on``, keyed on the mask too; on the mask
+    where there is no bias): the backward reuses the forward's.
     """
-    if bias is None:
-        return None, False
     if dtype != torch.float32:
-        make, log2e = _log2e_float16_copy, True
-    elif bias.is_contiguous():
-        return bias, False
+        fold = mask is not None and folds_mask(dtype, num_heads, mask.shape[0], mask.shape[-1])
+        if bias is None and not fold:
+            return None, mask, False
+        folded = mask if fold else None
+        owner = bias if bias is not None else mask
+        make, log2e, read_mask = (lambda: _log2e_float16_copy(bias, folded)), True, None if fold else mask
+        # a bias's copy with the mask folded in is keyed on the mask too (its storage and
+        # version): not kept where the mask has no version (inference mode) or is traced
+        other = folded if bias is not None else None
+        keep = other is None or (type(other) is torch.Tensor and not other.is_inference())
+    elif bias is None or bias.is_contiguous():
+        return bias, mask, False
     else:
-        make, log2e = torch.Tensor.contiguous, False
-    if _traced_launch() or type(bias) is not torch.Tensor:
-        return make(bias), log2e
+        owner, make, log2e, read_mask, other, keep = bias, bias.contiguous, False, mask, None, True
+    if not keep or _traced_launch() or type(owner) is not torch.Tensor:
+        return make(), read_mask, log2e
+    key = () if other is None else (other.data_ptr(), other._version, other.shape, other.stride())
     # keyed on the copy's kind too: the same bias may serve float32 and 16-bit inputs in turn
-    return kept_on(bias, "_flashwin_streamed_bias", lambda: make(bias), log2e), log2e
+    return kept_on(owner, "_flashwin_streamed_bias", make, log2e, *key), read_mask, log2e
 
 
 def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> bool:
@@ -203,10 +247,13 @@ def _mask_structure_kept(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     return structure[0], structure[1]
 
 
-def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, has_mask: bool) -> bool:
-    """Whether a kernel of either pass streams key blocks over a mask, and so uses its
-    region ids (``mask_structure``), which the forward then computes for both passes."""
-    return config.MASK_REGIONS and has_mask and streams_key_blocks(n, head_dim, dtype, cosine)
+def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, mask: Optional[torch.Tensor],
+                      num_heads: int) -> bool:
+    """Whether a kernel of either pass streams key blocks over a mask that it reads itself
+    (float32 inputs; 16-bit inputs read it folded into the bias, ``streamed_bias``), and so
+    uses its region ids (``mask_structure``), which the forward then computes for both passes."""
+    return (config.MASK_REGIONS and mask is not None and not folds_mask(dtype, num_heads, mask.shape[0], n)
+            and streams_key_blocks(n, head_dim, dtype, cosine))
 
 
 def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
@@ -267,7 +314,7 @@ def attention_forward(
     head_dim = channels // (3 * num_heads)
     tiles = config.forward_config(n, head_dim, qkv.dtype, cosine, dropout_p > 0)
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
-    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask is not None)
+    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads)
     if used:
         regions, mask_info = _mask_structure_kept(mask)
     else:
@@ -282,10 +329,10 @@ def attention_forward(
     m_blocks = -(-n // tiles.block_m)
     chunks, per_chunk = config.split_windows(
         per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
-    bias_log2e = False
-    if n > tiles.block_n:
-        bias, bias_log2e = streamed_bias(bias, qkv.dtype)
-    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(bias, mask, qkv)
+    # the kernel reads its bias tile once per program where a window is one key block, else streams it
+    read_bias, read_mask, bias_log2e = (streamed_bias(bias, mask, qkv.dtype, num_heads) if n > tiles.block_n
+                                        else (bias, mask, False))
+    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv)
     for from_regions in _mask_kinds(mask_regions, mask):
         wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
             qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
@@ -296,7 +343,7 @@ def attention_forward(
             periods, per_period, per_chunk,
             H=num_heads, N=n, D=head_dim,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
-            HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=cosine,
+            HAS_BIAS=read_bias is not None, HAS_MASK=read_mask is not None, COSINE=cosine,
             FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
             MASK_REGIONS=mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=bias_log2e,
             ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, **launch_options(tiles, dropout_p > 0),
@@ -354,19 +401,20 @@ def attention_backward(
     head_dim = channels // (3 * num_heads)
     tiles = config.backward_config(n, head_dim, qkv.dtype, cosine)
     # region ids computed by the forward, for the kernels that stream key blocks
-    mask_regions = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask is not None) and not tiles.single_tile(n)
+    mask_regions = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads) and not tiles.single_tile(n)
     if not mask_regions:
         regions, mask_info = qkv, qkv
     dqkv = qkv.new_empty(qkv.shape)
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
     # the one-tile kernel reads its bias tile once per program; the others stream it
-    read_bias, bias_log2e = (bias, False) if tiles.single_tile(n) else streamed_bias(bias, qkv.dtype)
-    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, mask, qkv)
+    read_bias, read_mask, bias_log2e = (bias, mask, False) if tiles.single_tile(n) else streamed_bias(bias, mask,
+                                                                                                      qkv.dtype, num_heads)
+    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv)
     scale_grad = scale_grad and cosine
     logit_scale_ptr = logit_scale if logit_scale is not None else qkv
     seed_ptr = seed if dropout_p > 0 else qkv
-    flags = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+    flags = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=read_bias is not None, HAS_MASK=read_mask is not None,
                  COSINE=cosine, FP32_DOT=_fp32_dot(qkv.dtype), HAS_DROPOUT=dropout_p > 0)
     strides = (*qkv.stride(), *dout.stride(), *dqkv.stride(), *bias_strides, *mask_strides)
 
