@@ -22,7 +22,8 @@ from bench_op import SHAPES, dense_bias, make_inputs  # noqa: E402
 from common import write_json  # noqa: E402
 from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
-from timm_flashwin.kernels.launch import attention_backward, attention_forward, dq_by_atomic_adds  # noqa: E402
+from timm_flashwin.kernels.launch import (attention_backward, attention_forward, dq_by_atomic_adds,  # noqa: E402
+                                          folds_mask)
 from timm_flashwin.op import _direct_launches  # noqa: E402
 
 
@@ -145,8 +146,11 @@ def main() -> None:
         mask = None if "mask" in args.without else mask
         logit_scale = inp["logit_scale"].detach() if cosine else None  # (H,): the kernels clamp and exponentiate
         key = (which, n, head_dim, torch.bfloat16, cosine)
-        base = (config.forward_config if which == "fwd" else config.backward_config)(n, head_dim, torch.bfloat16,
-                                                                                   cosine)
+        if which == "fwd":  # as the launcher picks it: the mask folded into the bias copy or read
+            reads_mask = mask is not None and not folds_mask(torch.bfloat16, heads, mask.shape[0], n)
+            base = config.forward_config(n, head_dim, torch.bfloat16, cosine, False, reads_mask)
+        else:
+            base = config.backward_config(n, head_dim, torch.bfloat16, cosine)
         kernels = [fwd_kernels.window_attention_fwd_kernel] if which == "fwd" else [
             bwd_kernels.window_attention_bwd_fused_kernel, bwd_kernels.window_attention_bwd_dkdv_kernel,
             bwd_kernels.window_attention_bwd_dq_kernel, bwd_kernels.window_attention_bwd_dq_finish_kernel,

@@ -134,14 +134,14 @@ def main() -> int:
               f"{' dropout' if dropout else ''}")
         flags = dict(H=3, N=n, D=head_dim, HAS_BIAS=True, HAS_MASK=True, COSINE=cosine,
                      FP32_DOT=dtype == torch.float32, HAS_DROPOUT=dropout)
-        fwd = config.forward_config(n, head_dim, dtype, cosine, dropout)
+        folded = folds_mask(dtype, 3, 16, n)  # as for 16 mask windows of 3 heads
+        fwd = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask=not folded)
         bwd = config.backward_config(n, head_dim, dtype, cosine)
         streamed = n > fwd.block_n
         # kernels that stream key blocks read, with 16-bit inputs, a float16 copy of bias + mask
         # times log2(e) and no mask of their own where that copy is small (launch.streamed_bias),
         # else the bias (float16 copy with 16-bit inputs) and the mask's region ids, one build
         # per kind of mask
-        folded = folds_mask(dtype, 3, 16, n)  # as for 16 mask windows of 3 heads
         streamed_bias = torch.float16 if dtype != torch.float32 else torch.float32
         streaming = dict(HAS_MASK=not folded, MASK_REGIONS=not folded, BIAS_LOG2E=dtype != torch.float32)
         kinds = (False,) if folded else (True, False)

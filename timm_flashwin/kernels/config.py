@@ -105,9 +105,12 @@ def _streamed_maxnreg(block_d: int, dtype: torch.dtype) -> Optional[int]:
     return 168 if block_d <= 32 and dtype != torch.float32 else None
 
 
-def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool = False) -> LaunchConfig:
-    """dropout: with attention dropout (its random numbers take registers; OVERRIDES
-    apply either way)."""
+def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool = False,
+                   reads_mask: bool = True) -> LaunchConfig:
+    """dropout: with attention dropout (its random numbers take registers); reads_mask:
+    whether a kernel that streams key blocks reads a mask itself (region ids or dense),
+    not where there is none or it is folded into the bias copy (``launch.folds_mask``).
+    OVERRIDES apply either way."""
     n, head_dim = int(n), int(head_dim)  # compile-time constants of the kernels, even when traced
     found = OVERRIDES.get(("fwd", n, head_dim, dtype, cosine))
     if found is not None:
@@ -133,7 +136,12 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, drop
         return LaunchConfig(block_m, 128, block_d, 4, 3, 8, None if cosine else 200,
                             one_region_loop=not cosine, flat_loop=True)
     block = _streamed_block(n, max_block)
-    return LaunchConfig(block, block, block_d, 4, stages, 8, _streamed_maxnreg(block_d, dtype),
+    # V1 without mask arithmetic runs uncapped: H200, bf16, window 12 (512, 4, 144, 32), the
+    # mask folded, forward kernel alone (tune_op.py --maxnreg, 2026-11-24): 71.9 us capped at
+    # 168 (154 registers used), 63.0 uncapped (128 registers, no spills); cosine keeps the
+    # cap (104.2 against 110.2 us uncapped, 208 to 218 registers).
+    maxnreg = None if not reads_mask and not cosine else _streamed_maxnreg(block_d, dtype)
+    return LaunchConfig(block, block, block_d, 4, stages, 8, maxnreg,
                         one_region_loop=_one_region_loop(n, block), flat_loop=_flat_loop(n, block, block_d))
 
 

@@ -312,7 +312,8 @@ def attention_forward(
     one-element int64 tensor, with dropout_p > 0."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
-    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine, dropout_p > 0)
+    reads_mask = mask is not None and not folds_mask(qkv.dtype, num_heads, mask.shape[0], n)
+    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine, dropout_p > 0, reads_mask)
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
     used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads)
     if used:
