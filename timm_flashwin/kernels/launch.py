@@ -114,7 +114,7 @@ def _log2e_float16_copy(bias: Optional[torch.Tensor], mask: Optional[torch.Tenso
     out = some.new_empty((windows, heads, n, n), dtype=torch.float16)
     block = 1024
     wrap_triton(float16_bias_copy_kernel)[(-(-out.numel() // block),)](
-        some if bias is None else bias, some if mask is None else mask, out, out.numel(), n, heads,
+        bias if bias is not None else mask, mask if mask is not None else bias, out, out.numel(), n, heads,
         *(bias.stride() if bias is not None else (0, 0, 0)), *(mask.stride() if mask is not None else (0, 0, 0)),
         HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK=block, num_warps=4,
     )
@@ -409,8 +409,10 @@ def attention_backward(
     periods = mask.shape[0] if mask is not None else 1
     per_period = num_windows // periods
     # the one-tile kernel reads its bias tile once per program; the others stream it
-    read_bias, read_mask, bias_log2e = (bias, mask, False) if tiles.single_tile(n) else streamed_bias(bias, mask,
-                                                                                                      qkv.dtype, num_heads)
+    if tiles.single_tile(n):
+        read_bias, read_mask, bias_log2e = bias, mask, False
+    else:
+        read_bias, read_mask, bias_log2e = streamed_bias(bias, mask, qkv.dtype, num_heads)
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv)
     scale_grad = scale_grad and cosine
     logit_scale_ptr = logit_scale if logit_scale is not None else qkv

@@ -236,8 +236,9 @@ def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols
     """(B[h] + M[w]) * log2(e) for one (rows, cols) tile, fp32; -inf on padded columns.
 
     BIAS_LOG2E: the bias read is already B * log2(e) (``launch.streamed_bias``'s float16
-    copy, which the kernels that stream key blocks read with 16-bit inputs): one multiply
-    per logit fewer.
+    copy, which the kernels that stream key blocks read with 16-bit inputs; where it holds
+    the mask too, those kernels are launched without HAS_MASK and their bias pointer steps
+    to window w's slice): one multiply per logit fewer.
 
     FROM_REGIONS: the mask is value * [region_i != region_j], computed from the (nW, N)
     region ids (the launcher found it so, ``mask_structure``) instead of read. The kind is
