@@ -88,6 +88,12 @@ def bias_as_read(case: Case) -> Case:
     rounded as the copy kernel rounds it (float32 product, then float16), divided by log2(e)
     again in float64; else unchanged.
 
+    Where the kernels read the mask folded into that copy (``launch.folds_mask``), the
+    reference keeps the mask exact: where it is 0 the copy rounds the bias alone, as here;
+    where it is large (timm's -100) the copy's rounding moves logits whose probabilities
+    are e^-100 of their row's largest, and other masks' rounding stays within the 16-bit
+    tolerances (test_op.py's folded-mask test).
+
     The float64 reference takes this bias, so that it checks the kernels' arithmetic. The
     rounding (|error| <= |bias * log2(e)| * 2^-12) moves the output and the qkv and bias
     gradients far less than the 16-bit tolerances, but the logit-scale gradient, a sum whose

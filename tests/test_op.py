@@ -237,8 +237,8 @@ def test_mask_structure_is_kept_on_the_mask_until_it_changes(monkeypatch):
     assert relative_error(changed, expected) < TOLERANCE[torch.float32]
 
 
-def _record_launches(monkeypatch) -> list:
-    """(kernel name, FROM_REGIONS) of every kernel launch from here on."""
+def _record_launches(monkeypatch, flags=("FROM_REGIONS",)) -> list:
+    """(kernel name, *the values of ``flags``) of every kernel launch from here on."""
     from timm_flashwin.kernels import launch
     launches, wrap = [], launch.wrap_triton
 
@@ -248,7 +248,7 @@ def _record_launches(monkeypatch) -> list:
         class Recorded:
             def __getitem__(self, grid):
                 def run(*args, **kwargs):
-                    launches.append((kernel.__name__, kwargs.get("FROM_REGIONS")))
+                    launches.append((kernel.__name__, *(kwargs.get(flag) for flag in flags)))
                     return launcher[grid](*args, **kwargs)
                 return run
         return Recorded()
@@ -307,8 +307,7 @@ def test_inference_tensors_are_not_kept_on(dtype, monkeypatch):
     case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=dtype, device=KERNEL_DEVICE)
     with torch.inference_mode():
         bias, mask = case.bias.clone(), case.mask.clone()
-        outs = [window_attention(case.qkv, 3, bias=bias, mask=mask, scale=case.scale)
-                for _ in range(2)]
+        outs = [window_attention(case.qkv, 3, bias=bias, mask=mask, scale=case.scale) for _ in range(2)]
     assert (len(found), len(copies)) == ((2, 0) if dtype == torch.float32 else (0, 2))
     assert torch.equal(outs[0], outs[1])
     assert "_flashwin_streamed_bias" not in bias.__dict__ and "_flashwin_mask_structure" not in mask.__dict__
@@ -500,22 +499,7 @@ def test_16bit_streaming_kernels_read_the_mask_folded_into_the_bias(cosine, with
     mask[0, 3, ::2] = -1e9
     mask[1, 5, :] = float("-inf")
     case.mask = mask
-    launches = []
-    from timm_flashwin.kernels import launch
-    wrap = launch.wrap_triton
-
-    def recording(kernel):
-        launcher = wrap(kernel)
-
-        class Recorded:
-            def __getitem__(self, grid):
-                def run(*args, **kwargs):
-                    launches.append((kernel.__name__, kwargs.get("HAS_MASK"), kwargs.get("MASK_REGIONS")))
-                    return launcher[grid](*args, **kwargs)
-                return run
-        return Recorded()
-
-    monkeypatch.setattr(launch, "wrap_triton", recording)
+    launches = _record_launches(monkeypatch, ("HAS_MASK", "MASK_REGIONS"))
     results = forward_backward(window_attention, case)
     streaming = [name for name, has_mask, regions in launches if regions is not None]
     assert streaming == ["window_attention_fwd_kernel", "window_attention_bwd_dkdv_kernel"] + (
