@@ -23,7 +23,7 @@ from common import write_json  # noqa: E402
 from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
 from timm_flashwin.kernels.launch import (attention_backward, attention_forward, dq_by_atomic_adds,  # noqa: E402
-                                          folds_mask)
+                                          reads_mask_apart)
 from timm_flashwin.op import _direct_launches  # noqa: E402
 
 
@@ -147,8 +147,8 @@ def main() -> None:
         logit_scale = inp["logit_scale"].detach() if cosine else None  # (H,): the kernels clamp and exponentiate
         key = (which, n, head_dim, torch.bfloat16, cosine)
         if which == "fwd":  # as the launcher picks it: the mask folded into the bias copy or read
-            reads_mask = mask is not None and not folds_mask(torch.bfloat16, heads, mask.shape[0], n)
-            base = config.forward_config(n, head_dim, torch.bfloat16, cosine, False, reads_mask)
+            base = config.forward_config(n, head_dim, torch.bfloat16, cosine, False,
+                                         reads_mask_apart(mask, torch.bfloat16, heads, n))
         else:
             base = config.backward_config(n, head_dim, torch.bfloat16, cosine)
         kernels = [fwd_kernels.window_attention_fwd_kernel] if which == "fwd" else [

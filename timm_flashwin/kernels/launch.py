@@ -129,6 +129,12 @@ def folds_mask(dtype: torch.dtype, num_heads: int, num_periods: int, n: int) -> 
     return dtype != torch.float32 and 2 * num_periods * num_heads * n * n <= config.FOLDED_MASK_MAX_BYTES
 
 
+def reads_mask_apart(mask: Optional[torch.Tensor], dtype: torch.dtype, num_heads: int, n: int) -> bool:
+    """Whether the kernels that stream key blocks read a mask of their own: there is one and
+    it is not folded into their bias copy (``folds_mask``)."""
+    return mask is not None and not folds_mask(dtype, num_heads, mask.shape[0], n)
+
+
 def streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], dtype: torch.dtype, num_heads: int
                   ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], bool]:
     """(bias, mask, BIAS_LOG2E) as the kernels that stream key blocks read them.
@@ -252,7 +258,7 @@ def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, m
     """Whether a kernel of either pass streams key blocks over a mask that it reads itself
     (float32 inputs; 16-bit inputs read it folded into the bias, ``streamed_bias``), and so
     uses its region ids (``mask_structure``), which the forward then computes for both passes."""
-    return (config.MASK_REGIONS and mask is not None and not folds_mask(dtype, num_heads, mask.shape[0], n)
+    return (config.MASK_REGIONS and reads_mask_apart(mask, dtype, num_heads, n)
             and streams_key_blocks(n, head_dim, dtype, cosine))
 
 
@@ -312,8 +318,8 @@ def attention_forward(
     one-element int64 tensor, with dropout_p > 0."""
     num_windows, n, channels = qkv.shape
     head_dim = channels // (3 * num_heads)
-    reads_mask = mask is not None and not folds_mask(qkv.dtype, num_heads, mask.shape[0], n)
-    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine, dropout_p > 0, reads_mask)
+    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine, dropout_p > 0,
+                                  reads_mask_apart(mask, qkv.dtype, num_heads, n))
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
     used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads)
     if used:
