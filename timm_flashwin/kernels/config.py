@@ -72,7 +72,7 @@ MASK_REGIONS = True
 #: beyond it they read the mask's region ids. H200, bf16, the whole op (bench_op.py, 3
 #: alternated rounds, 2026-11-24): copies of 2.6 MB (window 12) and 6.3 MB (window 16)
 #: took f+b 12% and 6% off (V1); one of 42.5 MB (window 24, (256, 4, 576, 32)) still took
-#: 2% (V1) and 4% (cosine) off the f+b but made the forward 3% slower (the copy, 20 us)
+#: 2% (V1) and 4% (cosine) off the f+b but made the forward 3% slower (the copy)
 #: and the f+b's peak 37.6 MiB higher, above FlexAttention's.
 FOLDED_MASK_MAX_BYTES = 16 << 20
 
