@@ -35,9 +35,9 @@ both paths give bit-for-bit reproducible gradients.
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
-                    load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma, normalize_backward, row_norms, scores,
-                    store_rows, window_in_one_region, window_run)
+from .tiles import (LOG2E, dropout_factor, head_scale, key_scaled_scores, load_bias_mask, load_bias_mask_either,
+                    load_mask_regions, load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma, normalize_backward,
+                    qk_product, row_norms, store_rows, window_in_one_region, window_run)
 
 
 @triton.jit
@@ -46,15 +46,23 @@ def softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum,
                           COSINE: tl.constexpr, FP32_DOT: tl.constexpr, ROW_COMPLETE: tl.constexpr,
                           HAS_DROPOUT: tl.constexpr):
     """Recompute one (query block, key block) tile of window-head ``bh``; returns
-    (P, P as applied to V (dropped and rescaled with dropout, else P), dZ, R), fp32.
+    (P, P as applied to V (dropped and rescaled with dropout, else P), dZ, T), fp32.
 
-    q and k come from ``load_qk``; R = Q^ K^^T is the raw score product. P comes from
-    the forward's row statistics (row max, 1 / row sum), or, with ROW_COMPLETE (the tile
-    holds whole rows), from a softmax over the tile itself, which also gives
-    rowsum(P * dP); the statistics and ``delta`` are then ignored.
+    q and k come from ``load_qk``. T is the score product without its rows' factor: Q K^T
+    for V1, and for cosine attention T = R diag(max(||q||, eps)) (``key_scaled_scores``;
+    R = Q^ K^^T = diag(q_inv) T), whose rows' factor q_inv times the scale rides on the
+    multiply-add that adds the bias, as in the forward: two operations per logit, not
+    three (``scale_grad_terms`` takes T and q_inv). P comes from the forward's row
+    statistics (row max, 1 / row sum), or, with ROW_COMPLETE (the tile holds whole rows),
+    from a softmax over the tile itself, which also gives rowsum(P * dP); the statistics
+    and ``delta`` are then ignored.
     """
-    raw = scores(q_in, q_inv, k_in, k_inv, COSINE, FP32_DOT)
-    logits = raw * logit_scale2 + bias_mask
+    if COSINE:
+        key_scaled = key_scaled_scores(q_in, k_in, k_inv, FP32_DOT)
+        logits = key_scaled * (q_inv * logit_scale2)[:, None] + bias_mask
+    else:
+        key_scaled = qk_product(q_in, k_in, FP32_DOT)
+        logits = key_scaled * logit_scale2 + bias_mask
     if ROW_COMPLETE:
         # A fully masked row: max -inf, shifted by 0, sum 0, P = 0/0 = NaN as in the reference.
         row_max = tl.max(logits, 1)
@@ -72,7 +80,7 @@ def softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum,
     if ROW_COMPLETE:
         delta = tl.sum(p * dp, 1)
     ds = p * (dp - delta[:, None])
-    return p, p_v, ds, raw
+    return p, p_v, ds, key_scaled
 
 
 @triton.jit
@@ -116,18 +124,21 @@ def store_dq(dq_acc, s, q_in, q_inv, q_norm, dq_base, rows, dims, stride_n, stri
 
 
 @triton.jit
-def scale_grad_terms(ds, raw, rbar):
+def scale_grad_terms(ds, key_scaled, q_inv, rbar_t):
     """Per row of a tile, sum_j dZ_ij (R_ij - rbar_i), with rbar_i = sum_j P_ij R_ij the row's
-    P-weighted mean score (saved by the forward): summed over all tiles, d(head scale).
-    Equal to sum dZ R since sum_j dZ_ij = 0, but insensitive to the rounding of delta
-    (rowsum(dO * O) is not bit-equal to rowsum(P * dP)), which the cancelling sum of a
-    large logit scale would otherwise amplify."""
-    return tl.sum(ds * (raw - rbar[:, None]), 1)
+    P-weighted mean score: summed over all tiles, d(head scale). Equal to sum dZ R since
+    sum_j dZ_ij = 0, but insensitive to the rounding of delta (rowsum(dO * O) is not
+    bit-equal to rowsum(P * dP)), which the cancelling sum of a large logit scale would
+    otherwise amplify. From T = diag(1 / q_inv) R (``softmax_backward_tile``) and the
+    forward's rbar_t = rbar / q_inv = sum_j P_ij T_ij (``load_rbar``):
+    q_inv_i sum_j dZ_ij (T_ij - rbar_t_i); 0 on padded rows (q_inv and rbar_t load 0)."""
+    return tl.sum(ds * (key_scaled - rbar_t[:, None]), 1) * q_inv
 
 
 @triton.jit
 def load_rbar(stats_ptr, bh, rows, stats_stride, N: tl.constexpr):
-    """The forward's rbar (stats[2]) of the rows of window-head ``bh``, 0 on padded rows."""
+    """The forward's rbar / q_inv (stats[2]) of the rows of window-head ``bh``, 0 on padded
+    rows."""
     return tl.load(stats_ptr + 2 * stats_stride + bh * N + rows, mask=rows < N, other=0.0)
 
 
@@ -175,7 +186,7 @@ def window_attention_bwd_fused_kernel(
         v = load_rows(v_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, idx, dims,
                        stride_dout_n, stride_dout_c, N, D)
-        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, s, s, s, bias_mask, s * LOG2E,
+        p, p_v, ds, key_scaled = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, s, s, s, bias_mask, s * LOG2E,
                                                 seed, b * H + h, idx, idx, dropout_p, N,
                                                 COSINE, FP32_DOT, True, HAS_DROPOUT)
         ds_lowp = ds.to(q_lowp.dtype)
@@ -192,7 +203,7 @@ def window_attention_bwd_fused_kernel(
         if BIAS_GRAD:
             dbias_acc += ds
         if SCALE_GRAD:
-            dscale_acc += tl.sum(ds * raw, 1)
+            dscale_acc += tl.sum(ds * key_scaled, 1) * q_inv  # sum_j dZ_ij R_ij
 
     if BIAS_GRAD:
         ptrs = dbias_partial_ptr + ((group * H + h) * N + idx[:, None]) * N + idx[None, :]
@@ -457,9 +468,9 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
                                stride_bias_h, stride_bias_i, stride_bias_j,
                                stride_mask_w, stride_mask_i, stride_mask_j,
                                N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
-    p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
-                                            bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
-                                            COSINE, FP32_DOT, False, HAS_DROPOUT)
+    p, p_v, ds, key_scaled = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
+                                                   bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
+                                                   COSINE, FP32_DOT, False, HAS_DROPOUT)
     ds_lowp = ds.to(q_in.dtype)
     dv_acc = mma(tl.trans(p_v.to(do.dtype)), do, dv_acc, FP32_DOT)
     if COSINE:  # dZ^T Q^ = (diag(1 / max(||q||, eps)) dZ)^T Q
@@ -473,7 +484,7 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
                       mask=(rows[:, None] < N) & (dims[None, :] < D), sem="relaxed")
     dscale = 0.0
     if SCALE_GRAD:
-        dscale = tl.sum(scale_grad_terms(ds, raw, rbar), 0)
+        dscale = tl.sum(scale_grad_terms(ds, key_scaled, q_inv, rbar), 0)
     if DBIAS_ATOMIC:
         slot = b % num_slots
         tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :], ds,
@@ -540,12 +551,12 @@ def window_attention_bwd_dq_kernel(
                                        stride_bias_h, stride_bias_i, stride_bias_j,
                                        stride_mask_w, stride_mask_i, stride_mask_j,
                                        N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
-            p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
-                                                    bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
-                                                    COSINE, FP32_DOT, False, HAS_DROPOUT)
+            p, p_v, ds, key_scaled = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum,
+                                                           delta, bias_mask, s * LOG2E, seed, bh, rows, cols,
+                                                           dropout_p, N, COSINE, FP32_DOT, False, HAS_DROPOUT)
             dq_acc = mma(ds.to(k_lowp.dtype), k_lowp, dq_acc, FP32_DOT)
             if SCALE_GRAD:
-                dscale_rows += scale_grad_terms(ds, raw, rbar)
+                dscale_rows += scale_grad_terms(ds, key_scaled, q_inv, rbar)
 
         store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
                  stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
@@ -639,9 +650,9 @@ def window_attention_bwd_dbias_kernel(
         v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                        stride_dout_n, stride_dout_c, N, D)
-        p, p_v, ds, raw = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
-                                                bias_mask, logit_scale2, seed, bh, rows, cols, dropout_p, N,
-                                                COSINE, FP32_DOT, False, HAS_DROPOUT)
+        p, p_v, ds, _ = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
+                                              bias_mask, logit_scale2, seed, bh, rows, cols, dropout_p, N,
+                                              COSINE, FP32_DOT, False, HAS_DROPOUT)
         dbias_acc += ds
 
     inside = (rows[:, None] < N) & (cols[None, :] < N)

@@ -11,8 +11,8 @@ product with V is dropped (O = (P * keep / (1 - p)) V, as timm's attn_drop appli
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, mask_kind_launch, mma,
-                    row_norms, scores, store_rows, window_in_one_region, window_run)
+from .tiles import (LOG2E, dropout_factor, head_scale, key_scaled_scores, load_bias_mask, load_qk, load_rows,
+                    mask_kind_launch, mma, qk_product, row_norms, store_rows, window_in_one_region, window_run)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
@@ -35,9 +35,10 @@ def window_attention_fwd_kernel(
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
     row max of the log2 logits, stats[1] 1 / sum(exp2(logits - max)), each (B_, H, N),
     and for cosine attention stats[2] the rows' P-weighted mean score
-    rbar_i = sum_j P_ij R_ij (R = Q^ K^^T, undropped P), which centers the logit-scale
-    gradient (``backward.scale_grad_terms``), and stats[3] the rows' 1 / max(||q_i||, eps)
-    (the dkdv kernel reads them rather than computing them at each of its tiles).
+    rbar_i = sum_j P_ij R_ij (R = Q^ K^^T, undropped P) divided by q_inv_i, which centers
+    the logit-scale gradient (``backward.scale_grad_terms``), and stats[3] q_inv_i, the
+    rows' 1 / max(||q_i||, eps) (the dkdv kernel reads them rather than computing them at
+    each of its tiles).
     Two numbers rather than one log-sum-exp: Z - max is exact where Z - lse would carry
     the rounding of lse (~1e-5 relative in P at logits ~100), which the cancelling sum
     of the logit-scale gradient amplifies."""
@@ -165,7 +166,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
 @triton.jit
 def softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """The online softmax's state before a window's first key block: (row max m = -inf,
-    row sum l, r (cosine: sum_j P R times the scale, as l sums P), output sum acc)."""
+    row sum l, r (cosine: sum_j P T, T = R times the row's norm, as l sums P), output sum acc)."""
     return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
             tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M, BLOCK_D), tl.float32))
 
@@ -182,11 +183,14 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
     v_base = k_base + (H * D) * stride_qkv_c
     k_in, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
     v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
-    if COSINE:  # the scale rides on the rows' inverse norms: one multiply per logit fewer
-        scaled = scores(q_in, q_scale, k_in, k_inv, COSINE, FP32_DOT)
-        logits = scaled + bias_mask
+    if COSINE:
+        # T = R diag(||q||): the rows' factor (their inverse norms times the scale, q_scale)
+        # rides on the multiply-add that adds the bias, and r sums P T, its rows' factor
+        # applied once per window (``store_rows_and_stats``): two operations per logit, not three
+        key_scaled = key_scaled_scores(q_in, k_in, k_inv, FP32_DOT)
+        logits = key_scaled * q_scale[:, None] + bias_mask
     else:
-        logits = scores(q_in, q_scale, k_in, k_inv, COSINE, FP32_DOT) * logit_scale2 + bias_mask
+        logits = qk_product(q_in, k_in, FP32_DOT) * logit_scale2 + bias_mask
     # A row whose logits so far are all -inf keeps m = -inf; it is shifted by 0 instead so
     # that exp2 gives 0, not NaN, until a finite logit comes.
     m_new = tl.maximum(m_i, tl.max(logits, 1))
@@ -195,7 +199,7 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
     p = tl.exp2(logits - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if STORE_STATS and COSINE:
-        r_i = r_i * alpha + tl.sum(p * scaled, 1)
+        r_i = r_i * alpha + tl.sum(p * key_scaled, 1)
     if HAS_DROPOUT:
         p = p * dropout_factor(seed, bh, rows, key_rows, dropout_p, N)
     acc = mma(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
@@ -217,6 +221,6 @@ def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, logit_sc
         tl.store(stats, tl.where(m_i == float("-inf"), 0.0, m_i), mask=rows < N)
         tl.store(stats + num_windows * H * N, 1.0 / l_i, mask=rows < N)
         if COSINE:
-            rbar = tl.where(l_i == 0.0, 0.0, r_i / l_i) / logit_scale2
+            rbar = tl.where(l_i == 0.0, 0.0, r_i / l_i)  # in units of T (``softmax_step``): rbar_i / q_inv_i
             tl.store(stats + 2 * num_windows * H * N, rbar, mask=rows < N)
             tl.store(stats + 3 * num_windows * H * N, q_inv, mask=rows < N)

@@ -4,9 +4,10 @@ Conventions used by every kernel:
 
 * qkv is read in the layout the qkv linear produced, (B_, N, 3, H, D) flattened to
   (B_, N, 3*H*D), through its (batch, token, channel) strides: no permute copy.
-* Logits are kept in the log2 domain, Z2 = (s * R + B + M) * log2(e) with the raw
-  product R = Q^ K^^T (``scores``), so that the softmax uses ``exp2``. R stays available
-  to the backward, which needs sum(dZ * R) for the gradient of the cosine scale s.
+* Logits are kept in the log2 domain, Z2 = (s * R + B + M) * log2(e) with the score
+  product R = Q K^T (V1, ``qk_product``) or Q^ K^^T (cosine, ``key_scaled_scores``), so
+  that the softmax uses ``exp2``. R stays available to the backward, which needs
+  sum(dZ * R) for the gradient of the cosine scale s.
 * Padded rows/columns (N is not a power of two) load as 0; padded key columns get a
   logit of -inf so they take no probability.
 * Attention dropout draws one Philox number per probability P[b, h, i, j] from a seed
@@ -40,25 +41,28 @@ def mma(a, b, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def scores(q_in, q_inv, k_in, k_inv, COSINE: tl.constexpr, FP32_DOT: tl.constexpr):
-    """The raw score product R = Q^ K^^T of one tile, fp32, from the q and k tiles as
-    loaded (``load_qk``).
-
-    V1 multiplies the input-dtype operands, as timm does. Cosine attention multiplies
-    the unnormalized inputs too and scales the product by both rows' inverse norms,
-    R_ij = (q_i . k_j) / max(||q_i||, eps) / max(||k_j||, eps): a product of two bf16 or fp16
-    numbers is exact in fp32, so R is as precise as the fp32 accumulation (about 2^-22
-    of ||q|| ||k||), one tensor-core product. Normalizing first would round q^ and k^ to
-    the operand dtype, and the logit scale (up to 100) would turn that rounding
-    (2^-9 in bf16) into logit errors of 0.05 to 0.2.
-    """
+def qk_product(q_in, k_in, FP32_DOT: tl.constexpr):
+    """Q K^T of one tile, fp32, from the q and k tiles as loaded (``load_qk``): V1's score
+    product, in the input dtype's operands as timm multiplies them."""
     if FP32_DOT:
-        raw = tl.dot(q_in.to(tl.float32), tl.trans(k_in.to(tl.float32)), input_precision="ieee")
+        return tl.dot(q_in.to(tl.float32), tl.trans(k_in.to(tl.float32)), input_precision="ieee")
     else:
-        raw = tl.dot(q_in, tl.trans(k_in))
-    if COSINE:
-        raw = raw * q_inv[:, None] * k_inv[None, :]
-    return raw
+        return tl.dot(q_in, tl.trans(k_in))
+
+
+@triton.jit
+def key_scaled_scores(q_in, k_in, k_inv, FP32_DOT: tl.constexpr):
+    """T_ij = (q_i . k_j) / max(||k_j||, eps) of one tile, fp32: the cosine scores
+    R_ij = T_ij / max(||q_i||, eps) without their rows' factor, which the callers fold into
+    the multiply-add that adds the bias (times the scale) and apply to row sums of T.
+
+    From the unnormalized inputs as loaded: a product of two bf16 or fp16 numbers is exact
+    in fp32, so R is as precise as the fp32 accumulation (about 2^-22 of ||q|| ||k||), one
+    tensor-core product. Normalizing first would round q^ and k^ to the operand dtype,
+    and the logit scale (up to 100) would turn that rounding (2^-9 in bf16) into logit
+    errors of 0.05 to 0.2.
+    """
+    return qk_product(q_in, k_in, FP32_DOT) * k_inv[None, :]
 
 
 @triton.jit
@@ -78,7 +82,7 @@ def store_rows(ptr, value, rows, cols, stride_row, stride_col, N: tl.constexpr, 
 def load_qk(ptr, rows, cols, stride_n, stride_c, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr):
     """A query or key tile as the kernels use it: (x, lowp, inv, norm).
 
-    x is the tile as loaded (input dtype), the operand of the scores (``scores``). For
+    x is the tile as loaded (input dtype), the operand of the scores (``qk_product``). For
     cosine attention inv = 1 / max(||x||, eps) and norm = ||x|| per row, and lowp is
     x^ = x / max(||x||, eps) in the input dtype; for V1 lowp is x, inv ones and norm
     zeros. lowp is the operand of the gradient products.
