@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from timm_flashwin.kernels import backward, config
 from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel
-from timm_flashwin.kernels.launch import folds_mask, launch_options
+from timm_flashwin.kernels.launch import compiler_options, folds_mask, launch_options
 from timm_flashwin.op import _direct_launches
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -122,7 +122,9 @@ def build_bias_copy() -> None:
     source = ASTSource(fn=float16_bias_copy_kernel, signature=types,
                        constexprs=dict(HAS_BIAS=True, HAS_MASK=True, BLOCK=1024),
                        attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
-    _report(float16_bias_copy_kernel, triton.compile(source, target=TARGET, options=dict(num_warps=4)))
+    with _direct_launches():
+        options = compiler_options()
+    _report(float16_bias_copy_kernel, triton.compile(source, target=TARGET, options=options))
 
 
 def main() -> int:

@@ -257,6 +257,20 @@ def _record_launches(monkeypatch, flags=("FROM_REGIONS",)) -> list:
     return launches
 
 
+def test_eager_launches_ask_for_fma_contraction(monkeypatch):
+    """Every kernel of an eager forward + backward, the float16 bias copy included, is
+    launched with ``enable_fp_fusion=True`` (``launch.compiler_options``): the kernels were
+    measured and their precision stated with multiply-adds contracted, which Triton stops
+    doing by default from 3.10."""
+    case = make_case(4, 2, 3, 144, 16, cosine=True, masked=True, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    launches = _record_launches(monkeypatch, ("enable_fp_fusion",))
+    forward_backward(window_attention, case)
+    kernels = {name for name, _ in launches}
+    assert {"float16_bias_copy_kernel", "window_attention_fwd_kernel", "window_attention_bwd_delta_kernel",
+            "window_attention_bwd_dkdv_kernel"} <= kernels, kernels
+    assert all(fusion is True for _, fusion in launches), launches
+
+
 @pytest.mark.parametrize("structured", [True, False], ids=["timm-mask", "dense-mask"])
 def test_eager_calls_launch_only_the_build_of_the_masks_kind(structured, monkeypatch):
     """The kernels that stream key blocks are built once per kind of mask. The first eager

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import compiler_options
 from .tiles import dropout_factor
 
 _BLOCK = 32
@@ -31,5 +32,6 @@ def dropout_factors(seed: torch.Tensor, num_windows: int, num_heads: int, n: int
     they drop it, for the one-element int64 ``seed`` the op drew."""
     out = torch.empty((num_windows, num_heads, n, n), dtype=torch.float32, device=seed.device)
     blocks = triton.cdiv(n, _BLOCK)
-    dropout_factor_kernel[(num_windows * num_heads, blocks, blocks)](seed, out, dropout_p, N=n, BLOCK=_BLOCK)
+    dropout_factor_kernel[(num_windows * num_heads, blocks, blocks)](seed, out, dropout_p, N=n, BLOCK=_BLOCK,
+                                                                     **compiler_options())
     return out

@@ -38,8 +38,23 @@ else:
     _traced_launch = getattr(getattr(torch._library, "triton", None), "is_wrap_triton_enabled", lambda: True)
 
 
+def compiler_options(num_warps: int = 4) -> dict:
+    """Warps and, where the kernel is launched directly, ``enable_fp_fusion=True``: the
+    kernels were written and measured with the compiler contracting a multiply and an add
+    into one FMA (one instruction per logit fewer in several places; the precision notes
+    assume its single rounding), which Triton did by default up to 3.9 and says it will
+    not from 3.10 (it warns where a launch leaves the option unset). Traced launches
+    (torch.compile) go without it: inductor takes a user kernel's warps and stages only,
+    and compiles it with the Triton default."""
+    options = dict(num_warps=num_warps)
+    if not _traced_launch():
+        options["enable_fp_fusion"] = True
+    return options
+
+
 def launch_options(tiles: config.LaunchConfig, dropout: bool) -> dict:
-    """Warps, stages and, where the kernel is launched directly, the register cap.
+    """Warps, stages and, where the kernel is launched directly, the register cap and FMA
+    contraction (``compiler_options``).
 
     A launch traced for torch.compile ends in inductor's own launcher, which takes a user
     kernel's warps and stages but not ``maxnreg`` (torch 2.11 to 2.14: config_to_dict
@@ -48,7 +63,7 @@ def launch_options(tiles: config.LaunchConfig, dropout: bool) -> dict:
     registers live, and under the cap 0.4 to 2.2 KB per thread would spill (sm_90 build,
     tests/sm90_build.py).
     """
-    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    options = dict(compiler_options(tiles.num_warps), num_stages=tiles.num_stages)
     if tiles.maxnreg is not None and not dropout and not _traced_launch():
         options["maxnreg"] = tiles.maxnreg
     return options
@@ -116,7 +131,7 @@ def _log2e_float16_copy(bias: Optional[torch.Tensor], mask: Optional[torch.Tenso
     wrap_triton(float16_bias_copy_kernel)[(-(-out.numel() // block),)](
         bias if bias is not None else mask, mask if mask is not None else bias, out, out.numel(), n, heads,
         *(bias.stride() if bias is not None else (0, 0, 0)), *(mask.stride() if mask is not None else (0, 0, 0)),
-        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK=block, num_warps=4,
+        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK=block, **compiler_options(),
     )
     return out
 
@@ -474,6 +489,7 @@ def attention_backward(
         out, dout, delta, dq_acc, dbias_sums, dbias_sums.numel(), -(-dbias_sums.numel() // delta_programs), dscale,
         *out.stride(), *dout.stride(), H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m,
         BLOCK_D=tiles.block_d, DQ_ATOMIC=dq_atomic, ZERO_SUMS=sums > 0, ZERO_SCALE_SUMS=scale_grad and dq_atomic,
+        **compiler_options(),
     )
     # the dkdv kernel's programs: (key block, head, mask window, run of windows); one window
     # per program without the flat loop
@@ -494,7 +510,8 @@ def attention_backward(
     if dq_atomic:
         wrap_triton(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](
             qkv, logit_scale_ptr, dq_acc, dqkv, scale, *qkv.stride(), *dqkv.stride(),
-            H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d, COSINE=cosine, num_warps=4,
+            H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d, COSINE=cosine,
+            **compiler_options(),
         )
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
@@ -543,7 +560,7 @@ def relative_bias_gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tens
     block_p = max(16, (8192 if config.INTERPRET else 2048) // block_h)
     wrap_triton(relative_bias_gather_kernel)[(-(-(n * n) // block_p),)](
         table, index.reshape(-1), out, n * n, *table.stride(), out.stride(0),
-        H=heads, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4,
+        H=heads, BLOCK_P=block_p, BLOCK_H=block_h, **compiler_options(),
     )
     return out
 
@@ -570,6 +587,6 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
         block_t, block_j = 4, min(256, max(32, 4096 // block_h))
     wrap_triton(relative_bias_table_grad_kernel)[(-(-num_rows // block_t),)](
         grad, order, offsets, out, num_rows, grad.stride(0), *out.stride(),
-        H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, num_warps=4,
+        H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, **compiler_options(),
     )
     return out
