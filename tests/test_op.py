@@ -699,6 +699,29 @@ def test_eager_path_equals_the_operator(cosine, monkeypatch):
         grad.sum().backward()
 
 
+@pytest.mark.parametrize("n", [16, 144], ids=["one-tile", "multi-block"])
+def test_eager_forward_without_gradients_skips_autograd(n, monkeypatch):
+    """Where nothing can take a gradient (no_grad, or no input requiring one) the eager
+    forward runs without a torch.autograd.Function (host time of small inference calls):
+    no autograd node, and the output bit-equal to the forward that saves statistics for a
+    backward."""
+    from timm_flashwin import op
+    case = make_case(4, 2, 3, n, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    applied = []
+    real_apply = op._EagerWindowAttention.apply
+    monkeypatch.setattr(op._EagerWindowAttention, "apply", lambda *a: applied.append(1) or real_apply(*a))
+    qkv = case.qkv.detach().requires_grad_()
+    with_grad = window_attention(qkv, 3, **case.kwargs())
+    assert applied and with_grad.grad_fn is not None
+    applied.clear()
+    with torch.no_grad():
+        no_grad = window_attention(qkv, 3, **case.kwargs())
+    plain = window_attention(case.qkv.detach(), 3, **{k: v.detach() if isinstance(v, torch.Tensor) else v
+                                                     for k, v in case.kwargs().items()})
+    assert not applied and no_grad.grad_fn is None and plain.grad_fn is None
+    assert torch.equal(no_grad, with_grad.detach()) and torch.equal(plain, with_grad.detach())
+
+
 def test_fake_tensors_take_the_operator():
     """Under FakeTensorMode (shape propagation, memory estimates) the registered
     operator's fake implementation answers; no kernel runs."""

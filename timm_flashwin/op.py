@@ -175,6 +175,12 @@ class _EagerWindowAttention(torch.autograd.Function):
             return _input_grads(_backward_impl, ctx, grad_out)
 
 
+def _eager_forward_without_grad(*inputs):
+    """The forward where nothing takes a gradient (``save_stats`` False), launched directly."""
+    with _direct_launches():
+        return _forward_impl(*inputs)
+
+
 #: Tensor types that dispatch as plain tensors: nn.Parameter disables __torch_function__
 #: (a Swin V1 bias table is one; taking it for a subclass sent every eager call of the
 #: bias gather through the operator dispatch: 0.75 ms of host time per layer and training
@@ -322,7 +328,14 @@ def window_attention(
         logit_scale = logit_scale.reshape(num_heads).contiguous()  # read as logit_scale_ptr + h
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed(qkv.device) if dropout_p > 0 else None
-    forward = _EagerWindowAttention.apply if _dispatch_free(qkv) else window_attention_fwd
+    if not _dispatch_free(qkv):
+        forward = window_attention_fwd
+    elif save_stats:
+        forward = _EagerWindowAttention.apply
+    else:
+        # nothing can take a gradient: no autograd node, and so no torch.autograd.Function
+        # (its apply costs host time, which small eager inference calls are bound by)
+        forward = _eager_forward_without_grad
     out, _stats, _regions, _mask_info = forward(
         qkv, num_heads, bias, mask, logit_scale, float(scale) if scale is not None else 1.0, logit_scale is not None,
         dropout_p, seed, save_stats)
