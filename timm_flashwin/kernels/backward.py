@@ -186,9 +186,9 @@ def window_attention_bwd_fused_kernel(
         v = load_rows(v_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, idx, dims,
                        stride_dout_n, stride_dout_c, N, D)
-        p, p_v, ds, key_scaled = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, s, s, s, bias_mask, s * LOG2E,
-                                                seed, b * H + h, idx, idx, dropout_p, N,
-                                                COSINE, FP32_DOT, True, HAS_DROPOUT)
+        p, p_v, ds, key_scaled = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, s, s, s, bias_mask,
+                                                       s * LOG2E, seed, b * H + h, idx, idx, dropout_p, N,
+                                                       COSINE, FP32_DOT, True, HAS_DROPOUT)
         ds_lowp = ds.to(q_lowp.dtype)
         dv = mma(tl.trans(p_v.to(do.dtype)), do, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)
         dq_acc = mma(ds_lowp, k_lowp, tl.zeros((BLOCK_N, BLOCK_D), tl.float32), FP32_DOT)

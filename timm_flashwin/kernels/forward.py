@@ -133,7 +133,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                 rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
                 H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT)
             if start_n + BLOCK_N >= N:  # the window's last key block: its rows are done
-                store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, logit_scale2, b, h, rows, dims,
+                store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, h, rows, dims,
                                      stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
                                      H, N, D, COSINE, STORE_STATS)
                 # the next window's softmax starts afresh (new values, not products with 0, so
@@ -158,7 +158,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                     q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                     rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
                     H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT)
-            store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, logit_scale2, b, h, rows, dims,
+            store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, h, rows, dims,
                                  stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
                                  H, N, D, COSINE, STORE_STATS)
 
@@ -207,7 +207,7 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
 
 
 @triton.jit
-def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, logit_scale2, b, h, rows, dims,
+def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, h, rows, dims,
                          stride_out_b, stride_out_n, stride_out_c, num_windows,
                          H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr,
                          STORE_STATS: tl.constexpr):
