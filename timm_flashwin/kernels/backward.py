@@ -59,10 +59,10 @@ def softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum,
     """
     if COSINE:
         key_scaled = key_scaled_scores(q_in, k_in, k_inv, FP32_DOT)
-        logits = key_scaled * (q_inv * logit_scale2)[:, None] + bias_mask
+        logits = tl.fma(key_scaled, (q_inv * logit_scale2)[:, None], bias_mask)
     else:
         key_scaled = qk_product(q_in, k_in, FP32_DOT)
-        logits = key_scaled * logit_scale2 + bias_mask
+        logits = tl.fma(key_scaled, logit_scale2, bias_mask)
     if ROW_COMPLETE:
         # A fully masked row: max -inf, shifted by 0, sum 0, P = 0/0 = NaN as in the reference.
         row_max = tl.max(logits, 1)

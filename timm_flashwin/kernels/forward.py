@@ -188,9 +188,9 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
         # rides on the multiply-add that adds the bias, and r sums P T, its rows' factor
         # applied once per window (``store_rows_and_stats``): two operations per logit, not three
         key_scaled = key_scaled_scores(q_in, k_in, k_inv, FP32_DOT)
-        logits = key_scaled * q_scale[:, None] + bias_mask
+        logits = tl.fma(key_scaled, q_scale[:, None], bias_mask)
     else:
-        logits = qk_product(q_in, k_in, FP32_DOT) * logit_scale2 + bias_mask
+        logits = tl.fma(qk_product(q_in, k_in, FP32_DOT), logit_scale2, bias_mask)
     # A row whose logits so far are all -inf keeps m = -inf; it is shifted by 0 instead so
     # that exp2 gives 0, not NaN, until a finite logit comes.
     m_new = tl.maximum(m_i, tl.max(logits, 1))
