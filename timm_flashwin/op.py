@@ -5,7 +5,8 @@
 whose autograd formula calls ``timm_flashwin::window_attention_bwd``; both run the
 Triton kernels. In eager mode on plain tensors the same forward, backward and autograd
 formula run through a ``torch.autograd.Function`` instead, without the operator dispatch
-(``_EagerWindowAttention``). Elsewhere (plain CPU, float64) it computes ``reference.py``'s
+(``_EagerWindowAttention``), and where nothing can take a gradient the forward launches
+without it too (``_eager_forward_without_grad``). Elsewhere (plain CPU, float64) it computes ``reference.py``'s
 math with PyTorch autograd, with the same semantics.
 """
 from __future__ import annotations
