@@ -35,9 +35,9 @@ both paths give bit-for-bit reproducible gradients.
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, key_scaled_scores, load_bias_mask, load_bias_mask_either,
-                    load_mask_regions, load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma, normalize_backward,
-                    qk_product, row_norms, store_rows, window_in_one_region, window_run)
+from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
+                    load_qk, load_rows, logit_scale_grad, logits_tile, mask_kind_launch, mma, normalize_backward,
+                    row_norms, store_rows, window_in_one_region, window_run)
 
 
 @triton.jit
@@ -48,21 +48,15 @@ def softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum,
     """Recompute one (query block, key block) tile of window-head ``bh``; returns
     (P, P as applied to V (dropped and rescaled with dropout, else P), dZ, T), fp32.
 
-    q and k come from ``load_qk``. T is the score product without its rows' factor: Q K^T
-    for V1, and for cosine attention T = R diag(max(||q||, eps)) (``key_scaled_scores``;
-    R = Q^ K^^T = diag(q_inv) T), whose rows' factor q_inv times the scale rides on the
-    multiply-add that adds the bias, as in the forward: two operations per logit, not
-    three (``scale_grad_terms`` takes T and q_inv). P comes from the forward's row
+    q and k come from ``load_qk``; T and the logits from ``logits_tile``, as in the forward:
+    Q K^T for V1, and for cosine attention T = R diag(max(||q||, eps)), R = Q^ K^^T =
+    diag(q_inv) T (``scale_grad_terms`` takes T and q_inv). P comes from the forward's row
     statistics (row max, 1 / row sum), or, with ROW_COMPLETE (the tile holds whole rows),
     from a softmax over the tile itself, which also gives rowsum(P * dP); the statistics
     and ``delta`` are then ignored.
     """
-    if COSINE:
-        key_scaled = key_scaled_scores(q_in, k_in, k_inv, FP32_DOT)
-        logits = tl.fma(key_scaled, (q_inv * logit_scale2)[:, None], bias_mask)
-    else:
-        key_scaled = qk_product(q_in, k_in, FP32_DOT)
-        logits = tl.fma(key_scaled, logit_scale2, bias_mask)
+    key_scaled, logits = logits_tile(q_in, k_in, k_inv, q_inv * logit_scale2, logit_scale2, bias_mask, COSINE,
+                                     FP32_DOT)
     if ROW_COMPLETE:
         # A fully masked row: max -inf, shifted by 0, sum 0, P = 0/0 = NaN as in the reference.
         row_max = tl.max(logits, 1)

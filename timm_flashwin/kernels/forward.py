@@ -11,8 +11,8 @@ product with V is dropped (O = (P * keep / (1 - p)) V, as timm's attn_drop appli
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, key_scaled_scores, load_bias_mask, load_qk, load_rows,
-                    mask_kind_launch, mma, qk_product, row_norms, store_rows, window_in_one_region, window_run)
+from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, logits_tile,
+                    mask_kind_launch, mma, row_norms, store_rows, window_in_one_region, window_run)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
@@ -183,14 +183,8 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
     v_base = k_base + (H * D) * stride_qkv_c
     k_in, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
     v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
-    if COSINE:
-        # T = R diag(||q||): the rows' factor (their inverse norms times the scale, q_scale)
-        # rides on the multiply-add that adds the bias, and r sums P T, its rows' factor
-        # applied once per window (``store_rows_and_stats``): two operations per logit, not three
-        key_scaled = key_scaled_scores(q_in, k_in, k_inv, FP32_DOT)
-        logits = tl.fma(key_scaled, q_scale[:, None], bias_mask)
-    else:
-        logits = tl.fma(qk_product(q_in, k_in, FP32_DOT), logit_scale2, bias_mask)
+    # cosine: r sums P T, its rows' factor applied once per window (``store_rows_and_stats``)
+    key_scaled, logits = logits_tile(q_in, k_in, k_inv, q_scale, logit_scale2, bias_mask, COSINE, FP32_DOT)
     # A row whose logits so far are all -inf keeps m = -inf; it is shifted by 0 instead so
     # that exp2 gives 0, not NaN, until a finite logit comes.
     m_new = tl.maximum(m_i, tl.max(logits, 1))

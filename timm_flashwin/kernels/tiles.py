@@ -66,6 +66,26 @@ def key_scaled_scores(q_in, k_in, k_inv, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def logits_tile(q_in, k_in, k_inv, q_scale, logit_scale2, bias_mask, COSINE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """(T, Z2) of one tile, fp32: the score product as the backward's scale gradient and the
+    forward's mean score take it, and the log2-domain logits Z2 = T times its factor plus
+    ``bias_mask`` (``load_bias_mask``), one multiply-add per logit, written as ``tl.fma`` so
+    that it is contracted whatever the compile options. The forward and every backward
+    kernel compute their logits here, so that the backward's P is the forward's.
+
+    V1: T = Q K^T (``qk_product``), its factor ``logit_scale2`` (the scale times log2(e)).
+    Cosine: T = R diag(max(||q||, eps)) (``key_scaled_scores``), its factor ``q_scale``, the
+    rows' inverse norms times ``logit_scale2``, riding on the multiply-add: two operations
+    per logit, not three."""
+    if COSINE:
+        key_scaled = key_scaled_scores(q_in, k_in, k_inv, FP32_DOT)
+        return key_scaled, tl.fma(key_scaled, q_scale[:, None], bias_mask)
+    else:
+        qk = qk_product(q_in, k_in, FP32_DOT)
+        return qk, tl.fma(qk, logit_scale2, bias_mask)
+
+
+@triton.jit
 def load_rows(ptr, rows, cols, stride_row, stride_col, N: tl.constexpr, D: tl.constexpr):
     """(len(rows), len(cols)) tile of a (N, D) matrix; out-of-range entries read 0."""
     ptrs = ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
