@@ -58,10 +58,11 @@ def softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum,
     key_scaled, logits = logits_tile(q_in, k_in, k_inv, q_inv * logit_scale2, logit_scale2, bias_mask, COSINE,
                                      FP32_DOT)
     if ROW_COMPLETE:
-        # A fully masked row: max -inf, shifted by 0, sum 0, P = 0/0 = NaN as in the reference.
+        # A fully masked row: max -inf, shifted by 0, sum 0, P = 0 * inf = NaN as in the
+        # reference. One reciprocal per row, not a division per element (the forward's too).
         row_max = tl.max(logits, 1)
         p = tl.exp2(logits - tl.where(row_max == float("-inf"), 0.0, row_max)[:, None])
-        p = p / tl.sum(p, 1)[:, None]
+        p = p * (1.0 / tl.sum(p, 1))[:, None]
     else:
         p = tl.exp2(logits - row_max[:, None]) * row_inv_sum[:, None]
     dp = mma(do, tl.trans(v), tl.zeros(p.shape, tl.float32), FP32_DOT)

@@ -131,7 +131,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
             m_i, l_i, r_i, acc = softmax_step(
                 q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                 rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
-                H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT)
+                H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT, NUM_KEY_BLOCKS == 1)
             if start_n + BLOCK_N >= N:  # the window's last key block: its rows are done
                 store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, h, rows, dims,
                                      stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
@@ -157,7 +157,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                 m_i, l_i, r_i, acc = softmax_step(
                     q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                     rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
-                    H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT)
+                    H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT, NUM_KEY_BLOCKS == 1)
             store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, h, rows, dims,
                                  stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
                                  H, N, D, COSINE, STORE_STATS)
@@ -175,10 +175,15 @@ def softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, bh,
                  rows, key_rows, dims, stride_qkv_n, stride_qkv_c,
                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-                 STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                 STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, WHOLE_WINDOW: tl.constexpr):
     """One key block of the online softmax of FlashAttention: (m, l, r, acc) updated with the
     keys ``key_rows`` of the window whose q tile is ``q_in`` (at ``q_base`` in qkv); for
-    cosine attention q_scale is the rows' inverse norms times the scale (``tiles.row_norms``)."""
+    cosine attention q_scale is the rows' inverse norms times the scale (``tiles.row_norms``).
+
+    WHOLE_WINDOW: the block holds all the window's keys, and (m, l, r, acc) are
+    ``softmax_start``'s: the plain softmax, without the rescaling of a previous state by
+    exp2(-inf) = 0 (a multiply per output element and an exp2 per row fewer; the same
+    values)."""
     k_base = q_base + (H * D) * stride_qkv_c
     v_base = k_base + (H * D) * stride_qkv_c
     k_in, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
@@ -187,16 +192,25 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
     key_scaled, logits = logits_tile(q_in, k_in, k_inv, q_scale, logit_scale2, bias_mask, COSINE, FP32_DOT)
     # A row whose logits so far are all -inf keeps m = -inf; it is shifted by 0 instead so
     # that exp2 gives 0, not NaN, until a finite logit comes.
-    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    if WHOLE_WINDOW:
+        m_new = tl.max(logits, 1)
+    else:
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(logits - m_shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if STORE_STATS and COSINE:
-        r_i = r_i * alpha + tl.sum(p * key_scaled, 1)
+    if WHOLE_WINDOW:
+        l_i = tl.sum(p, 1)
+        if STORE_STATS and COSINE:
+            r_i = tl.sum(p * key_scaled, 1)
+    else:
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if STORE_STATS and COSINE:
+            r_i = r_i * alpha + tl.sum(p * key_scaled, 1)
+        acc = acc * alpha[:, None]
     if HAS_DROPOUT:
         p = p * dropout_factor(seed, bh, rows, key_rows, dropout_p, N)
-    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
+    acc = mma(p.to(v.dtype), v, acc, FP32_DOT)
     return m_new, l_i, r_i, acc
 
 
@@ -207,13 +221,16 @@ def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, h, ro
                          STORE_STATS: tl.constexpr):
     """A window's output rows, and with STORE_STATS its softmax statistics (cosine: also
     the rows' rbar and their inverse norms ``q_inv``, for the dkdv kernel)."""
-    # A fully masked row has l = 0 and yields 0/0 = NaN, as the float64 reference does.
-    out = acc / l_i[:, None]
+    # One reciprocal per row and a multiply per element, not a division per element (the
+    # compiler's fp32 division takes four to five instructions). A fully masked row has
+    # l = 0 and yields 0 * inf = NaN, as the float64 reference does.
+    inv_l = 1.0 / l_i
+    out = acc * inv_l[:, None]
     store_rows(out_ptr + b * stride_out_b + (h * D) * stride_out_c, out, rows, dims, stride_out_n, stride_out_c, N, D)
     if STORE_STATS:
         stats = stats_ptr + (b * H + h) * N + rows
         tl.store(stats, tl.where(m_i == float("-inf"), 0.0, m_i), mask=rows < N)
-        tl.store(stats + num_windows * H * N, 1.0 / l_i, mask=rows < N)
+        tl.store(stats + num_windows * H * N, inv_l, mask=rows < N)
         if COSINE:
             rbar = tl.where(l_i == 0.0, 0.0, r_i / l_i)  # in units of T (``softmax_step``): rbar_i / q_inv_i
             tl.store(stats + 2 * num_windows * H * N, rbar, mask=rows < N)
