@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import config
+from . import config, fast_launch
 from .backward import (
     window_attention_bwd_dbias_kernel,
     window_attention_bwd_delta_kernel,
@@ -36,6 +36,25 @@ else:
     # whether wrap_triton records launches for tracing (else they run as they are); where
     # a torch cannot say, launches count as traced
     _traced_launch = getattr(getattr(torch._library, "triton", None), "is_wrap_triton_enabled", lambda: True)
+
+
+def launcher(kernel):
+    """``launcher(kernel)[grid](*args, **kwargs)``: the kernel's launch as ``wrap_triton``
+    records it while torch.compile traces (and as the interpreter runs it), else a direct
+    launch that skips Triton's per-launch binding where it can (``fast_launch``)."""
+    return _Launcher(kernel)
+
+
+class _Launcher:
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        if config.INTERPRET or _traced_launch():
+            return wrap_triton(self.kernel)[grid]
+        return lambda *args, **kwargs: fast_launch.launch(self.kernel, grid, args, kwargs)
 
 
 def compiler_options(num_warps: int = 4) -> dict:
@@ -128,7 +147,7 @@ def _log2e_float16_copy(bias: Optional[torch.Tensor], mask: Optional[torch.Tenso
     windows = mask.shape[0] if mask is not None else 1
     out = some.new_empty((windows, heads, n, n), dtype=torch.float16)
     block = 1024
-    wrap_triton(float16_bias_copy_kernel)[(-(-out.numel() // block),)](
+    launcher(float16_bias_copy_kernel)[(-(-out.numel() // block),)](
         bias if bias is not None else mask, mask if mask is not None else bias, out, out.numel(), n, heads,
         *(bias.stride() if bias is not None else (0, 0, 0)), *(mask.stride() if mask is not None else (0, 0, 0)),
         HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK=block, **compiler_options(),
@@ -356,7 +375,7 @@ def attention_forward(
                                         else (bias, mask, False))
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv)
     for from_regions in _mask_kinds(mask_regions, mask):
-        wrap_triton(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
+        launcher(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
             qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
             logit_scale if logit_scale is not None else qkv,
             seed if dropout_p > 0 else qkv,
@@ -448,7 +467,7 @@ def attention_backward(
         groups = chunks * periods
         dbias = qkv.new_empty((groups, num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
         dscale = qkv.new_empty((groups, num_heads) if scale_grad else (0,), dtype=torch.float32)
-        wrap_triton(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
+        launcher(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
             qkv, dout, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr, dqkv, dbias, dscale,
             scale, dropout_p, *strides, periods, per_period, per_chunk,
             BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
@@ -485,7 +504,7 @@ def attention_backward(
     dscale_shape = (0,) if not scale_grad else (num_heads,) if dq_atomic else (num_windows, num_heads, m_blocks)
     dscale = qkv.new_empty(dscale_shape, dtype=torch.float32)
     delta_programs = num_windows * num_heads * m_blocks
-    wrap_triton(window_attention_bwd_delta_kernel)[(delta_programs,)](
+    launcher(window_attention_bwd_delta_kernel)[(delta_programs,)](
         out, dout, delta, dq_acc, dbias_sums, dbias_sums.numel(), -(-dbias_sums.numel() // delta_programs), dscale,
         *out.stride(), *dout.stride(), H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m,
         BLOCK_D=tiles.block_d, DQ_ATOMIC=dq_atomic, ZERO_SUMS=sums > 0, ZERO_SCALE_SUMS=scale_grad and dq_atomic,
@@ -499,7 +518,7 @@ def attention_backward(
     else:
         chunks, per_chunk = per_period, 1
     for from_regions in _mask_kinds(mask_regions, mask):
-        wrap_triton(window_attention_bwd_dkdv_kernel)[(n_blocks * num_heads * periods * chunks,)](
+        launcher(window_attention_bwd_dkdv_kernel)[(n_blocks * num_heads * periods * chunks,)](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
             dq_acc, dscale, dbias_sums, scale, dropout_p, stats.stride(0), max(slots, 1), *strides,
             periods, per_period, per_chunk,
@@ -508,7 +527,7 @@ def attention_backward(
             **blocks, **flags, **launch,
         )
     if dq_atomic:
-        wrap_triton(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](
+        launcher(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](
             qkv, logit_scale_ptr, dq_acc, dqkv, scale, *qkv.stride(), *dqkv.stride(),
             H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d, COSINE=cosine,
             **compiler_options(),
@@ -516,7 +535,7 @@ def attention_backward(
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
         for from_regions in _mask_kinds(mask_regions, mask):
-            wrap_triton(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
+            launcher(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
                 qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
                 dscale, scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad,
                 FROM_REGIONS=from_regions, **blocks, **flags, **launch,
@@ -533,7 +552,7 @@ def attention_backward(
         groups = chunks * periods
         # partials per program group, summed afterwards, where no atomic adds are allowed
         dbias = dbias_sums if atomic_sum else qkv.new_empty((groups, num_heads, n, n), dtype=torch.float32)
-        wrap_triton(window_attention_bwd_dbias_kernel)[(groups * num_heads * tiles_m * tiles_n,)](
+        launcher(window_attention_bwd_dbias_kernel)[(groups * num_heads * tiles_m * tiles_n,)](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dbias,
             scale, dropout_p, stats.stride(0), *qkv.stride(), *dout.stride(), *bias_strides, *mask_strides,
             periods, per_period, per_chunk, BLOCK_M=dbias_tiles.block_m, BLOCK_N=dbias_tiles.block_n,
@@ -558,7 +577,7 @@ def relative_bias_gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tens
     out = table.new_empty((heads, n, n))
     block_h = _heads_block(heads)
     block_p = max(16, (8192 if config.INTERPRET else 2048) // block_h)
-    wrap_triton(relative_bias_gather_kernel)[(-(-(n * n) // block_p),)](
+    launcher(relative_bias_gather_kernel)[(-(-(n * n) // block_p),)](
         table, index.reshape(-1), out, n * n, *table.stride(), out.stride(0),
         H=heads, BLOCK_P=block_p, BLOCK_H=block_h, **compiler_options(),
     )
@@ -585,7 +604,7 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
         # 2.79; window 8 2.37 -> 2.08; 12 (4 heads) 3.31 -> 2.37; 16 (3) 5.30 -> 2.60; 24 (4)
         # 9.13 -> 7.05; within 1.26x of the best of 48 (BLOCK_T, BLOCK_J, warps) everywhere.
         block_t, block_j = 4, min(256, max(32, 4096 // block_h))
-    wrap_triton(relative_bias_table_grad_kernel)[(-(-num_rows // block_t),)](
+    launcher(relative_bias_table_grad_kernel)[(-(-num_rows // block_t),)](
         grad, order, offsets, out, num_rows, grad.stride(0), *out.stride(),
         H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, **compiler_options(),
     )

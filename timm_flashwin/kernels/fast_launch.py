@@ -1,0 +1,81 @@
+"""Direct kernel launches with less host time per launch than ``JITFunction.run``.
+
+Eager training steps of the tiny models and of the window-24 base are bound by the host's
+launches (benchmarks/RESULTS.md), and every launch through ``kernel[grid](...)`` binds
+and specializes its arguments anew: on an H200's host, 35 to 54 us for the forward kernel's
+47 arguments (two machine starts), of which calling the compiled kernel takes 10 to 18, and
+through here 20 to 31 (benchmarks/bench_launch.py).
+Here the compiled kernel is kept under a key that holds everything Triton's own cache
+key is computed from (each tensor's dtype and 16-byte alignment, each integer's value,
+the constexprs and compile options, the device, Triton's debug and instrumentation
+settings), and later launches with the same key call it at once. The first launch of
+each key goes through ``JITFunction.run``, which compiles (or loads) the kernel.
+
+Not used under the interpreter (its kernels run as Python) or while a launch is traced
+for torch.compile (``launch.launcher``), and not where a kernel has pre-run hooks or
+a Triton without the APIs used here: those take ``JITFunction.run`` as they are.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence, Tuple
+
+import torch
+
+try:  # Triton's runtime settings, as JITFunction.run reads them (Triton >= 3.3)
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton: no direct launches
+    _knobs = None
+
+#: (kernel, argument key, constexprs and options, device, settings) -> (compiled kernel,
+#: the constexprs in the kernel's parameter order after the positional arguments)
+_COMPILED: Dict[Tuple, Tuple[Any, Tuple]] = {}
+
+#: whether direct launches are used at all (tests and benchmarks switch it off to compare)
+ENABLED = _knobs is not None
+
+
+def _arguments_key(args: Sequence) -> Tuple:
+    """What Triton specializes the runtime arguments on, or more: each integer's value
+    (Triton: its width, its divisibility by 16), a tensor's dtype and whether its address
+    is a multiple of 16, floats by type alone (never specialized), other values (bool,
+    Triton's i1 where 1 is an i32; None) by type and value. One comprehension, no call
+    per argument: this runs at every launch."""
+    return tuple([arg if type(arg) is int
+                  else float if type(arg) is float
+                  else (arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor)
+                  else (type(arg), arg) for arg in args])
+
+
+def _settings_key() -> Tuple:
+    return _knobs.runtime.debug, _knobs.compilation.instrumentation_mode, torch.cuda.current_device()
+
+
+def launch(kernel, grid: Tuple[int, ...], args: Sequence, kwargs: Dict[str, Any]) -> None:
+    """``kernel[grid](*args, **kwargs)``: positional runtime arguments, keyword constexprs and
+    compile options (``num_warps``, ...), as the launchers in ``launch.py`` call kernels."""
+    if not ENABLED or getattr(kernel, "pre_run_hooks", None):
+        kernel[grid](*args, **kwargs)
+        return
+    key = (kernel, _arguments_key(args), tuple(kwargs.items()), _settings_key())
+    entry = _COMPILED.get(key)
+    if entry is None:
+        compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)  # compiles and launches
+        _keep(key, kernel, compiled, len(args), kwargs)
+        return
+    compiled, constexprs = entry
+    compiled[(*grid, 1, 1)[:3]](*args, *constexprs)  # the compiled kernel's launcher takes 3 grid sizes
+
+
+def _keep(key: Tuple, kernel, compiled, num_positional: int, kwargs: Dict[str, Any]) -> None:
+    if hasattr(compiled, "result"):  # an asynchronous compilation's future
+        compiled = compiled.result()
+    names = kernel.arg_names[num_positional:]
+    # a parameter left to its default, or a Triton whose compiled kernels launch otherwise:
+    # every launch of this key goes through Triton
+    if hasattr(type(compiled), "__getitem__") and all(name in kwargs for name in names):
+        _COMPILED[key] = compiled, tuple(kwargs[name] for name in names)
+
+
+def clear() -> None:
+    """Forget the compiled kernels (they stay in Triton's own caches)."""
+    _COMPILED.clear()
