@@ -15,7 +15,10 @@ variant after a block of the other would carry that drift into their ratio.
 ``--inductor NAME=VALUE`` sets a ``torch._inductor.config`` option for the whole run;
 the variant ``flashwin-static`` is the patched model compiled with inductor's static
 CUDA launcher for user-defined Triton kernels (``static_launch_user_defined_triton_kernels``,
-off by default in torch 2.11), which launches our kernels with less host time per launch.
+off by default in torch 2.11), which launches our kernels with less host time per launch;
+the variant ``flashwin-triton-launch`` is the patched model with every kernel launched
+through Triton's ``kernel[grid](...)`` (``kernels.fast_launch`` switched off during its
+steps), to measure what the direct launches save in the same process.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from bench_models import MODELS  # noqa: E402
 from common import cuda_kernel_times, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
+from timm_flashwin.kernels import fast_launch  # noqa: E402
 from timm_flashwin.verify import build_model  # noqa: E402
 
 
@@ -77,6 +81,17 @@ def _profile(step, steps: int, top: int):
 VARIANT_INDUCTOR_OPTIONS = {"flashwin-static": dict(static_launch_user_defined_triton_kernels=True)}
 
 
+def _through_triton(step):
+    """``step`` with kernels.fast_launch switched off while it runs."""
+    def run():
+        fast_launch.ENABLED = False
+        try:
+            step()
+        finally:
+            fast_launch.ENABLED = True
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="swinv2_cr_tiny_224", choices=list(MODELS))
@@ -88,7 +103,8 @@ def main() -> None:
     parser.add_argument("--inductor", nargs="*", default=[], metavar="NAME=VALUE",
                         help="torch._inductor.config options for the run (Python literals)")
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"], choices=["timm", "flashwin", "flashwin-static"])
+    parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"],
+                        choices=["timm", "flashwin", "flashwin-static", "flashwin-triton-launch"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch._inductor.config as inductor_config
@@ -113,6 +129,8 @@ def main() -> None:
         if args.compile:
             model = torch.compile(model, mode=args.compile_mode)
         steps[variant] = _step_fn(model, x, torch.bfloat16, train)
+        if variant == "flashwin-triton-launch":
+            steps[variant] = _through_triton(steps[variant])
         # compiled (forward and backward) in the first steps, with the variant's options
         with inductor_config.patch(VARIANT_INDUCTOR_OPTIONS.get(variant, {})):
             for _ in range(5):
