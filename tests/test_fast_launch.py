@@ -105,12 +105,13 @@ def test_gpu_direct_launches_match_launches_through_triton(cosine, monkeypatch):
             storage = torch.randn(4 * n * 3 * heads * dim + offset, device="cuda", generator=g, dtype=torch.bfloat16)
             qkv = storage[offset:].view(4, n, 3 * heads * dim).requires_grad_()
             bias = torch.randn(heads, n, n, device="cuda", generator=g, requires_grad=True)
-            mask = torch.zeros(2, n, n, device="cuda").masked_fill_(torch.rand(2, n, n, device="cuda", generator=g) < 0.3,
-                                                                    -100.0)
+            masked = torch.rand(2, n, n, device="cuda", generator=g) < 0.3
+            mask = torch.zeros(2, n, n, device="cuda").masked_fill_(masked, -100.0)
             logit_scale = torch.randn(heads, device="cuda", generator=g, requires_grad=True) if cosine else None
             out = window_attention(qkv, heads, bias=bias, mask=mask, scale=None if cosine else dim ** -0.5,
                                    logit_scale=logit_scale)
-            grads = torch.autograd.grad(out.float().square().sum(), [t for t in (qkv, bias, logit_scale) if t is not None])
+            inputs = [t for t in (qkv, bias, logit_scale) if t is not None]
+            grads = torch.autograd.grad(out.float().square().sum(), inputs)
             results[enabled].append(((n, offset), (out, *grads)))
     assert KERNEL_DEVICE == "cuda" and len(fast_launch._COMPILED) > 0
     for (case, direct), (_, through_triton) in zip(results[True][4:], results[False]):
