@@ -19,12 +19,11 @@ import io
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import write_json  # noqa: E402
+from common import host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.patching import _attention_modules  # noqa: E402
 from timm_flashwin.verify import build_model  # noqa: E402
@@ -39,17 +38,6 @@ def first_shifted_attention(model: torch.nn.Module):
     block = model.get_submodule(name.rsplit(".", 1)[0])
     mask = getattr(block, "attn_mask", None)
     return attn, mask
-
-
-def host_us_per_call(fn, calls: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def calls_of(attn, x, mask, train: bool):

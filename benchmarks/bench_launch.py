@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import write_json  # noqa: E402
+from common import host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import window_attention  # noqa: E402
 from timm_flashwin.kernels import fast_launch  # noqa: E402
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
@@ -30,14 +29,7 @@ CASES = {"w7": (16, 3, 49, 32, 4), "w24": (4, 4, 576, 32, 4)}
 
 
 def us_per_call(fn, calls: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return host_us_per_call(fn, calls, warmup=20)
 
 
 def op_inputs(windows, heads, n, head_dim, mask_windows, cosine, grad):

@@ -1,6 +1,7 @@
 """What the benchmark scripts share."""
 import json
 import os
+import time
 from collections import defaultdict
 
 
@@ -22,3 +23,18 @@ def cuda_kernel_times(prof) -> dict:
             kernels[event.name][0] += 1
             kernels[event.name][1] += event.device_time_total
     return dict(kernels)
+
+
+def host_us_per_call(fn, calls: int, warmup: int = 5) -> float:
+    """Wall us per call of ``fn`` over ``calls`` back-to-back calls with one synchronization
+    at the end: host time where the GPU finishes each call's kernels before the host
+    enqueues the next."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
