@@ -2,14 +2,17 @@
 
 Eager training steps of the tiny models and of the window-24 base are bound by the host's
 launches (benchmarks/RESULTS.md), and every launch through ``kernel[grid](...)`` binds
-and specializes its arguments anew: on an H200's host, 35 to 54 us for the forward kernel's
-47 arguments (two machine starts), of which calling the compiled kernel takes 10 to 18, and
-through here 20 to 31 (benchmarks/bench_launch.py).
+and specializes its arguments anew: on an H200's host, 29 to 54 us for the forward kernel's
+47 arguments (three machine starts), of which calling the compiled kernel takes 10 to 18,
+and through here 19 to 31 (benchmarks/bench_launch.py).
 Here the compiled kernel is kept under a key that holds everything Triton's own cache
 key is computed from (each tensor's dtype and 16-byte alignment, each integer's value,
 the constexprs and compile options, the device, Triton's debug and instrumentation
 settings), and later launches with the same key call it at once. The first launch of
-each key goes through ``JITFunction.run``, which compiles (or loads) the kernel.
+each key goes through ``JITFunction.run``, which compiles (or loads) the kernel. Keys hold
+the integers' values (strides, window counts): each new input shape adds a few entries.
+Keyword arguments are constexprs and compile options only (hashable values; a tensor
+passed by keyword would key the entry by its identity).
 
 Not used under the interpreter (its kernels run as Python) or while a launch is traced
 for torch.compile (``launch.launcher``), and not where a kernel has pre-run hooks or
