@@ -962,3 +962,32 @@ def test_gpu_opcheck():
                                                  case.mask, logit_scale, 1.0, True, 0.0, None))
     seed = torch.tensor([1234], dtype=torch.int64, device="cuda")
     torch.library.opcheck(window_attention_fwd, (case.qkv, 2, case.bias, case.mask, logit_scale, 1.0, True, 0.25, seed))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("n", [49, 144], ids=["one_tile", "multi_block"])
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_gpu_runs_on_a_gpu_that_is_not_the_current_one(cosine, n):
+    """Inputs on cuda:1 while cuda:0 is the current device (a model moved with
+    ``.to("cuda:1")``): the kernels run on the inputs' GPU, forward, every gradient and the
+    bias gather with its table gradient as on cuda:0."""
+    from timm_flashwin.position_bias import gather_position_bias
+    from test_position_bias import relative_position_index
+    case = make_case(16, 4, 3, n, 32, cosine=cosine, masked=True, dtype=torch.bfloat16, device="cuda")
+    win = int(n ** 0.5)
+    index = relative_position_index(win, win)
+    table = torch.randn((2 * win - 1) ** 2, 3, generator=torch.Generator().manual_seed(n))
+    results = []
+    for device in ("cuda:0", "cuda:1"):
+        with torch.cuda.device(0):
+            leaves = [t.detach().to(device).requires_grad_() for t in case.leaves()]
+            table_here = table.to(device).requires_grad_()
+            bias = leaves[1] + gather_position_bias(table_here, index.to(device))
+            out = window_attention(leaves[0], 3, bias=bias, mask=case.mask.to(device),
+                                   scale=None if cosine else case.scale, logit_scale=leaves[2] if cosine else None)
+            out.backward(case.grad_out.to(device))
+            torch.cuda.synchronize(device)
+            results.append([t.cpu() for t in [out, table_here.grad] + [t.grad for t in leaves]])
+    for on_0, on_1 in zip(*results):
+        torch.testing.assert_close(on_1, on_0, rtol=1e-2, atol=1e-2)

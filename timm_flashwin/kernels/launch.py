@@ -54,7 +54,20 @@ class _Launcher:
     def __getitem__(self, grid):
         if config.INTERPRET or _traced_launch():
             return wrap_triton(self.kernel)[grid]
-        return lambda *args, **kwargs: fast_launch.launch(self.kernel, grid, args, kwargs)
+        return lambda *args, **kwargs: _launch_on_device(self.kernel, grid, args, kwargs)
+
+
+def _launch_on_device(kernel, grid, args, kwargs) -> None:
+    """A direct launch on the device of the first argument (every launcher's first argument
+    is a tensor): Triton launches on the current CUDA device, which a model moved to
+    another GPU (``.to("cuda:1")``) does not change. Traced launches get inductor's own
+    device guard."""
+    device = args[0].device.index
+    if device == torch.cuda.current_device():
+        fast_launch.launch(kernel, grid, args, kwargs)
+    else:
+        with torch.cuda.device(device):
+            fast_launch.launch(kernel, grid, args, kwargs)
 
 
 def compiler_options(num_warps: int = 4) -> dict:
