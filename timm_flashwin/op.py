@@ -268,7 +268,8 @@ def uses_kernels(qkv: torch.Tensor) -> bool:
     """Whether ``window_attention`` runs the Triton kernels for this input (else PyTorch)."""
     if qkv.dtype not in _KERNEL_DTYPES:
         return False
-    return qkv.device.type == "cuda" or (config.INTERPRET and qkv.device.type == "cpu")
+    # is_cuda, not device.type: no torch.device built per call (host time of eager calls)
+    return qkv.is_cuda or (config.INTERPRET and qkv.device.type == "cpu")
 
 
 # --------------------------------------------------------------------------- public op

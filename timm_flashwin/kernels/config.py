@@ -113,8 +113,12 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, drop
     OVERRIDES apply either way."""
     n, head_dim = int(n), int(head_dim)  # compile-time constants of the kernels, even when traced
     found = OVERRIDES.get(("fwd", n, head_dim, dtype, cosine))
-    if found is not None:
-        return found
+    return found if found is not None else _default_forward_config(n, head_dim, dtype, cosine, dropout, reads_mask)
+
+
+@functools.lru_cache(maxsize=None)  # pure, and looked up several times per call of the op
+def _default_forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool,
+                            reads_mask: bool) -> LaunchConfig:
     block_d = _pow2(head_dim)
     # Tiles shrink as head_dim grows, to stay within registers and shared memory.
     # Measured on an H200 (benchmarks/tune_op.py, 2026-11-22): 4 warps and 3 stages beat
@@ -207,8 +211,11 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
     """The fused one-tile backward runs where a whole window fits one tile."""
     n, head_dim = int(n), int(head_dim)
     found = OVERRIDES.get(("bwd", n, head_dim, dtype, cosine))
-    if found is not None:
-        return found
+    return found if found is not None else _default_backward_config(n, head_dim, dtype, cosine)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
     block_d = _pow2(head_dim)
     if n <= 64 and block_d <= 64:
         block = _pow2(n)
