@@ -71,7 +71,8 @@ def kernel_launch_times(calls: int) -> dict:
     return {
         "triton launch (kernel[grid](...))": us_per_call(lambda: through_triton(*args, **kwargs), calls),
         "compiled kernel called directly": us_per_call(lambda: compiled[(*grid, 1, 1)[:3]](*args, *constexprs), calls),
-        "fast_launch.launch": us_per_call(lambda: fast_launch.launch(window_attention_fwd_kernel, grid, args, kwargs),
+        "fast_launch.launch": us_per_call(lambda: fast_launch.launch(window_attention_fwd_kernel, grid, args, kwargs,
+                                                                     torch.cuda.current_device()),
                                           calls),
         "arguments": len(args) + len(kwargs),
     }

@@ -47,16 +47,16 @@ def fresh(monkeypatch):
 def test_second_launch_calls_the_compiled_kernel(fresh):
     kernel, x = _Kernel(), torch.zeros(64, dtype=torch.float16)
     for scale in (0.5, 0.25):  # floats are not specialized: same key
-        fast_launch.launch(kernel, (4,), (x, 48, scale), dict(BLOCK=64, FLAG=True, num_warps=4))
+        fast_launch.launch(kernel, (4,), (x, 48, scale), dict(BLOCK=64, FLAG=True, num_warps=4), 0)
     assert [launch[0] for launch in kernel.launches] == ["triton", "direct"]
     assert kernel.launches[1] == ("direct", (4, 1, 1), (x, 48, 0.25, 64, True))  # constexprs in parameter order
 
 
-@pytest.mark.parametrize("change", ["dtype", "alignment", "integer", "constexpr", "option"])
+@pytest.mark.parametrize("change", ["dtype", "alignment", "integer", "constexpr", "option", "device"])
 def test_what_triton_specializes_on_makes_a_new_key(fresh, change):
     kernel, x = _Kernel(), torch.zeros(64, dtype=torch.float16)
-    args, kwargs = (x, 48, 0.5), dict(BLOCK=64, FLAG=True, num_warps=4)
-    fast_launch.launch(kernel, (4,), args, kwargs)
+    args, kwargs, device = (x, 48, 0.5), dict(BLOCK=64, FLAG=True, num_warps=4), 0
+    fast_launch.launch(kernel, (4,), args, kwargs, device)
     if change == "dtype":
         args = (x.to(torch.bfloat16), 48, 0.5)
     elif change == "alignment":
@@ -65,23 +65,25 @@ def test_what_triton_specializes_on_makes_a_new_key(fresh, change):
         args = (x, 49, 0.5)
     elif change == "constexpr":
         kwargs = dict(kwargs, FLAG=False)
-    else:
+    elif change == "option":
         kwargs = dict(kwargs, num_warps=8)
-    fast_launch.launch(kernel, (4,), args, kwargs)
+    else:
+        device = 1
+    fast_launch.launch(kernel, (4,), args, kwargs, device)
     assert [launch[0] for launch in kernel.launches] == ["triton", "triton"]
 
 
 def test_pre_run_hooks_defaults_and_other_compiled_kernels_go_through_triton(fresh, monkeypatch):
     kernel, x = _Kernel(), torch.zeros(64)
     for _ in range(2):  # FLAG left to its default: not kept
-        fast_launch.launch(kernel, (1,), (x, 1, 1.0), dict(BLOCK=16))
+        fast_launch.launch(kernel, (1,), (x, 1, 1.0), dict(BLOCK=16), 0)
     kernel.pre_run_hooks.append(lambda *a, **k: None)
-    fast_launch.launch(kernel, (1,), (x, 1, 1.0), dict(BLOCK=16, FLAG=True))
+    fast_launch.launch(kernel, (1,), (x, 1, 1.0), dict(BLOCK=16, FLAG=True), 0)
     assert [launch[0] for launch in kernel.launches] == ["triton", "triton", "jit"]
     kernel = _Kernel()
     monkeypatch.setattr(kernel, "run", lambda *a, **k: kernel.launches.append(("triton",)) or object())
     for _ in range(2):  # a compiled kernel that cannot be launched by grid: not kept
-        fast_launch.launch(kernel, (1,), (x, 1, 1.0), dict(BLOCK=16, FLAG=True))
+        fast_launch.launch(kernel, (1,), (x, 1, 1.0), dict(BLOCK=16, FLAG=True), 0)
     assert kernel.launches == [("triton",), ("triton",)]
 
 

@@ -50,16 +50,17 @@ def _arguments_key(args: Sequence) -> Tuple:
 
 
 def _settings_key() -> Tuple:
-    return _knobs.runtime.debug, _knobs.compilation.instrumentation_mode, torch.cuda.current_device()
+    return _knobs.runtime.debug, _knobs.compilation.instrumentation_mode
 
 
-def launch(kernel, grid: Tuple[int, ...], args: Sequence, kwargs: Dict[str, Any]) -> None:
+def launch(kernel, grid: Tuple[int, ...], args: Sequence, kwargs: Dict[str, Any], device: int) -> None:
     """``kernel[grid](*args, **kwargs)``: positional runtime arguments, keyword constexprs and
-    compile options (``num_warps``, ...), as the launchers in ``launch.py`` call kernels."""
+    compile options (``num_warps``, ...), as the launchers in ``launch.py`` call kernels;
+    ``device`` is the current CUDA device, on which Triton launches (the caller has it)."""
     if not ENABLED or getattr(kernel, "pre_run_hooks", None):
         kernel[grid](*args, **kwargs)
         return
-    key = (kernel, _arguments_key(args), tuple(kwargs.items()), _settings_key())
+    key = (kernel, _arguments_key(args), tuple(kwargs.items()), device, _settings_key())
     entry = _COMPILED.get(key)
     if entry is None:
         compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)  # compiles and launches

@@ -64,10 +64,10 @@ def _launch_on_device(kernel, grid, args, kwargs) -> None:
     device guard."""
     device = args[0].device.index
     if device == torch.cuda.current_device():
-        fast_launch.launch(kernel, grid, args, kwargs)
+        fast_launch.launch(kernel, grid, args, kwargs, device)
     else:
         with torch.cuda.device(device):
-            fast_launch.launch(kernel, grid, args, kwargs)
+            fast_launch.launch(kernel, grid, args, kwargs, device)
 
 
 def compiler_options(num_warps: int = 4) -> dict:
