@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
 from common import cuda_kernel_times, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
+from timm_flashwin.adapters import adapter_for  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
 from timm_flashwin.kernels import fast_launch  # noqa: E402
 from timm_flashwin.verify import build_model  # noqa: E402
@@ -92,6 +94,19 @@ def _through_triton(step):
     return run
 
 
+def _attention_free_forward(module, x, mask=None):
+    return module.proj_drop(module.proj(module.qkv(x)[..., :module.proj.in_features]))
+
+
+def attention_free(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every window-attention module's forward replaced by
+    ``_attention_free_forward`` (the ``attention-free`` variant), in place."""
+    for module in model.modules():
+        if adapter_for(module) is not None:
+            module.forward = types.MethodType(_attention_free_forward, module)
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="swinv2_cr_tiny_224", choices=list(MODELS))
@@ -104,7 +119,7 @@ def main() -> None:
                         help="torch._inductor.config options for the run (Python literals)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"],
-                        choices=["timm", "flashwin", "flashwin-static", "flashwin-triton-launch"])
+                        choices=["timm", "flashwin", "flashwin-static", "flashwin-triton-launch", "attention-free"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch._inductor.config as inductor_config
@@ -121,7 +136,9 @@ def main() -> None:
     steps = {}
     for variant in args.variants:
         model = copy.deepcopy(base).cuda().train(train)
-        if variant != "timm":
+        if variant == "attention-free":
+            attention_free(model)
+        elif variant != "timm":
             patch_model(model)
         x = images
         if not train:
