@@ -15,11 +15,13 @@ def write_json(path, data) -> None:
 
 def cuda_kernel_times(prof) -> dict:
     """{kernel name: [launches, GPU us]} summed over the CUDA events of a finished
-    torch.profiler run."""
+    torch.profiler run, without the ranges that annotations put on the GPU's timeline
+    (``Optimizer.step#AdamW.step`` spans the optimizer's kernels and the gaps between
+    them: counted as a kernel, it made a host-bound step's GPU time look longer)."""
     import torch
     kernels = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
             kernels[event.name][0] += 1
             kernels[event.name][1] += event.device_time_total
     return dict(kernels)
