@@ -132,3 +132,68 @@ def test_eager_gather_skips_the_operator_dispatch(as_parameter, monkeypatch):
         results.append((bias.detach(), table.grad))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+
+
+def test_table_gradient_of_pairs_sorted_from_another_index_is_nan():
+    """The table-gradient kernel, given the index, checks every pair it sums: pairs sorted
+    from another index of the same shape (what a compiled graph would hold if a module's
+    index changed after tracing) make the rows they no longer match NaN, never a wrong
+    number; pairs of the index itself give the float64 sums."""
+    from timm_flashwin.kernels.launch import relative_bias_table_grad
+    from timm_flashwin.position_bias import _sorted_pairs
+    index = relative_position_index(7, 7).to(KERNEL_DEVICE)
+    grad = torch.randn(3, 49, 49, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
+    expected = torch.zeros(169, 3, dtype=torch.float64).index_add_(
+        0, index.view(-1).cpu(), grad.permute(1, 2, 0).reshape(-1, 3).double().cpu())
+    good = relative_bias_table_grad(grad, *_sorted_pairs(index, 169), 169, torch.float32, index=index)
+    torch.testing.assert_close(good.double().cpu(), expected, rtol=1e-5, atol=1e-5)
+    other = index.flip(1)  # the same rows, other pairs
+    stale = relative_bias_table_grad(grad, *_sorted_pairs(other, 169), 169, torch.float32, index=index).cpu()
+    nan_rows = stale.isnan().any(1)
+    assert nan_rows.any() and bool(stale.isnan().all(1)[nan_rows].all())
+    mismatched = {int(t) for t in torch.unique(other.view(-1)[index.view(-1) != other.view(-1)].cpu())}
+    assert set(torch.nonzero(nan_rows).view(-1).tolist()) == mismatched
+    torch.testing.assert_close(stale[~nan_rows].double(), expected[~nan_rows], rtol=1e-5, atol=1e-5)
+
+
+class _TableModule(torch.nn.Module):
+    """A table parameter and an index buffer, as timm's V1 attention holds them."""
+
+    def __init__(self, constant_index: bool):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(169, 3, generator=torch.Generator().manual_seed(0)))
+        self.register_buffer("index", relative_position_index(7, 7), persistent=False)
+        self.constant_index = constant_index
+
+    def forward(self):
+        return gather_position_bias(self.table, self.index, constant_index=self.constant_index)
+
+
+@pytest.mark.parametrize("constant_index", [True, False], ids=["constant-index", "index-sorted-in-graph"])
+def test_compiled_gather_sorts_a_constant_index_once(constant_index):
+    """Under torch.compile a module's index with ``constant_index`` (as the adapters pass
+    timm's relative_position_index) has its pairs sorted when the graph is traced: the
+    graph holds no sort; without it the graph sorts them at every call. Either way the
+    bias and the table gradient equal the eager path's. Changed in place after tracing,
+    the constant index gives NaN rows in the table gradient, not wrong numbers."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    grad = torch.randn(3, 49, 49, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    eager, module = (_TableModule(constant_index).to(KERNEL_DEVICE) for _ in range(2))
+    targets = []
+
+    def backend(gm, example_inputs):  # keeps the dynamo graph's calls, then runs it through aot_autograd
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend, fullgraph=True)
+    eager().backward(grad)
+    compiled().backward(grad)
+    torch.testing.assert_close(compiled().detach(), eager().detach(), rtol=0, atol=0)
+    torch.testing.assert_close(module.table.grad, eager.table.grad, rtol=0, atol=0)
+    assert any("sort" in t for t in targets) != constant_index
+    module.index.copy_(module.index.flip(1))  # in place: the compiled graph is not traced again
+    module.table.grad = None
+    compiled().backward(grad)
+    assert bool(module.table.grad.isnan().any()) == constant_index

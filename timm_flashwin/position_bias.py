@@ -8,11 +8,12 @@ in every call (index_put with accumulation, about ten small kernels: 27 us of GP
 per layer on an H100, ``benchmarks/profile_op.py``), sums each table row's pairs, sorted
 once per index tensor (``TableRows``), in one deterministic kernel
 (kernels/position_bias.py). Without a gradient, in eager mode, the same gather kernel
-writes the bias. Under torch.compile the same kernels run as registered operators, the
-pairs sorted in the graph (inductor's own scatter of that gradient, atomic adds into the
-small table, took 219 of the 284 ms of GPU time of a compiled swinv2_base_window12to24
-training step on an H100, benchmarks/profile_step.py); without a gradient there, and on
-plain CPU tensors, it is the PyTorch expression itself.
+writes the bias. Under torch.compile the same kernels run as registered operators
+(inductor's own scatter of that gradient, atomic adds into the small table, took 219 of
+the 284 ms of GPU time of a compiled swinv2_base_window12to24 training step on an H100,
+benchmarks/profile_step.py), the pairs of a module's index sorted once, when the graph is
+traced (``constant_index``), other indices' pairs sorted in the graph at every step;
+without a gradient there, and on plain CPU tensors, it is the PyTorch expression itself.
 """
 from __future__ import annotations
 
@@ -55,6 +56,21 @@ class TableRows:
         return kept_on(index, "_flashwin_table_rows", compute, num_rows)
 
 
+def _traced_table_rows(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets) of ``TableRows.of(index, num_rows)``. Marked as a constant for
+    torch.compile: dynamo calls it with the index's value when it traces (a module's
+    buffer) and puts its result into the graph as constants, so that the compiled step
+    does not sort the pairs again: 7 kernel launches fewer per layer and step (a sort of
+    N*N pairs, arange, searchsorted), about 36 us of GPU time per layer on an H200."""
+    rows = TableRows.of(index, num_rows)
+    return rows.order, rows.offsets
+
+
+_assume_constant_result = getattr(torch.compiler, "assume_constant_result", None)
+if _assume_constant_result is not None:
+    _assume_constant_result(_traced_table_rows)
+
+
 class _GatherFromTable(torch.autograd.Function):
     """The eager path: the operators' kernels without their dispatch, the pairs sorted once."""
 
@@ -73,20 +89,24 @@ class _GatherFromTable(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------- registered operators
-def _gather_impl(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _gather_impl(table: torch.Tensor, index: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor
+                 ) -> torch.Tensor:
+    """The bias; order and offsets (the index's pairs by table row) are for the backward."""
     return relative_bias_gather(table, index)
 
 
-def _gather_fake(table, index):
+def _gather_fake(table, index, order, offsets):
     return table.new_empty((table.shape[1], index.shape[0], index.shape[0]))
 
 
-def _table_grad_impl(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
-    order, offsets = _sorted_pairs(index, num_rows)
-    return relative_bias_table_grad(grad, order, offsets, num_rows, dtype)
+def _table_grad_impl(grad: torch.Tensor, index: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                     num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """The table gradient, every pair checked against ``index`` (order and offsets may be
+    constants of a compiled graph, sorted from the index as it was when traced)."""
+    return relative_bias_table_grad(grad, order, offsets, num_rows, dtype, index=index)
 
 
-def _table_grad_fake(grad, index, num_rows, dtype):
+def _table_grad_fake(grad, index, order, offsets, num_rows, dtype):
     return grad.new_empty((num_rows, grad.shape[0]), dtype=dtype)
 
 
@@ -95,23 +115,31 @@ position_bias_table_grad_op = _register("position_bias_table_grad", _table_grad_
 
 
 def _gather_setup_context(ctx, inputs, output):
-    table, index = inputs
-    ctx.save_for_backward(index)
+    table, index, order, offsets = inputs
+    ctx.save_for_backward(index, order, offsets)
     ctx.num_rows, ctx.table_dtype = table.shape[0], table.dtype
 
 
 def _gather_backward(ctx, grad):
-    (index,) = ctx.saved_tensors
-    return position_bias_table_grad_op(grad, index, ctx.num_rows, ctx.table_dtype), None
+    index, order, offsets = ctx.saved_tensors
+    return position_bias_table_grad_op(grad, index, order, offsets, ctx.num_rows, ctx.table_dtype), None, None, None
 
 
 gather_position_bias_op.register_autograd(_gather_backward, setup_context=_gather_setup_context)
 
 
 # ----------------------------------------------------------------------- public function
-def gather_position_bias(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_index: bool = False
+                         ) -> torch.Tensor:
     """(H, N, N) contiguous bias ``table[index]`` from a table (T, H) and an index (N, N)
-    of table rows (timm's ``relative_position_index``)."""
+    of table rows (timm's ``relative_position_index``).
+
+    constant_index: the index is a module's buffer whose values do not change while a
+    compiled graph uses it (timm's relative_position_index is a function of the window
+    size, which dynamo guards on): under torch.compile its pairs are then sorted when the
+    graph is traced, not in every step. Should it change in place after that, the table
+    gradient's rows that it no longer matches are NaN, not silently wrong (the kernel
+    checks every pair). False: sorted in the graph (the index may be any tensor)."""
     if index.dim() != 2 or index.shape[0] != index.shape[1]:
         raise ValueError(f"gather_position_bias: `index` must be of shape (N, N), got {tuple(index.shape)}")
     if table.dim() != 2:
@@ -120,7 +148,11 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor) -> torch.Tens
         if table.requires_grad and torch.is_grad_enabled():
             if _dispatch_free(table):
                 return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]))
-            return gather_position_bias_op(table, index)
+            if constant_index and _assume_constant_result is not None and torch.compiler.is_compiling():
+                order, offsets = _traced_table_rows(index, table.shape[0])
+            else:
+                order, offsets = _sorted_pairs(index, table.shape[0])
+            return gather_position_bias_op(table, index, order, offsets)
         if _dispatch_free(table):
             # Without a gradient too: PyTorch's indexing took 201 us for a window of 24x24
             # (its vectorized_gather_kernel, H200, benchmarks/profile_op.py --forward), the

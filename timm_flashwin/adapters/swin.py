@@ -25,7 +25,7 @@ class SwinAdapter(WindowAttentionAdapter):
 
     def position_bias(self, module: nn.Module) -> torch.Tensor:
         table, index = module.relative_position_bias_table, module.relative_position_index
-        return inference_cache(module, (table, index), lambda: gather_position_bias(table, index))
+        return inference_cache(module, (table, index), lambda: gather_position_bias(table, index, constant_index=True))
 
     def score_scale(self, module: nn.Module) -> Dict:
         return dict(scale=float(module.scale))

@@ -40,7 +40,7 @@ class SwinV2Adapter(WindowAttentionAdapter):
     def position_bias(self, module: nn.Module) -> torch.Tensor:
         def compute() -> torch.Tensor:
             table = module.cpb_mlp(module.relative_coords_table).view(-1, module.num_heads)
-            return 16 * torch.sigmoid(gather_position_bias(table, module.relative_position_index))
+            return 16 * torch.sigmoid(gather_position_bias(table, module.relative_position_index, constant_index=True))
 
         sources = (module.relative_coords_table, module.relative_position_index, *module.cpb_mlp.parameters())
         return inference_cache(module, sources, compute)

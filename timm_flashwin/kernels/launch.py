@@ -598,10 +598,11 @@ def relative_bias_gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tens
 
 
 def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, num_rows: int,
-                             dtype: torch.dtype) -> torch.Tensor:
+                             dtype: torch.dtype, index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gradient (num_rows, H) in ``dtype`` of a table gathered into a dense bias (H, N, N)
     whose gradient is ``grad``; order and offsets group the pairs by table row
-    (``position_bias.TableRows``)."""
+    (``position_bias.TableRows``). With ``index`` (N, N), the kernel checks every pair
+    against it: rows whose pairs were sorted from another index are NaN."""
     heads = grad.shape[0]
     grad = grad.reshape(heads, -1)
     if grad.stride(1) != 1:
@@ -618,7 +619,8 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
         # 9.13 -> 7.05; within 1.26x of the best of 48 (BLOCK_T, BLOCK_J, warps) everywhere.
         block_t, block_j = 4, min(256, max(32, 4096 // block_h))
     launcher(relative_bias_table_grad_kernel)[(-(-num_rows // block_t),)](
-        grad, order, offsets, out, num_rows, grad.stride(0), *out.stride(),
-        H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, **compiler_options(),
+        grad, order, offsets, index.reshape(-1) if index is not None else order, out, num_rows, grad.stride(0),
+        *out.stride(), H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, CHECK_INDEX=index is not None,
+        **compiler_options(),
     )
     return out

@@ -8,7 +8,12 @@ over the pairs that read it: dtable[t, h] = sum of dB[h, p] over p with index[p]
 PyTorch computes that with a sort of the index in every backward (index_put with
 accumulation: some ten small kernels); the pairs of each row never change, so they are
 sorted once (``position_bias.TableRows``) and ``relative_bias_table_grad_kernel`` sums
-each row's pairs in a fixed order: deterministic, one launch.
+each row's pairs in a fixed order: deterministic, one launch. Under torch.compile the
+pairs of a module's index are sorted once, when the graph is traced (a constant of the
+graph); the kernel then checks that each pair it sums reads its row (CHECK_INDEX), so
+that an index changed after tracing makes the rows it no longer matches NaN instead of
+silently wrong (if no pair mismatches, every row holds exactly its pairs: the order is
+a permutation of all N*N pairs).
 """
 import triton
 import triton.language as tl
@@ -16,20 +21,23 @@ import triton.language as tl
 
 @triton.jit
 def relative_bias_table_grad_kernel(
-    grad_ptr, order_ptr, offsets_ptr, out_ptr,
+    grad_ptr, order_ptr, offsets_ptr, index_ptr, out_ptr,
     num_rows, stride_grad_h, stride_out_t, stride_out_h,
     H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
+    CHECK_INDEX: tl.constexpr,
 ):
     """Grid: (table rows / BLOCK_T,). grad (H, N*N) fp32 or the bias dtype; order (N*N,)
     the pairs sorted by table row, offsets (T + 1,) where each row's pairs start in it;
     out (T, H). Each row's pairs are summed BLOCK_J at a time, the blocks in order, up to
-    the longest row of the program's rows."""
+    the longest row of the program's rows. CHECK_INDEX: index (N*N,) is read at every
+    pair, and a row with a pair whose index is not the row is NaN."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     heads = tl.arange(0, BLOCK_H)
     in_table = rows < num_rows
     start = tl.load(offsets_ptr + rows, mask=in_table, other=0)
     count = tl.load(offsets_ptr + rows + 1, mask=in_table, other=0) - start
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+    mismatches = tl.zeros((BLOCK_T,), tl.int32)
     for j0 in range(0, tl.max(count, 0), BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         taken = j[None, :] < count[:, None]  # (BLOCK_T, BLOCK_J)
@@ -37,6 +45,11 @@ def relative_bias_table_grad_kernel(
         ptrs = grad_ptr + heads[None, None, :] * stride_grad_h + pair[:, :, None]
         grads = tl.load(ptrs, mask=taken[:, :, None] & (heads[None, None, :] < H), other=0.0)
         acc += tl.sum(grads.to(tl.float32), axis=1)
+        if CHECK_INDEX:
+            reads = tl.load(index_ptr + pair, mask=taken, other=0)
+            mismatches += tl.sum((taken & (reads != rows[:, None])).to(tl.int32), axis=1)
+    if CHECK_INDEX:
+        acc = tl.where(mismatches[:, None] > 0, float("nan"), acc)
     out = out_ptr + rows[:, None] * stride_out_t + heads[None, :] * stride_out_h
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_table[:, None] & (heads[None, :] < H))
 
