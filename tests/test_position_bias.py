@@ -197,3 +197,45 @@ def test_compiled_gather_sorts_a_constant_index_once(constant_index):
     module.table.grad = None
     compiled().backward(grad)
     assert bool(module.table.grad.isnan().any()) == constant_index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dispatched", [False, True], ids=["eager", "operators"])
+def test_sigmoid_scale_matches_float64(dtype, dispatched, monkeypatch):
+    """SwinV2's bias, 16 * sigmoid(table[index]), with the sigmoid in the gather kernel and
+    its derivative applied per table row in the gradient kernel (the autograd.Function and
+    the registered operators): against float64 autograd of timm's expression, NaN staying
+    in its row."""
+    from timm_flashwin import position_bias
+    if dispatched:
+        monkeypatch.setattr(position_bias, "_dispatch_free", lambda t: False)
+    g = torch.Generator().manual_seed(3)
+    index = relative_position_index(8, 8).to(KERNEL_DEVICE)
+    values = 4 * torch.randn(225, 6, generator=g)
+    grad = torch.randn(6, 64, 64, generator=g)
+    table = values.to(dtype).to(KERNEL_DEVICE).clone().requires_grad_()
+    bias = gather_position_bias(table, index, sigmoid_scale=16.0)
+    bias.backward(grad.to(dtype).to(KERNEL_DEVICE))
+    table64 = values.to(dtype).double().clone().requires_grad_()
+    expected = 16 * torch.sigmoid(table64[index.cpu().view(-1)].view(64, 64, -1).permute(2, 0, 1))
+    expected.backward(grad.to(dtype).double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert bias.dtype == dtype and table.grad.dtype == dtype
+    torch.testing.assert_close(bias.double().cpu(), expected.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(table.grad.double().cpu(), table64.grad, rtol=tol, atol=tol * 10)
+    with torch.no_grad():  # without a gradient the same kernel, the same values
+        torch.testing.assert_close(gather_position_bias(table, index, sigmoid_scale=16.0), bias.detach(),
+                                   rtol=0, atol=0)
+    table.grad = None
+    nan_grad = grad.clone()
+    nan_grad[2, 0, 5] = float("nan")
+    gather_position_bias(table, index, sigmoid_scale=16.0).backward(nan_grad.to(dtype).to(KERNEL_DEVICE))
+    rows, heads = torch.nonzero(table.grad.isnan(), as_tuple=True)
+    assert rows.tolist() == [index[0, 5].item()] and heads.tolist() == [2]
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, float("inf"), True, "16"])
+def test_sigmoid_scale_must_be_a_finite_nonzero_float(scale):
+    with pytest.raises(ValueError, match="`sigmoid_scale` must be None or a finite nonzero float"):
+        gather_position_bias(torch.zeros(9, 2).to(KERNEL_DEVICE), torch.zeros(2, 2, dtype=torch.long).to(KERNEL_DEVICE),
+                             sigmoid_scale=scale)

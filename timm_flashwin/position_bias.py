@@ -14,11 +14,14 @@ the 284 ms of GPU time of a compiled swinv2_base_window12to24 training step on a
 benchmarks/profile_step.py), the pairs of a module's index sorted once, when the graph is
 traced (``constant_index``), other indices' pairs sorted in the graph at every step;
 without a gradient there, and on plain CPU tensors, it is the PyTorch expression itself.
+SwinV2's 16 * sigmoid(table[index]) runs in the same kernels (``sigmoid_scale``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Tuple
+from numbers import Real
+from typing import Optional, Tuple
 
 import torch
 
@@ -75,39 +78,46 @@ class _GatherFromTable(torch.autograd.Function):
     """The eager path: the operators' kernels without their dispatch, the pairs sorted once."""
 
     @staticmethod
-    def forward(ctx, table: torch.Tensor, index: torch.Tensor, rows: TableRows) -> torch.Tensor:
-        ctx.rows, ctx.num_rows, ctx.table_dtype = rows, table.shape[0], table.dtype
+    def forward(ctx, table: torch.Tensor, index: torch.Tensor, rows: TableRows, sigmoid_scale: float
+                ) -> torch.Tensor:
+        ctx.rows, ctx.num_rows, ctx.table_dtype, ctx.sigmoid_scale = rows, table.shape[0], table.dtype, sigmoid_scale
+        if sigmoid_scale:
+            ctx.save_for_backward(table)
         with _direct_launches():
-            return relative_bias_gather(table, index)
+            return relative_bias_gather(table, index, sigmoid_scale)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
+        table = ctx.saved_tensors[0] if ctx.sigmoid_scale else None
         with _direct_launches():
-            dtable = relative_bias_table_grad(grad, ctx.rows.order, ctx.rows.offsets, ctx.num_rows, ctx.table_dtype)
-        return dtable, None, None
+            dtable = relative_bias_table_grad(grad, ctx.rows.order, ctx.rows.offsets, ctx.num_rows, ctx.table_dtype,
+                                              table=table, sigmoid_scale=ctx.sigmoid_scale)
+        return dtable, None, None, None
 
 
 # ----------------------------------------------------------------- registered operators
-def _gather_impl(table: torch.Tensor, index: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor
-                 ) -> torch.Tensor:
-    """The bias; order and offsets (the index's pairs by table row) are for the backward."""
-    return relative_bias_gather(table, index)
+def _gather_impl(table: torch.Tensor, index: torch.Tensor, order: Optional[torch.Tensor],
+                 offsets: Optional[torch.Tensor], sigmoid_scale: float) -> torch.Tensor:
+    """The bias; order and offsets (the index's pairs by table row) are for the backward
+    (None where none follows)."""
+    return relative_bias_gather(table, index, sigmoid_scale)
 
 
-def _gather_fake(table, index, order, offsets):
+def _gather_fake(table, index, order, offsets, sigmoid_scale):
     return table.new_empty((table.shape[1], index.shape[0], index.shape[0]))
 
 
-def _table_grad_impl(grad: torch.Tensor, index: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
-                     num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+def _table_grad_impl(grad: torch.Tensor, table: torch.Tensor, index: torch.Tensor, order: torch.Tensor,
+                     offsets: torch.Tensor, sigmoid_scale: float) -> torch.Tensor:
     """The table gradient, every pair checked against ``index`` (order and offsets may be
     constants of a compiled graph, sorted from the index as it was when traced)."""
-    return relative_bias_table_grad(grad, order, offsets, num_rows, dtype, index=index)
+    return relative_bias_table_grad(grad, order, offsets, table.shape[0], table.dtype, index=index, table=table,
+                                    sigmoid_scale=sigmoid_scale)
 
 
-def _table_grad_fake(grad, index, order, offsets, num_rows, dtype):
-    return grad.new_empty((num_rows, grad.shape[0]), dtype=dtype)
+def _table_grad_fake(grad, table, index, order, offsets, sigmoid_scale):
+    return table.new_empty(table.shape)
 
 
 gather_position_bias_op = _register("gather_position_bias", _gather_impl, _gather_fake)
@@ -115,24 +125,28 @@ position_bias_table_grad_op = _register("position_bias_table_grad", _table_grad_
 
 
 def _gather_setup_context(ctx, inputs, output):
-    table, index, order, offsets = inputs
-    ctx.save_for_backward(index, order, offsets)
-    ctx.num_rows, ctx.table_dtype = table.shape[0], table.dtype
+    table, index, order, offsets, sigmoid_scale = inputs
+    ctx.save_for_backward(table, index, order, offsets)
+    ctx.sigmoid_scale = sigmoid_scale
 
 
 def _gather_backward(ctx, grad):
-    index, order, offsets = ctx.saved_tensors
-    return position_bias_table_grad_op(grad, index, order, offsets, ctx.num_rows, ctx.table_dtype), None, None, None
+    table, index, order, offsets = ctx.saved_tensors
+    if order is None:
+        raise RuntimeError("gather_position_bias: the gather ran without the sorted pairs its gradient needs")
+    return position_bias_table_grad_op(grad, table, index, order, offsets, ctx.sigmoid_scale), None, None, None, None
 
 
 gather_position_bias_op.register_autograd(_gather_backward, setup_context=_gather_setup_context)
 
 
 # ----------------------------------------------------------------------- public function
-def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_index: bool = False
-                         ) -> torch.Tensor:
+def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_index: bool = False,
+                         sigmoid_scale: Optional[float] = None) -> torch.Tensor:
     """(H, N, N) contiguous bias ``table[index]`` from a table (T, H) and an index (N, N)
-    of table rows (timm's ``relative_position_index``).
+    of table rows (timm's ``relative_position_index``), or with ``sigmoid_scale`` s,
+    ``s * sigmoid(table[index])`` (SwinV2's bias, s = 16) in the same kernels: the
+    sigmoid in the gather, its derivative once per table row in the gradient.
 
     constant_index: the index is a module's buffer whose values do not change while a
     compiled graph uses it (timm's relative_position_index is a function of the window
@@ -144,21 +158,33 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
         raise ValueError(f"gather_position_bias: `index` must be of shape (N, N), got {tuple(index.shape)}")
     if table.dim() != 2:
         raise ValueError(f"gather_position_bias: `table` must be of shape (rows, heads), got {tuple(table.shape)}")
+    if sigmoid_scale is not None and (isinstance(sigmoid_scale, bool) or not isinstance(sigmoid_scale, Real)
+                                      or not math.isfinite(sigmoid_scale) or sigmoid_scale == 0):
+        raise ValueError(f"gather_position_bias: `sigmoid_scale` must be None or a finite nonzero float, "
+                         f"got {sigmoid_scale!r}")
+    scale = float(sigmoid_scale) if sigmoid_scale is not None else 0.0  # 0: no sigmoid (the kernels' switch)
     if uses_kernels(table):
-        if table.requires_grad and torch.is_grad_enabled():
+        grad = table.requires_grad and torch.is_grad_enabled()
+        if grad:
             if _dispatch_free(table):
-                return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]))
+                return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]), scale)
             if constant_index and _assume_constant_result is not None and torch.compiler.is_compiling():
                 order, offsets = _traced_table_rows(index, table.shape[0])
             else:
                 order, offsets = _sorted_pairs(index, table.shape[0])
-            return gather_position_bias_op(table, index, order, offsets)
+            return gather_position_bias_op(table, index, order, offsets, scale)
         if _dispatch_free(table):
             # Without a gradient too: PyTorch's indexing took 201 us for a window of 24x24
             # (its vectorized_gather_kernel, H200, benchmarks/profile_op.py --forward), the
             # kernel 4 us. TableRows.of checks the index's range, once per index tensor.
             TableRows.of(index, table.shape[0])
             with _direct_launches():
-                return relative_bias_gather(table, index)
+                return relative_bias_gather(table, index, scale)
+        if not torch.compiler.is_compiling():
+            # under a dispatch mode or for a tensor subclass, the operator: its kernel gives
+            # the values the gradient's path gives (an activation checkpoint's two passes,
+            # the first without a gradient, agree to the bit with a sigmoid_scale too)
+            return gather_position_bias_op(table, index, None, None, scale)
     n = index.shape[0]
-    return table[index.reshape(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
+    bias = table[index.reshape(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
+    return scale * torch.sigmoid(bias) if scale else bias

@@ -1,8 +1,10 @@
 """SwinV2: ``timm.models.swin_transformer_v2.WindowAttention``.
 
 S = exp(min(logit_scale, ln 100)) * Q^ K^^T (cosine attention); the bias is
-16 * sigmoid(cpb_mlp(relative_coords_table)) gathered by relative_position_index, in the
-order timm computes it (the gather through ``gather_position_bias``). The qkv bias is cat(q_bias, k_bias (a zero buffer), v_bias).
+16 * sigmoid(cpb_mlp(relative_coords_table)[relative_position_index]), as timm computes it,
+the gather and the sigmoid in one kernel (``gather_position_bias(..., sigmoid_scale=16)``;
+the sigmoid is elementwise, so its place does not change the values). The qkv bias is
+cat(q_bias, k_bias (a zero buffer), v_bias).
 """
 from typing import Dict, Type
 
@@ -40,7 +42,7 @@ class SwinV2Adapter(WindowAttentionAdapter):
     def position_bias(self, module: nn.Module) -> torch.Tensor:
         def compute() -> torch.Tensor:
             table = module.cpb_mlp(module.relative_coords_table).view(-1, module.num_heads)
-            return 16 * torch.sigmoid(gather_position_bias(table, module.relative_position_index, constant_index=True))
+            return gather_position_bias(table, module.relative_position_index, constant_index=True, sigmoid_scale=16.0)
 
         sources = (module.relative_coords_table, module.relative_position_index, *module.cpb_mlp.parameters())
         return inference_cache(module, sources, compute)

@@ -583,26 +583,30 @@ def _heads_block(heads: int) -> int:
     return max(2, 1 << (heads - 1).bit_length())
 
 
-def relative_bias_gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def relative_bias_gather(table: torch.Tensor, index: torch.Tensor, sigmoid_scale: float = 0.0) -> torch.Tensor:
     """The dense bias (H, N, N), contiguous, table[index] from a table (T, H) and an index
-    (N, N) of table rows: ``table[index.view(-1)].view(N, N, H).permute(2, 0, 1)``."""
+    (N, N) of table rows: ``table[index.view(-1)].view(N, N, H).permute(2, 0, 1)``, or
+    ``sigmoid_scale * sigmoid(...)`` of it where sigmoid_scale is not 0 (SwinV2: 16)."""
     n, heads = index.shape[0], table.shape[1]
     out = table.new_empty((heads, n, n))
     block_h = _heads_block(heads)
     block_p = max(16, (8192 if config.INTERPRET else 2048) // block_h)
     launcher(relative_bias_gather_kernel)[(-(-(n * n) // block_p),)](
         table, index.reshape(-1), out, n * n, *table.stride(), out.stride(0),
-        H=heads, BLOCK_P=block_p, BLOCK_H=block_h, **compiler_options(),
+        H=heads, BLOCK_P=block_p, BLOCK_H=block_h, SIGMOID_SCALE=float(sigmoid_scale), **compiler_options(),
     )
     return out
 
 
 def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, num_rows: int,
-                             dtype: torch.dtype, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             dtype: torch.dtype, index: Optional[torch.Tensor] = None,
+                             table: Optional[torch.Tensor] = None, sigmoid_scale: float = 0.0) -> torch.Tensor:
     """Gradient (num_rows, H) in ``dtype`` of a table gathered into a dense bias (H, N, N)
     whose gradient is ``grad``; order and offsets group the pairs by table row
     (``position_bias.TableRows``). With ``index`` (N, N), the kernel checks every pair
-    against it: rows whose pairs were sorted from another index are NaN."""
+    against it: rows whose pairs were sorted from another index are NaN. With a
+    ``sigmoid_scale`` other than 0, the bias was ``sigmoid_scale * sigmoid(table[index])``
+    (``relative_bias_gather``) and ``table`` (T, H) is that table."""
     heads = grad.shape[0]
     grad = grad.reshape(heads, -1)
     if grad.stride(1) != 1:
@@ -619,8 +623,10 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
         # 9.13 -> 7.05; within 1.26x of the best of 48 (BLOCK_T, BLOCK_J, warps) everywhere.
         block_t, block_j = 4, min(256, max(32, 4096 // block_h))
     launcher(relative_bias_table_grad_kernel)[(-(-num_rows // block_t),)](
-        grad, order, offsets, index.reshape(-1) if index is not None else order, out, num_rows, grad.stride(0),
-        *out.stride(), H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, CHECK_INDEX=index is not None,
-        **compiler_options(),
+        grad, order, offsets, index.reshape(-1) if index is not None else order,
+        table if sigmoid_scale else out, out, num_rows, grad.stride(0),
+        *(table.stride() if sigmoid_scale else (0, 0)), *out.stride(),
+        H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, CHECK_INDEX=index is not None,
+        SIGMOID_SCALE=float(sigmoid_scale), **compiler_options(),
     )
     return out
