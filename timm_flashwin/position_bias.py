@@ -63,8 +63,9 @@ def _traced_table_rows(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor
     """(order, offsets) of ``TableRows.of(index, num_rows)``. Marked as a constant for
     torch.compile: dynamo calls it with the index's value when it traces (a module's
     buffer) and puts its result into the graph as constants, so that the compiled step
-    does not sort the pairs again: 7 kernel launches fewer per layer and step (a sort of
-    N*N pairs, arange, searchsorted), about 36 us of GPU time per layer on an H200."""
+    does not sort the pairs again (a sort of the N*N pairs, arange, searchsorted): on an
+    H200, 7 kernel launches and about 36 us of GPU time fewer per layer and training step
+    on 7x7 windows, 24 launches and 66 us on 24x24 ones (benchmarks/RESULTS.md)."""
     rows = TableRows.of(index, num_rows)
     return rows.order, rows.offsets
 
@@ -153,7 +154,11 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
     size, which dynamo guards on): under torch.compile its pairs are then sorted when the
     graph is traced, not in every step. Should it change in place after that, the table
     gradient's rows that it no longer matches are NaN, not silently wrong (the kernel
-    checks every pair). False: sorted in the graph (the index may be any tensor)."""
+    checks every pair). False: sorted in the graph (the index may be any tensor).
+
+    The index's range is checked in eager mode (once per index tensor, a host
+    synchronization); under torch.compile and dispatch modes it is not: the kernels read
+    the rows it names."""
     if index.dim() != 2 or index.shape[0] != index.shape[1]:
         raise ValueError(f"gather_position_bias: `index` must be of shape (N, N), got {tuple(index.shape)}")
     if table.dim() != 2:

@@ -17,8 +17,8 @@ a permutation of all N*N pairs).
 
 SwinV2 takes B = 16 * sigmoid(table[index]) (SIGMOID_SCALE = 16): the gather applies it,
 and since every pair of a table row reads the same value x, that row's gradient is its
-pairs' sum times 16 * sigmoid(x) * (1 - sigmoid(x)), applied once per row: two kernels
-where timm's eager step runs five (sigmoid, its product, their backwards).
+pairs' sum times 16 * sigmoid(x) * (1 - sigmoid(x)), applied once per row: the sigmoid,
+the product and their backwards launch no kernels of their own.
 """
 import triton
 import triton.language as tl
