@@ -59,6 +59,7 @@ class TableRows:
         return kept_on(index, "_flashwin_table_rows", compute, num_rows)
 
 
+@torch.compiler.assume_constant_result
 def _traced_table_rows(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(order, offsets) of ``TableRows.of(index, num_rows)``. Marked as a constant for
     torch.compile: dynamo calls it with the index's value when it traces (a module's
@@ -68,11 +69,6 @@ def _traced_table_rows(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor
     on 7x7 windows, 24 launches and 66 us on 24x24 ones (benchmarks/RESULTS.md)."""
     rows = TableRows.of(index, num_rows)
     return rows.order, rows.offsets
-
-
-_assume_constant_result = getattr(torch.compiler, "assume_constant_result", None)
-if _assume_constant_result is not None:
-    _assume_constant_result(_traced_table_rows)
 
 
 class _GatherFromTable(torch.autograd.Function):
@@ -173,7 +169,7 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
         if grad:
             if _dispatch_free(table):
                 return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]), scale)
-            if constant_index and _assume_constant_result is not None and torch.compiler.is_compiling():
+            if constant_index and torch.compiler.is_compiling():
                 order, offsets = _traced_table_rows(index, table.shape[0])
             else:
                 order, offsets = _sorted_pairs(index, table.shape[0])
