@@ -18,7 +18,10 @@ CUDA launcher for user-defined Triton kernels (``static_launch_user_defined_trit
 off by default in torch 2.11), which launches our kernels with less host time per launch;
 the variant ``flashwin-triton-launch`` is the patched model with every kernel launched
 through Triton's ``kernel[grid](...)`` (``kernels.fast_launch`` switched off during its
-steps), to measure what the direct launches save in the same process.
+steps), to measure what the direct launches save in the same process. Two variants bound
+what any implementation can give: ``attention-free`` (every attention module computes
+proj(qkv(x)[..., :C]), nothing between the projections) and ``window-free`` (the same on the
+unpartitioned feature map, without timm's shift, partition and merge around it).
 """
 from __future__ import annotations
 
@@ -107,6 +110,39 @@ def attention_free(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+#: timm's block methods that shift, partition, attend and merge (B, H, W, C) -> (B, H, W, C):
+#: SwinTransformerBlock / SwinTransformerV2Block._attn, SwinTransformerV2CrBlock._shifted_window_attn
+WINDOW_METHODS = ("_attn", "_shifted_window_attn")
+
+
+def _window_free_attn(block, x):
+    return _attention_free_forward(block.attn, x)
+
+
+#: timm block class -> its subclass whose window methods are ``_window_free_attn``
+_WINDOW_FREE_CLASSES: dict = {}
+
+
+def window_free(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every block's window path (cyclic shift, pad, partition, attention,
+    merge, shift back) replaced by ``_attention_free_forward`` of its attention module on
+    the (B, H, W, C) feature map (the ``window-free`` variant), in place: what is left
+    if the op also read its windows from, and wrote them back to, the unpartitioned map.
+
+    The blocks get a subclass (as ``patch_model`` swaps classes), not methods set on the
+    instances: torch 2.11's dynamo did not guard on those, and in one process the timm and
+    window-free variants ran one compiled graph (the same graph hash, launches and GPU time)."""
+    for module in model.modules():
+        attn = getattr(module, "attn", None)
+        if isinstance(attn, torch.nn.Module) and adapter_for(attn) is not None:
+            cls = type(module)
+            if cls not in _WINDOW_FREE_CLASSES:
+                methods = {name: _window_free_attn for name in WINDOW_METHODS if hasattr(cls, name)}
+                _WINDOW_FREE_CLASSES[cls] = type(f"WindowFree{cls.__name__}", (cls,), methods)
+            module.__class__ = _WINDOW_FREE_CLASSES[cls]
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="swinv2_cr_tiny_224", choices=list(MODELS))
@@ -119,7 +155,8 @@ def main() -> None:
                         help="torch._inductor.config options for the run (Python literals)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"],
-                        choices=["timm", "flashwin", "flashwin-static", "flashwin-triton-launch", "attention-free"])
+                        choices=["timm", "flashwin", "flashwin-static", "flashwin-triton-launch", "attention-free",
+                                 "window-free"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch._inductor.config as inductor_config
@@ -138,6 +175,8 @@ def main() -> None:
         model = copy.deepcopy(base).cuda().train(train)
         if variant == "attention-free":
             attention_free(model)
+        elif variant == "window-free":
+            window_free(model)
         elif variant != "timm":
             patch_model(model)
         x = images
