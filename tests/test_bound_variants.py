@@ -1,0 +1,61 @@
+"""The bound variants of benchmarks/profile_step.py compute what their docstrings say: every
+attention module (``attention-free``) or every block's window path (``window-free``)
+reduced to proj(qkv(x)[..., :C]), and only that. RESULTS.md's bounds are as good as these."""
+import copy
+import os
+import sys
+
+import pytest
+import timm
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from profile_step import WINDOW_METHODS, attention_free, window_free  # noqa: E402
+
+from timm_flashwin.adapters import adapter_for  # noqa: E402
+
+# small members of each family: two stages, shifted and unshifted blocks
+MODELS = {
+    "swin": lambda: timm.create_model("swin_tiny_patch4_window7_224", img_size=56, depths=(2, 2), num_heads=(2, 4),
+                                      embed_dim=32, num_classes=5),
+    "swinv2": lambda: timm.create_model("swinv2_tiny_window8_256", img_size=64, window_size=4, depths=(2, 2),
+                                        num_heads=(2, 4), embed_dim=32, num_classes=5),
+    "swinv2_cr": lambda: timm.create_model("swinv2_cr_tiny_224", img_size=(56, 56), window_size=7, depths=(2, 2),
+                                           num_heads=(2, 4), embed_dim=32, num_classes=5),
+}
+SIZES = {"swin": 56, "swinv2": 64, "swinv2_cr": 56}
+
+
+def _projections(attn, x):
+    return attn.proj(attn.qkv(x)[..., :attn.proj.in_features])
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_window_free_blocks_project_the_feature_map(family):
+    torch.manual_seed(0)
+    model = MODELS[family]().eval()
+    free = window_free(copy.deepcopy(model))
+    blocks = [m for m in free.modules() if isinstance(getattr(m, "attn", None), torch.nn.Module)
+              and adapter_for(m.attn) is not None]
+    assert len(blocks) == 4
+    for block in blocks:
+        # a subclass of timm's block, so that torch.compile guards tell the two apart
+        assert type(block) is not type(block).__mro__[1] and type(block).__mro__[1].__module__.startswith("timm")
+        x = torch.randn(2, 8, 8, block.attn.proj.in_features)
+        method = next(name for name in WINDOW_METHODS if hasattr(block, name))
+        torch.testing.assert_close(getattr(block, method)(x), _projections(block.attn, x), rtol=0, atol=0)
+    # the model's other modules are untouched
+    assert [n for n, _ in free.named_parameters()] == [n for n, _ in model.named_parameters()]
+    size = SIZES[family]
+    assert free(torch.randn(1, 3, size, size)).shape == (1, 5)
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_attention_free_modules_project_the_windows(family):
+    torch.manual_seed(0)
+    model = attention_free(MODELS[family]().eval())
+    attns = [m for m in model.modules() if adapter_for(m) is not None]
+    assert len(attns) == 4
+    for attn in attns:
+        x = torch.randn(3, 5, attn.proj.in_features)
+        torch.testing.assert_close(attn(x), _projections(attn, x), rtol=0, atol=0)
