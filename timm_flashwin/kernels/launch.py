@@ -22,6 +22,7 @@ from .backward import (
 from .bias_copy import float16_bias_copy_kernel
 from .forward import window_attention_fwd_kernel
 from .position_bias import relative_bias_gather_kernel, relative_bias_table_grad_kernel
+from .position_mlp import position_mlp_bwd_kernel, position_mlp_fwd_kernel
 
 if config.INTERPRET or not hasattr(torch.library, "wrap_triton"):
     # interpreted kernels are plain Python, launched as they are (on CPU tensors); torch
@@ -630,3 +631,50 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
         SIGMOID_SCALE=float(sigmoid_scale), **compiler_options(),
     )
     return out
+
+
+#: rows and hidden units of one position-MLP tile (the interpreter: fewer, larger programs)
+_MLP_BLOCK_T, _MLP_BLOCK_K = (64, 128) if config.INTERPRET else (32, 64)
+#: row blocks that one backward program sums before it writes its partial sums: below this
+#: many blocks (T <= 256 rows on the GPU: windows up to 8x8), one launch and no reduction
+_MLP_BLOCKS_PER_PROGRAM = 8
+
+
+def _mlp_heads_block(heads: int) -> int:
+    return max(16, 1 << (heads - 1).bit_length())  # tl.dot takes dims of 16 and more
+
+
+def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """relu(coords @ w1^T + b1) @ w2^T, (T, H) fp32, from coords (T, 2), w1 (K, 2), b1 (K,)
+    and w2 (H, K) of any float dtypes and strides."""
+    num_rows, heads, hidden = coords.shape[0], w2.shape[0], w1.shape[0]
+    out = coords.new_empty((num_rows, heads), dtype=torch.float32)
+    launcher(position_mlp_fwd_kernel)[(-(-num_rows // _MLP_BLOCK_T),)](
+        coords, w1, b1, w2, out, num_rows, hidden, *coords.stride(), *w1.stride(), *w2.stride(), *out.stride(),
+        H=heads, BLOCK_T=_MLP_BLOCK_T, BLOCK_K=_MLP_BLOCK_K, BLOCK_H=_mlp_heads_block(heads), **compiler_options(),
+    )
+    return out
+
+
+def position_mlp_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
+                       w2: torch.Tensor) -> torch.Tensor:
+    """The gradients of ``position_mlp_table``'s weights given the gradient (T, H) of its
+    output, in one fp32 vector (3 K + H K,): dw1 (K, 2), db1 (K,), dw2 (H, K) one after the
+    other, row-major (``split_position_mlp_grads``)."""
+    num_rows, heads, hidden = coords.shape[0], w2.shape[0], w1.shape[0]
+    row_blocks = -(-num_rows // _MLP_BLOCK_T)
+    groups = -(-row_blocks // _MLP_BLOCKS_PER_PROGRAM)
+    per_program = -(-row_blocks // groups)
+    partials = coords.new_empty((groups, (3 + heads) * hidden), dtype=torch.float32)
+    launcher(position_mlp_bwd_kernel)[(groups, -(-hidden // _MLP_BLOCK_K))](
+        grad, coords, w1, b1, w2, partials, num_rows, hidden, per_program, *grad.stride(), *coords.stride(),
+        *w1.stride(), *w2.stride(), partials.stride(0),
+        H=heads, BLOCK_T=_MLP_BLOCK_T, BLOCK_K=_MLP_BLOCK_K, BLOCK_H=_mlp_heads_block(heads), **compiler_options(),
+    )
+    return partials.view(-1) if groups == 1 else partials.sum(0)
+
+
+def split_position_mlp_grads(sums: torch.Tensor, hidden: int, heads: int
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dw1 (K, 2), db1 (K,), dw2 (H, K)), views of ``position_mlp_grads``'s vector."""
+    return sums[:2 * hidden].view(hidden, 2), sums[2 * hidden:3 * hidden], sums[3 * hidden:].view(heads, hidden)
