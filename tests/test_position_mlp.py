@@ -1,0 +1,125 @@
+"""position_mlp_table: SwinV2's cpb_mlp in one kernel forward and one backward (interpreter
+on CPU in CI) against float64 autograd of timm's layers."""
+import pytest
+import timm
+import torch
+from torch import nn
+
+from conftest import KERNEL_DEVICE
+from timm_flashwin.position_mlp import fusable_cpb_mlp, position_mlp_table
+
+
+def _mlp_inputs(rows, hidden, heads, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    coords = (8 * torch.rand(rows, 2, generator=g) - 4).to(dtype)  # SwinV2's log-spaced range
+    w1, b1 = torch.randn(hidden, 2, generator=g), torch.randn(hidden, generator=g)
+    w2 = torch.randn(heads, hidden, generator=g) / hidden ** 0.5
+    return coords, *(t.to(dtype) for t in (w1, b1, w2))
+
+
+def _float64_table(coords, w1, b1, w2):
+    """timm's layers in float64: Linear -> ReLU -> Linear(bias=False), with weight grads."""
+    params = [t.detach().double().cpu().requires_grad_() for t in (w1, b1, w2)]
+    out = torch.relu(coords.double().cpu() @ params[0].T + params[1]) @ params[2].T
+    return out, params
+
+
+@pytest.mark.parametrize("dispatched", [False, True], ids=["function", "operator"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, hidden, heads", [
+    pytest.param(225, 512, 3, id="w8"), pytest.param(49, 64, 6, id="w4-narrow"),
+    pytest.param(300, 200, 17, id="ragged"), pytest.param(700, 128, 4, id="several-groups"),
+    # window 24 (SwinV2-base w24: 32 heads in its last stage), on the GPU only
+    pytest.param(2209, 512, 32, id="w24", marks=pytest.mark.cuda),
+])
+def test_table_and_weight_gradients_match_float64(rows, hidden, heads, dtype, dispatched, monkeypatch):
+    """The table (fp32) and the three weight gradients (in the weights' dtype), through the
+    eager autograd.Function and through the registered operators, against float64; shapes
+    with partial tiles of rows, hidden units and heads, and with several row groups whose
+    partial sums the backward adds up (700 rows)."""
+    from timm_flashwin import position_mlp
+    if dispatched:
+        monkeypatch.setattr(position_mlp, "_dispatch_free", lambda t: False)
+    coords, w1, b1, w2 = (t.to(KERNEL_DEVICE) for t in _mlp_inputs(rows, hidden, heads, dtype))
+    params = [t.clone().requires_grad_() for t in (w1, b1, w2)]
+    table = position_mlp_table(coords, *params)
+    grad = torch.randn(rows, heads, generator=torch.Generator().manual_seed(1))
+    table.backward(grad.to(KERNEL_DEVICE))
+    expected, params64 = _float64_table(coords, w1, b1, w2)
+    expected.backward(grad.double())
+    assert table.dtype == torch.float32 and table.shape == (rows, heads)
+    # fp32 arithmetic from the inputs as given: the float64 reference of the same inputs
+    torch.testing.assert_close(table.double().cpu(), expected.detach(), rtol=1e-5, atol=1e-5)
+    for p, p64 in zip(params, params64):
+        assert p.grad.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the gradient's rounding
+        scale = p64.grad.abs().max()
+        torch.testing.assert_close(p.grad.double().cpu() / scale, p64.grad / scale, rtol=tol, atol=tol)
+    with torch.no_grad():  # without a gradient: the same kernel, the same values
+        torch.testing.assert_close(position_mlp_table(coords, w1, b1, w2), table.detach(), rtol=0, atol=0)
+
+
+def test_nan_propagates_as_in_pytorch():
+    """A NaN weight reaches the table entries and gradients that PyTorch's layers give NaN
+    (ReLU keeps NaN; its gradient passes where its output is NaN)."""
+    coords, w1, b1, w2 = _mlp_inputs(81, 64, 5, torch.float32)
+    w1[7, 0] = float("nan")  # hidden unit 7: NaN for every row
+    b1[3] = -1e4  # hidden unit 3: off everywhere
+    params = [t.to(KERNEL_DEVICE).requires_grad_() for t in (w1, b1, w2)]
+    table = position_mlp_table(coords.to(KERNEL_DEVICE), *params)
+    grad = torch.randn(81, 5)
+    grad[10] = 0.0
+    table.backward(grad.to(KERNEL_DEVICE))
+    expected, params64 = _float64_table(coords, w1, b1, w2)
+    expected.backward(grad.double())
+    assert torch.equal(table.isnan().cpu(), expected.isnan())
+    for p, p64 in zip(params, params64):
+        assert torch.equal(p.grad.isnan().cpu(), p64.grad.isnan())
+        finite = ~p64.grad.isnan()
+        torch.testing.assert_close(p.grad.cpu()[finite].double(), p64.grad[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_table_takes_the_registered_operators():
+    """Under torch.compile (one graph, no break) the table and its gradients come from the
+    registered operators: the same values as the eager path."""
+    coords, w1, b1, w2 = (t.to(KERNEL_DEVICE) for t in _mlp_inputs(225, 96, 4, torch.float32))
+    grad = torch.randn(225, 4).to(KERNEL_DEVICE)
+    results = []
+    for fn in (position_mlp_table, torch.compile(position_mlp_table, backend="aot_eager", fullgraph=True)):
+        params = [t.clone().requires_grad_() for t in (w1, b1, w2)]
+        table = fn(coords, *params)
+        table.backward(grad)
+        results.append((table.detach(), *(p.grad for p in params)))
+    for compiled, eager in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (((9, 3), (4, 2), (4,), (2, 4)), "`coords` must be of shape"),
+    (((9, 2), (4, 3), (4,), (2, 4)), "expected w1"),
+    (((9, 2), (4, 2), (5,), (2, 4)), "expected w1"),
+    (((9, 2), (4, 2), (4,), (2, 5)), "expected w1"),
+])
+def test_bad_shapes_name_the_argument(shapes, message):
+    with pytest.raises(ValueError, match=message):
+        position_mlp_table(*(torch.zeros(s).to(KERNEL_DEVICE) for s in shapes))
+
+
+def test_only_timms_cpb_mlp_is_fused():
+    """timm's SwinV2 cpb_mlp is fused; a module of another structure, or one a forward hook
+    (its own, a layer's, or a global one) observes, keeps PyTorch's layers."""
+    attn = timm.create_model("swinv2_tiny_window8_256", pretrained=False).layers[0].blocks[0].attn
+    assert fusable_cpb_mlp(attn.cpb_mlp)
+    assert not fusable_cpb_mlp(nn.Sequential(nn.Linear(2, 8), nn.GELU(), nn.Linear(8, 3, bias=False)))
+    assert not fusable_cpb_mlp(nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 3)))
+    assert not fusable_cpb_mlp(nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 3, bias=False)))
+    for module in (attn.cpb_mlp, attn.cpb_mlp[0]):
+        handle = module.register_forward_hook(lambda *args: None)
+        assert not fusable_cpb_mlp(attn.cpb_mlp)
+        handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert not fusable_cpb_mlp(attn.cpb_mlp)
+    finally:
+        handle.remove()
+    assert fusable_cpb_mlp(attn.cpb_mlp)

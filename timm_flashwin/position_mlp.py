@@ -1,0 +1,120 @@
+"""SwinV2's continuous position bias table, ``cpb_mlp(relative_coords_table)``, in one kernel.
+
+timm's SwinV2 modules compute their relative-position table with an MLP,
+Linear(2, K) -> ReLU -> Linear(K, H, bias=False), on the (T, 2) log-spaced coordinates, in
+every training step. ``position_mlp_table`` computes it with one kernel forward and one
+backward (kernels/position_mlp.py) where PyTorch launches three and five, each with its
+autograd node (eager training steps of the tiny models are bound by such host work,
+benchmarks/RESULTS.md). In eager mode on plain tensors the kernels run through a
+``torch.autograd.Function`` (no operator dispatch), elsewhere as registered operators
+(torch.compile, dispatch modes, tensor subclasses); on tensors the kernels do not take
+(plain CPU, float64) it is the PyTorch expression. The table is fp32 (timm's autocast runs
+the MLP in bf16); the weight gradients are in the weights' dtypes. ``fusable_cpb_mlp`` says
+which modules it computes exactly (the SwinV2 adapter keeps timm's layers for others).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kernels.launch import position_mlp_grads, position_mlp_table as _launch_table, split_position_mlp_grads
+from .op import _direct_launches, _dispatch_free, _register, uses_kernels
+
+
+def _weight_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                  grads_op):
+    """(dw1, db1, dw2) in the weights' dtypes, ``grads_op`` computing their fp32 vector."""
+    dw1, db1, dw2 = split_position_mlp_grads(grads_op(grad, coords, w1, b1, w2), w1.shape[0], w2.shape[0])
+    return dw1.to(w1.dtype), db1.to(b1.dtype), dw2.to(w2.dtype)
+
+
+class _PositionMLP(torch.autograd.Function):
+    """The eager path: the operators' kernels without their dispatch."""
+
+    @staticmethod
+    def forward(ctx, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(coords, w1, b1, w2)
+        with _direct_launches():
+            return _launch_table(coords, w1, b1, w2)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        with _direct_launches():
+            return (None, *_weight_grads(grad, *ctx.saved_tensors, position_mlp_grads))
+
+
+# ----------------------------------------------------------------- registered operators
+def _table_fake(coords, w1, b1, w2):
+    return coords.new_empty((coords.shape[0], w2.shape[0]), dtype=torch.float32)
+
+
+def _grads_fake(grad, coords, w1, b1, w2):
+    return coords.new_empty(((3 + w2.shape[0]) * w1.shape[0],), dtype=torch.float32)
+
+
+position_mlp_table_op = _register("position_mlp_table", _launch_table, _table_fake)
+position_mlp_grads_op = _register("position_mlp_grads", position_mlp_grads, _grads_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    return (None, *_weight_grads(grad, *ctx.saved_tensors, position_mlp_grads_op))
+
+
+position_mlp_table_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------- public functions
+def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``relu(coords @ w1^T + b1) @ w2^T``, (T, H) float32, from coords (T, 2), w1 (K, 2),
+    b1 (K,) and w2 (H, K): SwinV2's ``cpb_mlp`` applied to its coordinates table. The
+    weights get gradients (fp32 sums, returned in their dtypes); the coordinates do not
+    (timm's are a buffer). Where the kernels do not run (plain CPU tensors, float64), the
+    PyTorch expression in the inputs' dtype."""
+    if coords.dim() != 2 or coords.shape[1] != 2:
+        raise ValueError(f"position_mlp_table: `coords` must be of shape (T, 2), got {tuple(coords.shape)}")
+    hidden = w1.shape[0]
+    if w1.dim() != 2 or w1.shape[1] != 2 or b1.shape != (hidden,) or w2.dim() != 2 or w2.shape[1] != hidden:
+        raise ValueError(f"position_mlp_table: expected w1 (K, 2), b1 (K,), w2 (H, K), got w1 {tuple(w1.shape)}, "
+                         f"b1 {tuple(b1.shape)}, w2 {tuple(w2.shape)}")
+    for name, t in (("w1", w1), ("b1", b1), ("w2", w2)):
+        if t.device != coords.device:
+            raise ValueError(f"position_mlp_table: `{name}` must be on coords' device {coords.device}, got {t.device}")
+    if uses_kernels(coords) and all(uses_kernels(t) for t in (w1, b1, w2)):
+        if not _dispatch_free(coords):
+            return position_mlp_table_op(coords, w1, b1, w2)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (w1, b1, w2)):
+            return _PositionMLP.apply(coords, w1, b1, w2)
+        with _direct_launches():
+            return _launch_table(coords, w1, b1, w2)
+    return F.linear(F.relu(F.linear(coords, w1, b1)), w2)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    """Whether forward hooks for every module are registered (nn.modules.module's
+    ``register_module_forward_hook`` and ``_pre_hook``)."""
+    from torch.nn.modules import module as module_lib
+    return bool(getattr(module_lib, "_global_forward_hooks", None)
+                or getattr(module_lib, "_global_forward_pre_hooks", None))
+
+
+def fusable_cpb_mlp(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` is timm's SwinV2 ``cpb_mlp`` as ``position_mlp_table`` computes it:
+    nn.Sequential(nn.Linear(2, K), nn.ReLU(), nn.Linear(K, H, bias=False)) exactly, with no
+    forward hooks on it, its layers or all modules (the kernel would skip them). Anything else
+    keeps PyTorch's layers."""
+    if type(mlp) is not nn.Sequential or len(mlp) != 3:
+        return False
+    fc1, act, fc2 = mlp
+    return (type(fc1) is nn.Linear and type(act) is nn.ReLU and type(fc2) is nn.Linear and fc1.in_features == 2
+            and fc1.bias is not None and fc2.bias is None
+            and not any(_hooked(m) for m in (mlp, fc1, act, fc2)) and not _global_hooks())
