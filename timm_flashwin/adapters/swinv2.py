@@ -1,10 +1,11 @@
 """SwinV2: ``timm.models.swin_transformer_v2.WindowAttention``.
 
 S = exp(min(logit_scale, ln 100)) * Q^ K^^T (cosine attention); the bias is
-16 * sigmoid(cpb_mlp(relative_coords_table)[relative_position_index]), as timm computes it,
-the gather and the sigmoid in one kernel (``gather_position_bias(..., sigmoid_scale=16)``;
-the sigmoid is elementwise, so its place does not change the values). The qkv bias is
-cat(q_bias, k_bias (a zero buffer), v_bias).
+16 * sigmoid(cpb_mlp(relative_coords_table)[relative_position_index]), as timm computes it:
+timm's cpb_mlp in one kernel (``position_mlp_table``, fp32, where the module is timm's
+Linear -> ReLU -> Linear and the kernels run), the gather and the sigmoid in one more
+(``gather_position_bias(..., sigmoid_scale=16)``; the sigmoid is elementwise, so its place
+does not change the values). The qkv bias is cat(q_bias, k_bias (a zero buffer), v_bias).
 """
 from typing import Dict, Type
 
@@ -12,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..op import uses_kernels
 from ..position_bias import gather_position_bias
+from ..position_mlp import fusable_cpb_mlp, position_mlp_table
 from .base import WindowAttentionAdapter, inference_cache
 
 
@@ -41,7 +44,11 @@ class SwinV2Adapter(WindowAttentionAdapter):
 
     def position_bias(self, module: nn.Module) -> torch.Tensor:
         def compute() -> torch.Tensor:
-            table = module.cpb_mlp(module.relative_coords_table).view(-1, module.num_heads)
+            mlp, coords = module.cpb_mlp, module.relative_coords_table
+            if uses_kernels(coords) and fusable_cpb_mlp(mlp):
+                table = position_mlp_table(coords.view(-1, 2), mlp[0].weight, mlp[0].bias, mlp[2].weight)
+            else:
+                table = mlp(coords).view(-1, module.num_heads)
             return gather_position_bias(table, module.relative_position_index, constant_index=True, sigmoid_scale=16.0)
 
         sources = (module.relative_coords_table, module.relative_position_index, *module.cpb_mlp.parameters())
