@@ -633,11 +633,16 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
     return out
 
 
-#: rows and hidden units of one position-MLP tile (the interpreter: fewer, larger programs)
-_MLP_BLOCK_T, _MLP_BLOCK_K = (64, 128) if config.INTERPRET else (32, 64)
-#: row blocks that one backward program sums before it writes its partial sums: below this
-#: many blocks (T <= 256 rows on the GPU: windows up to 8x8), one launch and no reduction
-_MLP_BLOCKS_PER_PROGRAM = 8
+#: (rows, hidden units, warps) of the position-MLP kernels' programs. H100, best of 27 per
+#: kernel on windows 8 and 24 with 3 and 32 heads (benchmarks/bench_position_mlp.py --sweep,
+#: GPU us): the forward within 1.05x of the best but on window 24 with 3 heads (1.49x,
+#: 22 us), 12 us on window 8 (21 us at (32, 64, 4)); the backward within 1.14x, 14 us on
+#: window 8 (23 to 35 us at (32, 64, 4)). The interpreter: fewer, larger programs.
+_MLP_FORWARD = (64, 128, 4) if config.INTERPRET else (16, 128, 2)
+_MLP_BACKWARD = (64, 128, 4) if config.INTERPRET else (16, 32, 4)
+#: rows that one backward program sums before it writes its partial sums: tables of up to
+#: this many rows (windows up to 8x8) take one launch and no reduction
+_MLP_ROWS_PER_PROGRAM = 256
 
 
 def _mlp_heads_block(heads: int) -> int:
@@ -649,9 +654,10 @@ def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
     and w2 (H, K) of any float dtypes and strides."""
     num_rows, heads, hidden = coords.shape[0], w2.shape[0], w1.shape[0]
     out = coords.new_empty((num_rows, heads), dtype=torch.float32)
-    launcher(position_mlp_fwd_kernel)[(-(-num_rows // _MLP_BLOCK_T),)](
+    block_t, block_k, warps = _MLP_FORWARD
+    launcher(position_mlp_fwd_kernel)[(-(-num_rows // block_t),)](
         coords, w1, b1, w2, out, num_rows, hidden, *coords.stride(), *w1.stride(), *w2.stride(), *out.stride(),
-        H=heads, BLOCK_T=_MLP_BLOCK_T, BLOCK_K=_MLP_BLOCK_K, BLOCK_H=_mlp_heads_block(heads), **compiler_options(),
+        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=_mlp_heads_block(heads), **compiler_options(warps),
     )
     return out
 
@@ -662,14 +668,15 @@ def position_mlp_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tenso
     output, in one fp32 vector (3 K + H K,): dw1 (K, 2), db1 (K,), dw2 (H, K) one after the
     other, row-major (``split_position_mlp_grads``)."""
     num_rows, heads, hidden = coords.shape[0], w2.shape[0], w1.shape[0]
-    row_blocks = -(-num_rows // _MLP_BLOCK_T)
-    groups = -(-row_blocks // _MLP_BLOCKS_PER_PROGRAM)
+    block_t, block_k, warps = _MLP_BACKWARD
+    row_blocks = -(-num_rows // block_t)
+    groups = -(-row_blocks // max(1, _MLP_ROWS_PER_PROGRAM // block_t))
     per_program = -(-row_blocks // groups)
     partials = coords.new_empty((groups, (3 + heads) * hidden), dtype=torch.float32)
-    launcher(position_mlp_bwd_kernel)[(groups, -(-hidden // _MLP_BLOCK_K))](
+    launcher(position_mlp_bwd_kernel)[(groups, -(-hidden // block_k))](
         grad, coords, w1, b1, w2, partials, num_rows, hidden, per_program, *grad.stride(), *coords.stride(),
         *w1.stride(), *w2.stride(), partials.stride(0),
-        H=heads, BLOCK_T=_MLP_BLOCK_T, BLOCK_K=_MLP_BLOCK_K, BLOCK_H=_mlp_heads_block(heads), **compiler_options(),
+        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=_mlp_heads_block(heads), **compiler_options(warps),
     )
     return partials.view(-1) if groups == 1 else partials.sum(0)
 
