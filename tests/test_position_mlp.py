@@ -123,3 +123,15 @@ def test_only_timms_cpb_mlp_is_fused():
     finally:
         handle.remove()
     assert fusable_cpb_mlp(attn.cpb_mlp)
+
+
+def test_coordinates_that_take_a_gradient_get_it():
+    """The kernels give the weights' gradients only; coordinates that require a gradient
+    are computed by PyTorch's expression instead, and get theirs."""
+    coords, w1, b1, w2 = (t.to(KERNEL_DEVICE) for t in _mlp_inputs(49, 32, 3, torch.float32))
+    coords.requires_grad_()
+    table = position_mlp_table(coords, w1, b1, w2)
+    table.sum().backward()
+    expected = torch.relu(coords.detach().double() @ w1.double().T + b1.double()) @ w2.double().T
+    torch.testing.assert_close(table.double(), expected, rtol=1e-5, atol=1e-5)
+    assert coords.grad is not None and coords.grad.abs().sum() > 0

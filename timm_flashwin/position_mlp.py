@@ -73,9 +73,9 @@ position_mlp_table_op.register_autograd(_backward, setup_context=_setup_context)
 def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """``relu(coords @ w1^T + b1) @ w2^T``, (T, H) float32, from coords (T, 2), w1 (K, 2),
     b1 (K,) and w2 (H, K): SwinV2's ``cpb_mlp`` applied to its coordinates table. The
-    weights get gradients (fp32 sums, returned in their dtypes); the coordinates do not
-    (timm's are a buffer). Where the kernels do not run (plain CPU tensors, float64), the
-    PyTorch expression in the inputs' dtype."""
+    weights get gradients (fp32 sums, returned in their dtypes); coordinates that require a
+    gradient (timm's are a buffer), and tensors the kernels do not take (plain CPU tensors,
+    float64), go through the PyTorch expression, in the inputs' dtype."""
     if coords.dim() != 2 or coords.shape[1] != 2:
         raise ValueError(f"position_mlp_table: `coords` must be of shape (T, 2), got {tuple(coords.shape)}")
     hidden = w1.shape[0]
@@ -85,7 +85,7 @@ def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
     for name, t in (("w1", w1), ("b1", b1), ("w2", w2)):
         if t.device != coords.device:
             raise ValueError(f"position_mlp_table: `{name}` must be on coords' device {coords.device}, got {t.device}")
-    if uses_kernels(coords) and all(uses_kernels(t) for t in (w1, b1, w2)):
+    if uses_kernels(coords) and all(uses_kernels(t) for t in (w1, b1, w2)) and not coords.requires_grad:
         if not _dispatch_free(coords):
             return position_mlp_table_op(coords, w1, b1, w2)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (w1, b1, w2)):
