@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels.launch import position_mlp_grads, position_mlp_table as _launch_table, split_position_mlp_grads
-from .op import _direct_launches, _dispatch_free, _register, uses_kernels
+from .op import _PLAIN_TENSOR_TYPES, _direct_launches, _dispatch_free, _register, uses_kernels
 
 
 def _weight_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
@@ -86,7 +86,8 @@ def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
         if t.device != coords.device:
             raise ValueError(f"position_mlp_table: `{name}` must be on coords' device {coords.device}, got {t.device}")
     if uses_kernels(coords) and all(uses_kernels(t) for t in (w1, b1, w2)) and not coords.requires_grad:
-        if not _dispatch_free(coords):
+        # the weights are checked too: tensor subclasses (a DTensor weight) take the operator
+        if not (_dispatch_free(coords) and all(type(t) in _PLAIN_TENSOR_TYPES for t in (w1, b1, w2))):
             return position_mlp_table_op(coords, w1, b1, w2)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (w1, b1, w2)):
             return _PositionMLP.apply(coords, w1, b1, w2)
