@@ -99,6 +99,9 @@ def test_compiled_table_takes_the_registered_operators():
     (((9, 2), (4, 3), (4,), (2, 4)), "expected w1"),
     (((9, 2), (4, 2), (5,), (2, 4)), "expected w1"),
     (((9, 2), (4, 2), (4,), (2, 5)), "expected w1"),
+    (((0, 2), (4, 2), (4,), (2, 4)), "`coords` must be of shape"),
+    (((9, 2), (0, 2), (0,), (2, 0)), "expected w1"),
+    (((9, 2), (4, 2), (4,), (0, 4)), "expected w1"),
 ])
 def test_bad_shapes_name_the_argument(shapes, message):
     with pytest.raises(ValueError, match=message):

@@ -76,12 +76,13 @@ def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
     weights get gradients (fp32 sums, returned in their dtypes); coordinates that require a
     gradient (timm's are a buffer), and tensors the kernels do not take (plain CPU tensors,
     float64), go through the PyTorch expression, in the inputs' dtype."""
-    if coords.dim() != 2 or coords.shape[1] != 2:
-        raise ValueError(f"position_mlp_table: `coords` must be of shape (T, 2), got {tuple(coords.shape)}")
-    hidden = w1.shape[0]
-    if w1.dim() != 2 or w1.shape[1] != 2 or b1.shape != (hidden,) or w2.dim() != 2 or w2.shape[1] != hidden:
-        raise ValueError(f"position_mlp_table: expected w1 (K, 2), b1 (K,), w2 (H, K), got w1 {tuple(w1.shape)}, "
-                         f"b1 {tuple(b1.shape)}, w2 {tuple(w2.shape)}")
+    if coords.dim() != 2 or coords.shape[1] != 2 or coords.shape[0] < 1:
+        raise ValueError(f"position_mlp_table: `coords` must be of shape (T, 2) with T >= 1, "
+                         f"got {tuple(coords.shape)}")
+    if (w1.dim() != 2 or b1.dim() != 1 or w2.dim() != 2 or w1.shape[1] != 2 or min(w1.shape[0], w2.shape[0]) < 1
+            or b1.shape[0] != w1.shape[0] or w2.shape[1] != w1.shape[0]):
+        raise ValueError(f"position_mlp_table: expected w1 (K, 2), b1 (K,), w2 (H, K) with K, H >= 1, got "
+                         f"w1 {tuple(w1.shape)}, b1 {tuple(b1.shape)}, w2 {tuple(w2.shape)}")
     for name, t in (("w1", w1), ("b1", b1), ("w2", w2)):
         if t.device != coords.device:
             raise ValueError(f"position_mlp_table: `{name}` must be on coords' device {coords.device}, got {t.device}")
