@@ -579,9 +579,9 @@ def attention_backward(
     return dqkv, dbias, dscale.sum((0, 2)) if scale_grad and not dq_atomic else dscale
 
 
-def _heads_block(heads: int) -> int:
-    """The power of two (at least 2) that holds every head of a position-bias table."""
-    return max(2, 1 << (heads - 1).bit_length())
+def _heads_block(heads: int, at_least: int = 2) -> int:
+    """The power of two (at least ``at_least``) that holds every head of a position-bias table."""
+    return max(at_least, 1 << (heads - 1).bit_length())
 
 
 def relative_bias_gather(table: torch.Tensor, index: torch.Tensor, sigmoid_scale: float = 0.0) -> torch.Tensor:
@@ -643,10 +643,8 @@ _MLP_BACKWARD = (64, 128, 4) if config.INTERPRET else (16, 32, 4)
 #: rows that one backward program sums before it writes its partial sums: tables of up to
 #: this many rows (windows up to 8x8) take one launch and no reduction
 _MLP_ROWS_PER_PROGRAM = 256
-
-
-def _mlp_heads_block(heads: int) -> int:
-    return max(16, 1 << (heads - 1).bit_length())  # tl.dot takes dims of 16 and more
+#: the kernels' heads block is at least this: tl.dot takes dims of 16 and more
+_MLP_MIN_HEADS_BLOCK = 16
 
 
 def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -655,9 +653,10 @@ def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
     num_rows, heads, hidden = coords.shape[0], w2.shape[0], w1.shape[0]
     out = coords.new_empty((num_rows, heads), dtype=torch.float32)
     block_t, block_k, warps = _MLP_FORWARD
+    block_h = _heads_block(heads, _MLP_MIN_HEADS_BLOCK)
     launcher(position_mlp_fwd_kernel)[(-(-num_rows // block_t),)](
         coords, w1, b1, w2, out, num_rows, hidden, *coords.stride(), *w1.stride(), *w2.stride(), *out.stride(),
-        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=_mlp_heads_block(heads), **compiler_options(warps),
+        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=block_h, **compiler_options(warps),
     )
     return out
 
@@ -669,6 +668,7 @@ def position_mlp_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tenso
     other, row-major (``split_position_mlp_grads``)."""
     num_rows, heads, hidden = coords.shape[0], w2.shape[0], w1.shape[0]
     block_t, block_k, warps = _MLP_BACKWARD
+    block_h = _heads_block(heads, _MLP_MIN_HEADS_BLOCK)
     row_blocks = -(-num_rows // block_t)
     groups = -(-row_blocks // max(1, _MLP_ROWS_PER_PROGRAM // block_t))
     per_program = -(-row_blocks // groups)
@@ -676,7 +676,7 @@ def position_mlp_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tenso
     launcher(position_mlp_bwd_kernel)[(groups, -(-hidden // block_k))](
         grad, coords, w1, b1, w2, partials, num_rows, hidden, per_program, *grad.stride(), *coords.stride(),
         *w1.stride(), *w2.stride(), partials.stride(0),
-        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=_mlp_heads_block(heads), **compiler_options(warps),
+        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=block_h, **compiler_options(warps),
     )
     return partials.view(-1) if groups == 1 else partials.sum(0)
 
