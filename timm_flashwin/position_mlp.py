@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module_lib
 
 from .kernels.launch import position_mlp_grads, position_mlp_table as _launch_table, split_position_mlp_grads
 from .op import _PLAIN_TENSOR_TYPES, _direct_launches, _dispatch_free, _register, uses_kernels
@@ -104,9 +105,8 @@ def _hooked(module: nn.Module) -> bool:
 def _global_hooks() -> bool:
     """Whether forward hooks for every module are registered (nn.modules.module's
     ``register_module_forward_hook`` and ``_pre_hook``)."""
-    from torch.nn.modules import module as module_lib
-    return bool(getattr(module_lib, "_global_forward_hooks", None)
-                or getattr(module_lib, "_global_forward_pre_hooks", None))
+    return bool(getattr(_module_lib, "_global_forward_hooks", None)
+                or getattr(_module_lib, "_global_forward_pre_hooks", None))
 
 
 def fusable_cpb_mlp(mlp: nn.Module) -> bool:
