@@ -59,7 +59,7 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict, bias_dtype: torch.dt
             types[name] = "*" + TRITON_TYPES[bias_dtype]
         elif name == "seed_ptr":
             types[name] = "*i64"
-        elif name == "regions_ptr":
+        elif name in ("regions_ptr", "token_map_ptr"):
             types[name] = "*i32"
         elif name.endswith("_ptr"):
             types[name] = "*" + (TRITON_TYPES[dtype] if name in ACTIVATION_POINTERS else "fp32")
@@ -152,16 +152,22 @@ def main() -> int:
         if streamed:
             for from_regions in kinds:
                 build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=from_regions,
-                                                               STORE_STATS=not bwd.single_tile(n)), fwd, streamed_bias)
-            if not dropout:  # inference: no statistics (cosine: no mean score)
-                build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=kinds[0],
-                                                               STORE_STATS=False), fwd, streamed_bias)
+                                                               STORE_STATS=not bwd.single_tile(n), MAPPED=False),
+                      fwd, streamed_bias)
+            if not dropout:  # inference: no statistics (cosine: no mean score), either layout
+                for mapped in (False, True):
+                    build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=kinds[0],
+                                                                   STORE_STATS=False, MAPPED=mapped), fwd, streamed_bias)
         else:
-            build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, STORE_STATS=not bwd.single_tile(n),
-                                                           MASK_REGIONS=False, FROM_REGIONS=False, BIAS_LOG2E=False), fwd)
+            for mapped in (False, True):  # the partitioned and the feature-map layout
+                build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, STORE_STATS=not bwd.single_tile(n),
+                                                               MASK_REGIONS=False, FROM_REGIONS=False, BIAS_LOG2E=False,
+                                                               MAPPED=mapped), fwd)
         if bwd.single_tile(n):
-            build(backward.window_attention_bwd_fused_kernel, dtype,
-                  dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine), bwd)
+            for mapped in (False, True):
+                build(backward.window_attention_bwd_fused_kernel, dtype,
+                      dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine,
+                           MAPPED=mapped), bwd)
             continue
         blocks = dict(flags, **streaming, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d)
         # as configured (atomic dQ, the bias gradient by atomics where bwd.dbias_slots), one build

@@ -18,7 +18,8 @@ Two paths, picked by the launcher:
 
 * N fits one tile: ``window_attention_bwd_fused_kernel`` does everything for a run of
   windows sharing (head, mask window); it sums dZ over those windows in registers and
-  writes one partial bias gradient per program, summed afterwards by the launcher.
+  writes one partial bias gradient per program, summed afterwards by the launcher. It also
+  reads and writes the feature-map layout (MAPPED, ``tiles.window_rows``).
 * Larger N: ``delta`` (rowsum(dO * O)), then a ``dkdv`` kernel over key blocks. dQ is
   either added by the ``dkdv`` kernel, tile by tile, into an fp32 buffer with atomic adds
   and finished (scaled, normalized, cast) by ``dq_finish``, or computed by its own ``dq``
@@ -36,8 +37,9 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
-                    load_qk, load_rows, logit_scale_grad, logits_tile, mask_kind_launch, mma, normalize_backward,
-                    row_norms, store_rows, window_in_one_region, window_run)
+                    load_qk, load_rows, load_window_qk, load_window_rows, logit_scale_grad, logits_tile,
+                    mask_kind_launch, mma, normalize_backward, row_norms, store_rows, store_window_rows,
+                    window_in_one_region, window_rows, window_run)
 
 
 @triton.jit
@@ -137,9 +139,9 @@ def load_rbar(stats_ptr, bh, rows, stats_stride, N: tl.constexpr):
     return tl.load(stats_ptr + 2 * stats_stride + bh * N + rows, mask=rows < N, other=0.0)
 
 
-@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "map_windows"])
 def window_attention_bwd_fused_kernel(
-    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
+    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr, token_map_ptr,
     dqkv_ptr, dbias_partial_ptr, dscale_partial_ptr,
     scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
@@ -147,13 +149,14 @@ def window_attention_bwd_fused_kernel(
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
-    num_periods, windows_per_period, windows_per_program,
+    num_periods, windows_per_period, windows_per_program, map_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    BIAS_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MAPPED: tl.constexpr,
 ):
-    """Grid: (H * nW * window chunks,). One whole window per tile."""
+    """Grid: (H * nW * window chunks,). One whole window per tile. MAPPED: qkv, dout and dqkv
+    in the feature-map layout (``tiles.window_rows``)."""
     pid = tl.program_id(0)
     h = pid % H
     group = (pid // H).to(tl.int64)  # = chunk * num_periods + w
@@ -173,14 +176,17 @@ def window_attention_bwd_fused_kernel(
 
     for window in range(first, last):
         b = (w + window * num_periods).to(tl.int64)
-        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
+        image, addr = window_rows(token_map_ptr, b, idx, map_windows, N, MAPPED)
+        q_base = qkv_ptr + image * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c
         v_base = k_base + (H * D) * stride_qkv_c
-        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        v = load_rows(v_base, idx, dims, stride_qkv_n, stride_qkv_c, N, D)
-        do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, idx, dims,
-                       stride_dout_n, stride_dout_c, N, D)
+        q_in, q_lowp, q_inv, q_norm = load_window_qk(q_base, addr, idx, dims, stride_qkv_n, stride_qkv_c, N, D,
+                                                     COSINE)
+        k_in, k_lowp, k_inv, k_norm = load_window_qk(k_base, addr, idx, dims, stride_qkv_n, stride_qkv_c, N, D,
+                                                     COSINE)
+        v = load_window_rows(v_base, addr, idx, dims, stride_qkv_n, stride_qkv_c, N, D)
+        do = load_window_rows(dout_ptr + image * stride_dout_b + (h * D) * stride_dout_c, addr, idx, dims,
+                              stride_dout_n, stride_dout_c, N, D)
         p, p_v, ds, key_scaled = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, s, s, s, bias_mask,
                                                        s * LOG2E, seed, b * H + h, idx, idx, dropout_p, N,
                                                        COSINE, FP32_DOT, True, HAS_DROPOUT)
@@ -191,10 +197,11 @@ def window_attention_bwd_fused_kernel(
         dq = input_grad(dq_acc, s, q_in, q_inv, q_norm, COSINE)
         dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
 
-        dq_base = dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c
-        store_rows(dq_base, dq, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
-        store_rows(dq_base + (H * D) * stride_dqkv_c, dk, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
-        store_rows(dq_base + (2 * H * D) * stride_dqkv_c, dv, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+        dq_base = dqkv_ptr + image * stride_dqkv_b + (h * D) * stride_dqkv_c
+        store_window_rows(dq_base, dq, addr, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+        store_window_rows(dq_base + (H * D) * stride_dqkv_c, dk, addr, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+        store_window_rows(dq_base + (2 * H * D) * stride_dqkv_c, dv, addr, idx, dims, stride_dqkv_n, stride_dqkv_c,
+                          N, D)
         if BIAS_GRAD:
             dbias_acc += ds
         if SCALE_GRAD:

@@ -11,27 +11,29 @@ product with V is dropped (O = (P * keep / (1 - p)) V, as timm's attn_drop appli
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_rows, logits_tile,
-                    mask_kind_launch, mma, row_norms, store_rows, window_in_one_region, window_run)
+from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_window_qk, load_window_rows, logits_tile,
+                    mask_kind_launch, mma, row_norms, store_window_rows, window_in_one_region, window_rows, window_run)
 
 
-@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "map_windows"])
 def window_attention_fwd_kernel(
     qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
+    token_map_ptr,
     scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_out_b, stride_out_n, stride_out_c,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
-    num_periods, windows_per_period, windows_per_program,
+    num_periods, windows_per_period, windows_per_program, map_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
     FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
-    FLAT_LOOP: tl.constexpr,
+    FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr,
 ):
-    """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) and, with
+    """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) (MAPPED: the
+    feature-map layout, (B, H*W, H*D) as qkv, ``tiles.window_rows``) and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
     row max of the log2 logits, stats[1] 1 / sum(exp2(logits - max)), each (B_, H, N),
     and for cosine attention stats[2] the rows' P-weighted mean score
@@ -67,34 +69,34 @@ def window_attention_fwd_kernel(
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
         if window_in_one_region(mask_info_ptr, w, FROM_REGIONS, ONE_REGION_LOOP):
-            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed,
-                            logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
+            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, token_map_ptr, mask_value,
+                            seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                             stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                            num_periods, windows_per_period,
+                            num_periods, windows_per_period, map_windows,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, STORE_STATS,
-                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
+                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED)
         else:
-            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed,
-                            logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
+            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, token_map_ptr, mask_value,
+                            seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                             stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                            num_periods, windows_per_period,
+                            num_periods, windows_per_period, map_windows,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
-                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
+                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED)
 
 
 @triton.jit
-def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, logit_scale2,
-                    dropout_p, h, w, first, last, rows, cols, dims,
+def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, token_map_ptr, mask_value, seed,
+                    logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                     stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
                     stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                    num_periods, windows_per_period,
+                    num_periods, windows_per_period, map_windows,
                     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                     STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_REGIONS: tl.constexpr,
-                    BIAS_LOG2E: tl.constexpr, FLAT_LOOP: tl.constexpr):
+                    BIAS_LOG2E: tl.constexpr, FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr):
     """The forward of one program's query block over its run of windows.
 
     FLAT_LOOP: one loop over (window, key block) steps, each window's last step storing its
@@ -117,8 +119,9 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
             window = first + step // NUM_KEY_BLOCKS
             start_n = (step % NUM_KEY_BLOCKS) * BLOCK_N
             b = (w + window * num_periods).to(tl.int64)
-            q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-            q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+            image, q_addr = window_rows(token_map_ptr, b, rows, map_windows, N, MAPPED)
+            q_base = qkv_ptr + image * stride_qkv_b + (h * D) * stride_qkv_c
+            q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if NUM_KEY_BLOCKS > 1:
                 bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, start_n + cols,
                                            stride_bias_h, stride_bias_i, stride_bias_j,
@@ -128,12 +131,13 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                 if start_n == 0:  # the rows' norms, once per window
                     q_inv = row_norms(q_in)[1]
                     q_scale = q_inv * logit_scale2
+            key_addr = window_rows(token_map_ptr, b, start_n + cols, map_windows, N, MAPPED)[1]
             m_i, l_i, r_i, acc = softmax_step(
                 q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
-                rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
+                rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_c,
                 H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT, NUM_KEY_BLOCKS == 1)
             if start_n + BLOCK_N >= N:  # the window's last key block: its rows are done
-                store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, h, rows, dims,
+                store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, image, q_addr, h, rows, dims,
                                      stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
                                      H, N, D, COSINE, STORE_STATS)
                 # the next window's softmax starts afresh (new values, not products with 0, so
@@ -142,8 +146,9 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
     else:
         for window in range(first, last):
             b = (w + window * num_periods).to(tl.int64)
-            q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-            q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+            image, q_addr = window_rows(token_map_ptr, b, rows, map_windows, N, MAPPED)
+            q_base = qkv_ptr + image * stride_qkv_b + (h * D) * stride_qkv_c
+            q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if COSINE:
                 q_inv = row_norms(q_in)[1]
                 q_scale = q_inv * logit_scale2
@@ -154,11 +159,12 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                                                start_n + cols, stride_bias_h, stride_bias_i, stride_bias_j,
                                                stride_mask_w, stride_mask_i, stride_mask_j,
                                                N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
+                key_addr = window_rows(token_map_ptr, b, start_n + cols, map_windows, N, MAPPED)[1]
                 m_i, l_i, r_i, acc = softmax_step(
                     q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
-                    rows, start_n + cols, dims, stride_qkv_n, stride_qkv_c,
+                    rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_c,
                     H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT, NUM_KEY_BLOCKS == 1)
-            store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, h, rows, dims,
+            store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, image, q_addr, h, rows, dims,
                                  stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
                                  H, N, D, COSINE, STORE_STATS)
 
@@ -173,11 +179,12 @@ def softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, bh,
-                 rows, key_rows, dims, stride_qkv_n, stride_qkv_c,
+                 rows, key_rows, key_addr, dims, stride_qkv_n, stride_qkv_c,
                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                  STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, WHOLE_WINDOW: tl.constexpr):
     """One key block of the online softmax of FlashAttention: (m, l, r, acc) updated with the
-    keys ``key_rows`` of the window whose q tile is ``q_in`` (at ``q_base`` in qkv); for
+    keys ``key_rows`` (at the rows ``key_addr``, ``tiles.window_rows``) of the window whose q tile is
+    ``q_in`` (at ``q_base`` in qkv); for
     cosine attention q_scale is the rows' inverse norms times the scale (``tiles.row_norms``).
 
     WHOLE_WINDOW: the block holds all the window's keys, and (m, l, r, acc) are
@@ -186,8 +193,9 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
     values)."""
     k_base = q_base + (H * D) * stride_qkv_c
     v_base = k_base + (H * D) * stride_qkv_c
-    k_in, k_lowp, k_inv, k_norm = load_qk(k_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-    v = load_rows(v_base, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+    k_in, k_lowp, k_inv, k_norm = load_window_qk(k_base, key_addr, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D,
+                                                 COSINE)
+    v = load_window_rows(v_base, key_addr, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
     # cosine: r sums P T, its rows' factor applied once per window (``store_rows_and_stats``)
     key_scaled, logits = logits_tile(q_in, k_in, k_inv, q_scale, logit_scale2, bias_mask, COSINE, FP32_DOT)
     # A row whose logits so far are all -inf keeps m = -inf; it is shifted by 0 instead so
@@ -218,18 +226,20 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
 
 
 @triton.jit
-def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, h, rows, dims,
+def store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, image, addr, h, rows, dims,
                          stride_out_b, stride_out_n, stride_out_c, num_windows,
                          H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr,
                          STORE_STATS: tl.constexpr):
-    """A window's output rows, and with STORE_STATS its softmax statistics (cosine: also
-    the rows' rbar and their inverse norms ``q_inv``, for the dkdv kernel)."""
+    """Window b's output rows (the rows ``addr`` of image ``image``, ``tiles.window_rows``), and
+    with STORE_STATS its softmax statistics (cosine: also the rows' rbar and their inverse
+    norms ``q_inv``, for the dkdv kernel), indexed by window."""
     # One reciprocal per row and a multiply per element, not a division per element (the
     # compiler's fp32 division takes four to five instructions). A fully masked row has
     # l = 0 and yields 0 * inf = NaN, as the float64 reference does.
     inv_l = 1.0 / l_i
     out = acc * inv_l[:, None]
-    store_rows(out_ptr + b * stride_out_b + (h * D) * stride_out_c, out, rows, dims, stride_out_n, stride_out_c, N, D)
+    store_window_rows(out_ptr + image * stride_out_b + (h * D) * stride_out_c, out, addr, rows, dims,
+                      stride_out_n, stride_out_c, N, D)
     if STORE_STATS:
         stats = stats_ptr + (b * H + h) * N + rows
         tl.store(stats, tl.where(m_i == float("-inf"), 0.0, m_i), mask=rows < N)

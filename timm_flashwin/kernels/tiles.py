@@ -10,6 +10,11 @@ Conventions used by every kernel:
   sum(dZ * R) for the gradient of the cosine scale s.
 * Padded rows/columns (N is not a power of two) load as 0; padded key columns get a
   logit of -inf so they take no probability.
+* Window b's token t is row t of qkv[b] (the partitioned layout), or with MAPPED row
+  token_map[b % nW, t] of qkv[b // nW] (the feature-map layout: qkv (B, H*W, 3*H*D) as the
+  qkv linear produces it on the unpartitioned map, ``window_rows``); the output and the
+  gradients are written in the same layout, so the shift and the window partition and
+  merge around the op cost no copies.
 * Attention dropout draws one Philox number per probability P[b, h, i, j] from a seed
   and the element's flat index ((b * H + h) * N + i) * N + j: the forward and every
   backward kernel regenerate the same keep mask from the same two numbers, whatever
@@ -86,28 +91,66 @@ def logits_tile(q_in, k_in, k_inv, q_scale, logit_scale2, bias_mask, COSINE: tl.
 
 
 @triton.jit
-def load_rows(ptr, rows, cols, stride_row, stride_col, N: tl.constexpr, D: tl.constexpr):
-    """(len(rows), len(cols)) tile of a (N, D) matrix; out-of-range entries read 0."""
-    ptrs = ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
+def window_rows(token_map_ptr, b, tokens, map_windows, N: tl.constexpr, MAPPED: tl.constexpr):
+    """(image, rows): where the tokens ``tokens`` of window b lie, as the row ``rows`` of
+    image ``image`` of qkv, the output and their gradients.
+
+    Partitioned layout: (b, tokens). MAPPED (the feature-map layout): window b is window
+    b % nW (``map_windows``) of image b // nW, and its token t the row token_map[b % nW, t]
+    of that image's (H*W) rows (``window_grid.WindowGrid.token_map``: the shift and the
+    partition as row numbers). Padded tokens (t >= N) get row 0: the loads and stores
+    mask them by token."""
+    if MAPPED:
+        rows = tl.load(token_map_ptr + (b % map_windows) * N + tokens, mask=tokens < N, other=0)
+        return b // map_windows, rows
+    else:
+        return b, tokens
+
+
+@triton.jit
+def load_window_rows(ptr, addr, rows, cols, stride_row, stride_col, N: tl.constexpr, D: tl.constexpr):
+    """(len(rows), len(cols)) tile of the tokens ``rows`` of a window, read at the rows
+    ``addr`` (``window_rows``); tokens beyond N and columns beyond D read 0."""
+    ptrs = ptr + addr[:, None] * stride_row + cols[None, :] * stride_col
     return tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0)
 
 
 @triton.jit
-def store_rows(ptr, value, rows, cols, stride_row, stride_col, N: tl.constexpr, D: tl.constexpr):
-    ptrs = ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
+def store_window_rows(ptr, value, addr, rows, cols, stride_row, stride_col, N: tl.constexpr, D: tl.constexpr):
+    """``load_window_rows``'s store."""
+    ptrs = ptr + addr[:, None] * stride_row + cols[None, :] * stride_col
     tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=(rows[:, None] < N) & (cols[None, :] < D))
 
 
 @triton.jit
+def load_rows(ptr, rows, cols, stride_row, stride_col, N: tl.constexpr, D: tl.constexpr):
+    """(len(rows), len(cols)) tile of a (N, D) matrix; out-of-range entries read 0."""
+    return load_window_rows(ptr, rows, rows, cols, stride_row, stride_col, N, D)
+
+
+@triton.jit
+def store_rows(ptr, value, rows, cols, stride_row, stride_col, N: tl.constexpr, D: tl.constexpr):
+    store_window_rows(ptr, value, rows, rows, cols, stride_row, stride_col, N, D)
+
+
+@triton.jit
 def load_qk(ptr, rows, cols, stride_n, stride_c, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr):
-    """A query or key tile as the kernels use it: (x, lowp, inv, norm).
+    """``load_window_qk`` of the partitioned layout."""
+    return load_window_qk(ptr, rows, rows, cols, stride_n, stride_c, N, D, COSINE)
+
+
+@triton.jit
+def load_window_qk(ptr, addr, rows, cols, stride_n, stride_c, N: tl.constexpr, D: tl.constexpr,
+                   COSINE: tl.constexpr):
+    """A query or key tile as the kernels use it, the tokens ``rows`` of a window read at
+    the rows ``addr`` (``window_rows``): (x, lowp, inv, norm).
 
     x is the tile as loaded (input dtype), the operand of the scores (``qk_product``). For
     cosine attention inv = 1 / max(||x||, eps) and norm = ||x|| per row, and lowp is
     x^ = x / max(||x||, eps) in the input dtype; for V1 lowp is x, inv ones and norm
     zeros. lowp is the operand of the gradient products.
     """
-    x_in = load_rows(ptr, rows, cols, stride_n, stride_c, N, D)
+    x_in = load_window_rows(ptr, addr, rows, cols, stride_n, stride_c, N, D)
     if COSINE:
         norm, inv = row_norms(x_in)
         x_lowp = unit_rows(x_in, inv).to(x_in.dtype)
