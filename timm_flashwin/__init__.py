@@ -10,6 +10,7 @@ from .op import window_attention
 from .patching import (ModuleStatus, PatchError, PatchReport, is_patched, patch_model, patch_report, patched,
                        unpatch_model)
 from .reference import window_attention_reference
+from .window_grid import WindowGrid
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,7 @@ __all__ = [
     "ModuleStatus",
     "PatchError",
     "PatchReport",
+    "WindowGrid",
     "is_patched",
     "patch_model",
     "patch_report",

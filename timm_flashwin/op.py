@@ -18,9 +18,10 @@ from typing import Optional, Tuple
 import torch
 
 from .kernels import config
-from .kernels.launch import (attention_backward, attention_forward, mask_regions_shapes, mask_regions_used,
-                             softmax_stats_shape)
+from .kernels.launch import (attention_backward, attention_forward, maps_windows, mask_regions_shapes,
+                             mask_regions_used, softmax_stats_shape)
 from .reference import window_attention_reference
+from .window_grid import WindowGrid
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NAMESPACE = "timm_flashwin"
@@ -114,15 +115,16 @@ def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
     return _input_grads(window_attention_bwd, ctx, grad_out)
 
 
-def _input_grads(backward_op, ctx, grad_out):
+def _input_grads(backward_op, ctx, grad_out, *layout):
     """The gradients of the forward's inputs, with ``backward_op`` (the registered op, or
-    its implementation in eager mode) computing them."""
+    its implementation in eager mode, which also takes the forward's ``token_map``, in
+    ``layout``) computing them."""
     qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[2]
     scale_grad = logit_scale is not None and ctx.needs_input_grad[4]
     dqkv, dbias, dscale = backward_op(
         grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, ctx.num_heads, ctx.scale,
-        ctx.cosine, bias_grad, scale_grad, ctx.dropout_p, seed)
+        ctx.cosine, bias_grad, scale_grad, ctx.dropout_p, seed, *layout)
     return (
         dqkv,
         None,
@@ -134,7 +136,7 @@ def _input_grads(backward_op, ctx, grad_out):
         None,
         None,  # nor the dropout seed
         None,  # nor save_stats
-    )
+    ) + (None,) * len(layout)  # nor the token map
 
 
 window_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -160,26 +162,32 @@ class _EagerWindowAttention(torch.autograd.Function):
     (benchmarks/RESULTS.md). benchmarks/bench_dispatch.py, kernels stubbed out, on a CPU:
     forward + backward 440 -> 236 us per call. torch.compile, fake tensors and tensor
     subclasses still get the registered operators (``_dispatch_free``).
+
+    Its inputs are the operator's and the ``token_map`` of the feature-map layout (None for
+    the partitioned one), which only these eager kernels launches take
+    (``window_attention(..., grid=)``).
     """
 
     @staticmethod
     def forward(ctx, *inputs):
         with _direct_launches():
-            output = _forward_impl(*inputs)
+            output = attention_forward(*inputs)
         _setup_context(ctx, inputs, output)
+        ctx.token_map = inputs[10]
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
         with _direct_launches():
-            return _input_grads(_backward_impl, ctx, grad_out)
+            return _input_grads(attention_backward, ctx, grad_out, ctx.token_map)
 
 
 def _eager_forward_without_grad(*inputs):
-    """The forward where nothing takes a gradient (``save_stats`` False), launched directly."""
+    """The forward where nothing takes a gradient (``save_stats`` False), launched directly;
+    the inputs are ``_EagerWindowAttention``'s."""
     with _direct_launches():
-        return _forward_impl(*inputs)
+        return attention_forward(*inputs)
 
 
 #: Tensor types that dispatch as plain tensors: nn.Parameter disables __torch_function__
@@ -218,16 +226,25 @@ def _check_tensor(name: str, t, ndims: Tuple[int, ...], qkv: torch.Tensor, float
         _fail(ValueError, name, f"on qkv's device {qkv.device}", t.device)
 
 
-def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p) -> Tuple[int, int, int]:
+def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=None) -> Tuple[int, int, int]:
     if not isinstance(qkv, torch.Tensor):
         _fail(TypeError, "qkv", "a torch.Tensor", type(qkv).__name__)
+    if grid is not None and not isinstance(grid, WindowGrid):
+        _fail(TypeError, "grid", "a WindowGrid or None", type(grid).__name__)
     if qkv.dim() != 3:
-        _fail(ValueError, "qkv", "a 3-D tensor (B_, N, 3*H*D)", f"shape {tuple(qkv.shape)}")
+        _fail(ValueError, "qkv", "a 3-D tensor (B_, N, 3*H*D)" if grid is None else "a 3-D tensor (B, H*W, 3*H*D)",
+              f"shape {tuple(qkv.shape)}")
     if qkv.dtype not in _KERNEL_DTYPES + (torch.float64,):
         _fail(TypeError, "qkv", "float16, bfloat16, float32 or float64", qkv.dtype)
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         _fail(ValueError, "num_heads", "a positive int", repr(num_heads))
-    num_windows, n, channels = qkv.shape
+    if grid is None:
+        num_windows, n, channels = qkv.shape
+    else:
+        if qkv.shape[1] != grid.height * grid.width:
+            _fail(ValueError, "qkv", f"of shape (B, H*W, 3*H*D) with H*W = {grid.height}*{grid.width} (grid)",
+                  f"shape {tuple(qkv.shape)}")
+        num_windows, n, channels = qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
     if channels % (3 * num_heads):
         _fail(ValueError, "qkv", f"a last dim divisible by 3 * num_heads = {3 * num_heads}", channels)
     head_dim = channels // (3 * num_heads)
@@ -289,6 +306,7 @@ def window_attention(
     scale: Optional[float] = None,
     logit_scale: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
+    grid: Optional[WindowGrid] = None,
 ) -> torch.Tensor:
     """Fused window attention from the qkv linear output to the proj input.
 
@@ -311,34 +329,44 @@ def window_attention(
             1 / (1 - p) as nn.Dropout does. Applied whenever > 0: pass 0 in eval mode, as
             with F.scaled_dot_product_attention. The kernels draw the mask from a seed taken
             from torch's generator (``draw_dropout_seed``) and regenerate it in the backward.
+        grid: the feature-map layout: qkv is (B, H*W, 3*H*D), the qkv linear's output on the
+            unpartitioned (B, H, W, C) map, and the windows are ``grid``'s (its shift and
+            partition, as timm's blocks make them; window b = image * nW + w, as in
+            ``grid.partition``). The kernels read each window's rows where they lie and write
+            the output there: ``grid.merge(window_attention(grid.partition(qkv), ...))``
+            without the copies. Where the kernels cannot (torch.compile, tensor subclasses,
+            windows whose backward streams key blocks, PyTorch's path), it is computed so.
 
     Returns:
-        (B_, N, H*D) in qkv's dtype.
+        (B_, N, H*D) in qkv's dtype; with ``grid``, (B, H*W, H*D).
     """
-    _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p)
-    if not uses_kernels(qkv):
-        return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
-                                          dropout_p=dropout_p)
+    _, n, head_dim = _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid)
     # Where nothing takes a gradient (inference), the forward saves no softmax statistics:
     # for cosine attention over more than 64 tokens that also skips summing the rows' mean
     # score, 3 to 6% of that forward (H200, seventh session).
     save_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (qkv, bias, logit_scale))
+    if grid is not None and not (uses_kernels(qkv) and _dispatch_free(qkv)
+                                 and maps_windows(n, head_dim, qkv.dtype, logit_scale is not None, save_stats)):
+        windows = window_attention(grid.partition(qkv), num_heads, bias=bias, mask=mask, scale=scale,
+                                   logit_scale=logit_scale, dropout_p=dropout_p)
+        return grid.merge(windows)
+    if not uses_kernels(qkv):
+        return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
+                                          dropout_p=dropout_p)
     if bias is not None and bias.dim() == 4:
         bias = bias[0]
     if logit_scale is not None:  # the kernels clamp it at ln 100 and exponentiate it (tiles.head_scale)
         logit_scale = logit_scale.reshape(num_heads).contiguous()  # read as logit_scale_ptr + h
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed(qkv.device) if dropout_p > 0 else None
+    inputs = (qkv, num_heads, bias, mask, logit_scale, float(scale) if scale is not None else 1.0,
+              logit_scale is not None, dropout_p, seed, save_stats)
     if not _dispatch_free(qkv):
-        forward = window_attention_fwd
-    elif save_stats:
-        forward = _EagerWindowAttention.apply
-    else:
-        # nothing can take a gradient: no autograd node, and so no torch.autograd.Function
-        # (its apply costs host time, which small eager inference calls are bound by)
-        forward = _eager_forward_without_grad
-    out, _stats, _regions, _mask_info = forward(
-        qkv, num_heads, bias, mask, logit_scale, float(scale) if scale is not None else 1.0, logit_scale is not None,
-        dropout_p, seed, save_stats)
-    return out
+        return window_attention_fwd(*inputs)[0]
+    token_map = grid.token_map(qkv.device) if grid is not None else None
+    if save_stats:
+        return _EagerWindowAttention.apply(*inputs, token_map)[0]
+    # nothing can take a gradient: no autograd node, and so no torch.autograd.Function
+    # (its apply costs host time, which small eager inference calls are bound by)
+    return _eager_forward_without_grad(*inputs, token_map)[0]

@@ -1,0 +1,98 @@
+"""How a Swin block cuts its feature map into windows, as row numbers.
+
+timm's blocks roll the (B, H, W, C) map by -shift, partition it into (H / wh) * (W / ww)
+windows of wh * ww tokens (row-major, windows and tokens alike), attend within each window,
+merge the windows back and roll by +shift: four copies forward and four backward around
+the attention, each of the whole map. ``WindowGrid.token_map`` says the same thing as row
+numbers: window w's token t is row token_map[w, t] of the image's H * W rows. The kernels
+read qkv and write their output and gradients through it (``window_attention(...,
+grid=)``), and the copies are not made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+#: (grid, device) -> (token_map (nW, N) int32, its inverse (H*W,) int64)
+_MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _pair(name: str, value, minimum: int) -> Tuple[int, int]:
+    if (not isinstance(value, (tuple, list)) or len(value) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in value)):
+        raise ValueError(f"WindowGrid: `{name}` must be a pair of ints >= {minimum}, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+@dataclass(frozen=True)
+class WindowGrid:
+    """A (height, width) feature map cut into windows of ``window`` = (wh, ww) tokens after
+    a cyclic shift by -``shift`` (timm's ``torch.roll(x, -shift)``), as timm's Swin blocks
+    (V1, V2, V2-CR) cut theirs. height and width must be multiples of the window (timm
+    pads otherwise, and its padded tokens take part in the attention: not a permutation),
+    and 0 <= shift < window.
+    """
+
+    height: int
+    width: int
+    window: Tuple[int, int]
+    shift: Tuple[int, int] = (0, 0)
+
+    def __post_init__(self):
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"WindowGrid: `{name}` must be a positive int, got {value!r}")
+        window, shift = _pair("window", self.window, 1), _pair("shift", self.shift, 0)
+        object.__setattr__(self, "window", window)
+        object.__setattr__(self, "shift", shift)
+        if self.height % window[0] or self.width % window[1]:
+            raise ValueError(f"WindowGrid: the map ({self.height}, {self.width}) must be a multiple of `window` "
+                             f"{window}")
+        if shift[0] >= window[0] or shift[1] >= window[1]:
+            raise ValueError(f"WindowGrid: `shift` must be below the window {window}, got {shift}")
+
+    @property
+    def num_windows(self) -> int:
+        """nW, windows per image."""
+        return (self.height // self.window[0]) * (self.width // self.window[1])
+
+    @property
+    def tokens(self) -> int:
+        """N, tokens per window."""
+        return self.window[0] * self.window[1]
+
+    def token_map(self, device: torch.device) -> torch.Tensor:
+        """(nW, N) int32, contiguous: the map row (y * width + x) of each window's tokens."""
+        return self._maps(device)[0]
+
+    def partition(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H*W, C) -> (B*nW, N, C): timm's roll by -shift and window partition (a gather)."""
+        index = self._maps(x.device)[0].view(-1)
+        return x.index_select(1, index).view(-1, self.tokens, x.shape[-1])
+
+    def merge(self, windows: torch.Tensor) -> torch.Tensor:
+        """(B*nW, N, C) -> (B, H*W, C): timm's window merge and roll by +shift (a gather)."""
+        inverse = self._maps(windows.device)[1]
+        return windows.reshape(-1, self.num_windows * self.tokens, windows.shape[-1]).index_select(1, inverse)
+
+    def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (self, device)
+        maps = _MAPS.get(key)
+        if maps is None:
+            maps = self._compute_maps(device)
+            if not torch.compiler.is_compiling():  # traced: the graph computes them
+                _MAPS[key] = maps
+        return maps
+
+    def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        (wh, ww), (sh, sw) = self.window, self.shift
+        # shifted position p reads the map at (p + shift) mod size, as torch.roll(x, -shift) does
+        y = (torch.arange(self.height, device=device) + sh) % self.height
+        x = (torch.arange(self.width, device=device) + sw) % self.width
+        rows = (y[:, None] * self.width + x[None, :])  # (H, W): map row of each shifted position
+        rows = rows.view(self.height // wh, wh, self.width // ww, ww).permute(0, 2, 1, 3)
+        token_map = rows.reshape(self.num_windows, self.tokens).to(torch.int32).contiguous()
+        return token_map, torch.argsort(token_map.view(-1).long())
