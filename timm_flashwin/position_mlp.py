@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module_lib
 
+from .hooks import runs_hooks
 from .kernels.launch import position_mlp_grads, position_mlp_table as _launch_table, split_position_mlp_grads
 from .op import _PLAIN_TENSOR_TYPES, _direct_launches, _dispatch_free, _register, uses_kernels
 
@@ -98,25 +98,14 @@ def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
     return F.linear(F.relu(F.linear(coords, w1, b1)), w2)
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
-def _global_hooks() -> bool:
-    """Whether forward hooks for every module are registered (nn.modules.module's
-    ``register_module_forward_hook`` and ``_pre_hook``)."""
-    return bool(getattr(_module_lib, "_global_forward_hooks", None)
-                or getattr(_module_lib, "_global_forward_pre_hooks", None))
-
-
 def fusable_cpb_mlp(mlp: nn.Module) -> bool:
     """Whether ``mlp`` is timm's SwinV2 ``cpb_mlp`` as ``position_mlp_table`` computes it:
     nn.Sequential(nn.Linear(2, K), nn.ReLU(), nn.Linear(K, H, bias=False)) exactly, with no
-    forward hooks on it, its layers or all modules (the kernel would skip them). Anything else
+    hooks on it, its layers or all modules (the kernel would skip them). Anything else
     keeps PyTorch's layers."""
     if type(mlp) is not nn.Sequential or len(mlp) != 3:
         return False
     fc1, act, fc2 = mlp
     return (type(fc1) is nn.Linear and type(act) is nn.ReLU and type(fc2) is nn.Linear and fc1.in_features == 2
             and fc1.bias is not None and fc2.bias is None
-            and not any(_hooked(m) for m in (mlp, fc1, act, fc2)) and not _global_hooks())
+            and not runs_hooks(mlp, fc1, act, fc2))
