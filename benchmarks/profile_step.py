@@ -18,7 +18,10 @@ CUDA launcher for user-defined Triton kernels (``static_launch_user_defined_trit
 off by default in torch 2.11), which launches our kernels with less host time per launch;
 the variant ``flashwin-triton-launch`` is the patched model with every kernel launched
 through Triton's ``kernel[grid](...)`` (``kernels.fast_launch`` switched off during its
-steps), to measure what the direct launches save in the same process. Two variants bound
+steps), to measure what the direct launches save in the same process; ``flashwin-partitioned``
+is the patched model with timm's roll, partition, merge and roll-back copies around its
+modules (``patch_model(..., feature_map=False)``), to measure what reading the windows in
+place saves. Two variants bound
 what any implementation can give: ``attention-free`` (every attention module computes
 proj(qkv(x)[..., :C]), nothing between the projections) and ``window-free`` (the same on the
 unpartitioned feature map, without timm's shift, partition and merge around it).
@@ -155,8 +158,8 @@ def main() -> None:
                         help="torch._inductor.config options for the run (Python literals)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"],
-                        choices=["timm", "flashwin", "flashwin-static", "flashwin-triton-launch", "attention-free",
-                                 "window-free"])
+                        choices=["timm", "flashwin", "flashwin-partitioned", "flashwin-static",
+                                 "flashwin-triton-launch", "attention-free", "window-free"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch._inductor.config as inductor_config
@@ -177,6 +180,8 @@ def main() -> None:
             attention_free(model)
         elif variant == "window-free":
             window_free(model)
+        elif variant == "flashwin-partitioned":
+            patch_model(model, feature_map=False)
         elif variant != "timm":
             patch_model(model)
         x = images

@@ -12,8 +12,12 @@ import torch
 from torch import nn
 
 from conftest import KERNEL_DEVICE
+from opcases import relative_error
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, patched, unpatch_model
-from timm_flashwin.adapters import ADAPTERS
+from timm_flashwin.adapters import ADAPTERS, WindowAttentionAdapter
+from timm_flashwin.adapters.base import BLOCK_GRID_ATTR
+from timm_flashwin.patching import FlashSwinTransformerBlock
+from timm_flashwin.window_grid import WindowGrid
 from timm_flashwin.verify import GRADIENT_FACTOR, compare, group_error, jitter_images, larger_error, perturb_
 
 SWIN_V1 = timm.models.swin_transformer.WindowAttention
@@ -211,6 +215,103 @@ def test_is_patched_for_module_and_model():
     assert is_patched(attn) and is_patched(model)
     assert not is_patched(model.layers[1].blocks[0].attn)
     assert not is_patched(nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------ the blocks around the modules
+SWIN_V1_BLOCK = timm.models.swin_transformer.SwinTransformerBlock
+
+
+def _maps_read_in_place(monkeypatch) -> list:
+    """The grids of the block calls whose windows the op read from the feature map (the
+    others ran timm's roll, partition, module call, merge and roll back)."""
+    grids = []
+    real = WindowAttentionAdapter.block_attention
+
+    def spy(self, block, x, grid):
+        grids.append(grid)
+        return real(self, block, x, grid)
+
+    monkeypatch.setattr(WindowAttentionAdapter, "block_attention", spy)
+    return grids
+
+
+def test_blocks_read_their_windows_from_the_map_until_unpatched(monkeypatch):
+    model = tiny_swin().eval()
+    ours = patch_model(copy.deepcopy(model))
+    blocks = [m for m in ours.modules() if isinstance(m, SWIN_V1_BLOCK)]
+    assert [type(b) for b in blocks] == [FlashSwinTransformerBlock] * 4
+    grids = _maps_read_in_place(monkeypatch)
+    x = images()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), model(x), rtol=1e-5, atol=1e-6)
+    # stage 1: 14 x 14, 2 x 2 windows, the second block shifted; stage 2: one 7 x 7 window, no shift
+    assert grids == [WindowGrid(14, 14, (7, 7)), WindowGrid(14, 14, (7, 7), (3, 3)), WindowGrid(7, 7, (7, 7)),
+                     WindowGrid(7, 7, (7, 7))]
+    unpatch_model(ours)
+    assert [type(b) for b in blocks] == [SWIN_V1_BLOCK] * 4
+    assert not any(BLOCK_GRID_ATTR in b.__dict__ for b in blocks)
+    with patched(ours):
+        assert type(blocks[0]) is FlashSwinTransformerBlock
+    assert type(blocks[0]) is SWIN_V1_BLOCK
+    patch_model(ours, filter_fn=lambda module, name: name != "layers.0.blocks.1.attn")
+    assert [type(b) for b in blocks] == [FlashSwinTransformerBlock, SWIN_V1_BLOCK] + [FlashSwinTransformerBlock] * 2
+    patch_model(ours, feature_map=False)  # the modules patched, every block timm's
+    assert is_patched(ours) and [type(b) for b in blocks] == [SWIN_V1_BLOCK] * 4
+    with patched(ours):
+        assert [type(b) for b in blocks] == [FlashSwinTransformerBlock] * 4
+    assert [type(b) for b in blocks] == [SWIN_V1_BLOCK] * 4 and is_patched(ours)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_padded_maps_and_dynamic_masks(train, monkeypatch):
+    """dynamic_img_size: every block builds its mask per call (timm's dynamic_mask). At 84
+    x 84 stage 1 is 21 x 21 (3 x 3 windows, read in place), stage 2 11 x 11, which timm
+    pads to 14 x 14 (its padded tokens take part in the attention): timm's method."""
+    model = tiny_swin(dynamic_img_size=True)
+    ours = patch_model(copy.deepcopy(model))
+    grids = _maps_read_in_place(monkeypatch)
+    x = images(size=(84, 84))
+    timm_out, timm_grads = _run(model, x, train)
+    our_out, our_grads = _run(ours, x, train)
+    assert grids == [WindowGrid(21, 21, (7, 7)), WindowGrid(21, 21, (7, 7), (3, 3))]
+    torch.testing.assert_close(our_out, timm_out, rtol=1e-5, atol=1e-5)
+    assert our_grads.keys() == timm_grads.keys()
+    assert all(relative_error(our_grads[name], grad) < 1e-4 for name, grad in timm_grads.items())
+
+
+def test_hooked_modules_are_called_by_their_blocks(monkeypatch):
+    """A hook on the module (or on every module) would be skipped by reading the map in
+    place: that block calls the module, as timm's method does."""
+    model = tiny_swin().eval()
+    ours = patch_model(copy.deepcopy(model))
+    grids = _maps_read_in_place(monkeypatch)
+    seen = []
+    handle = ours.layers[0].blocks[1].attn.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    x = images()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), model(x), rtol=1e-5, atol=1e-6)
+    assert seen == [(8, 49, 32)] and len(grids) == 3  # 2 images x 4 windows; the other three blocks in place
+    handle.remove()
+    grids.clear()
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda mod, args: None)
+    try:
+        with torch.no_grad():
+            ours(x)
+    finally:
+        handle.remove()
+    assert grids == []
+
+
+def test_compiled_blocks_run_timms_method(monkeypatch):
+    """Under torch.compile the blocks keep timm's copies (inductor fuses them): the traced
+    method is timm's, calling the patched module."""
+    ours = patch_model(tiny_swin()).eval()
+    grids = _maps_read_in_place(monkeypatch)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        compiled(images())
+    assert grids == []
 
 
 def test_report_and_logging(caplog):

@@ -19,6 +19,15 @@ error; eager mode runs the wrapper. Seen on torch 2.14.1 with wrapt 2.1.2 and on
 A plain method on a subclass is what dynamo traces, and because dynamo guards on module
 types, a patched and an unpatched copy of one model never share a graph (with an instance
 attribute as the mark, they did).
+
+The timm block holding a patched module as ``.attn`` gets a subclass the same way
+(``FlashSwinTransformerBlock``, ...), whose window method (timm's ``_attn`` or
+``_shifted_window_attn``: roll, partition, attention, merge, roll back) has the op read
+the windows from the feature map instead (``WindowAttentionAdapter.block_attention``),
+in eager mode, where the map is a whole number of windows and no hook on the module
+would be skipped; elsewhere it is timm's method, which calls the patched module. Under
+torch.compile inductor fuses the copies into their neighbours already (benchmarks/
+RESULTS.md: no gain), and the compiled graphs stay what they were.
 """
 from __future__ import annotations
 
@@ -28,14 +37,17 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
+import torch
 from torch import nn
 
 from .adapters import ADAPTERS, WindowAttentionAdapter
-from .adapters.base import RECOMPUTE_QKV_ATTR
+from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
+from .hooks import runs_hooks
 
 logger = logging.getLogger("timm_flashwin")
 
 _FAMILY_ATTR = "_flashwin_family"  # class attribute of the patched subclasses: the family
+_BLOCK_FAMILY_ATTR = "_flashwin_block_family"  # the same, of the patched block subclasses
 _SKIP_ATTR = "_flashwin_skipped"  # set on instances patch_model left alone: the reason
 _CACHE_ATTR = "_flashwin_bias_cache"  # adapters.base.inference_cache
 
@@ -63,11 +75,48 @@ def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
     })
 
 
+def _patched_block_class(adapter: WindowAttentionAdapter, name: str) -> type:
+    timm_class = adapter.block_type()
+    timm_method = getattr(timm_class, adapter.block_method)
+
+    def window_attention(self, x: torch.Tensor) -> torch.Tensor:
+        grid = _feature_map_grid(self, adapter, x)
+        if grid is None:
+            return timm_method(self, x)
+        return adapter.block_attention(self, x, grid)
+
+    window_attention.__name__ = window_attention.__qualname__ = adapter.block_method
+    window_attention.__doc__ = (f"timm's {adapter.block_method}, with the op reading the windows from the map "
+                                "(``WindowAttentionAdapter.block_attention``) where it can.")
+    return type(name, (timm_class,), {
+        adapter.block_method: window_attention, _BLOCK_FAMILY_ATTR: adapter.family,
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"timm's {timm_class.__module__}.{timm_class.__qualname__}, its windows read in place by "
+                   "timm_flashwin.",
+    })
+
+
+def _feature_map_grid(block: nn.Module, adapter: WindowAttentionAdapter, x: torch.Tensor):
+    """The block's window grid where its patched module's attention can run on the map
+    (``adapter.block_grid``), else None: the module not patched (filtered out, unpatched),
+    torch.compile tracing, hooks on the module that calling it would run."""
+    attn = getattr(block, "attn", None)
+    if type(attn) is not PATCHED_CLASSES[adapter.family] or torch.compiler.is_compiling() or runs_hooks(attn):
+        return None
+    return adapter.block_grid(block, x)
+
+
 #: family -> the class patched instances take (module-level names, so that pickle finds them)
 PATCHED_CLASSES: Dict[str, type] = {}
 for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSwinV2WindowAttention"),
                        ("swinv2_cr", "FlashSwinV2CrWindowMultiHeadAttention")):
     PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
+
+#: family -> the class the block holding a patched module takes
+PATCHED_BLOCK_CLASSES: Dict[str, type] = {}
+for _family, _name in (("swin", "FlashSwinTransformerBlock"), ("swinv2", "FlashSwinTransformerV2Block"),
+                       ("swinv2_cr", "FlashSwinTransformerV2CrBlock")):
+    PATCHED_BLOCK_CLASSES[_family] = globals()[_name] = _patched_block_class(ADAPTERS[_family], _name)
 
 
 # ----------------------------------------------------------------------------- report
@@ -160,6 +209,31 @@ def _clear(module: nn.Module) -> None:
         module.__dict__.pop(attr, None)
 
 
+def _blocks(model: nn.Module) -> Iterator[Tuple[nn.Module, str]]:
+    """(block, family) for every timm block of its family's exact class, or ours."""
+    for block in model.modules():
+        family = getattr(type(block), _BLOCK_FAMILY_ATTR, None)
+        if family is None:
+            family = next((f for f, adapter in ADAPTERS.items() if type(block) is adapter.block_type()), None)
+        if family is not None:
+            yield block, family
+
+
+def _set_block_class(block: nn.Module, cls: type) -> None:
+    block.__class__ = cls
+    if getattr(cls, _BLOCK_FAMILY_ATTR, None) is None:
+        block.__dict__.pop(BLOCK_GRID_ATTR, None)
+
+
+def _sync_blocks(model: nn.Module, feature_map: bool) -> None:
+    """Give every timm block holding a window-attention module as ``.attn`` the patched
+    block class where that module is patched and ``feature_map`` is set, else timm's class
+    back."""
+    for block, family in _blocks(model):
+        served = feature_map and type(getattr(block, "attn", None)) is PATCHED_CLASSES[family]
+        _set_block_class(block, PATCHED_BLOCK_CLASSES[family] if served else ADAPTERS[family].block_type())
+
+
 def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapter], family: str) -> ModuleStatus:
     if _is_patched(module):
         return ModuleStatus(name, family, True)
@@ -169,7 +243,7 @@ def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapt
 
 # ------------------------------------------------------------------------ public API
 def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[FilterFn] = None,
-                recompute_qkv: RecomputeQkv = False) -> nn.Module:
+                recompute_qkv: RecomputeQkv = False, feature_map: bool = True) -> nn.Module:
     """Route every timm window-attention module of ``model`` through the fused op, in place.
 
     Works wherever the modules sit (timm models, features_only wrappers, a user's
@@ -195,6 +269,11 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
             (names starting "layers.0.") 0.92x, 0.95x; the second's ("layers.1.") 0.96x,
             1.00x; the third's 0.95x, 0.98x (benchmarks/RESULTS.md). In eager mode the
             checkpointing's dispatch adds host work per step (a host-bound step slows).
+        feature_map: let the timm block around each patched module have the op read its
+            windows from the (B, H, W, C) map and write them back there (no roll,
+            partition, merge and roll-back copies; eager mode, maps that are a whole number
+            of windows, no hooks on the module: else timm's method runs). False keeps
+            timm's method in every block; the modules are patched all the same.
 
     Returns:
         ``model`` itself.
@@ -226,6 +305,7 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
             module.__dict__[RECOMPUTE_QKV_ATTR] = True
         else:
             module.__dict__.pop(RECOMPUTE_QKV_ATTR, None)
+    _sync_blocks(model, feature_map)
     report = patch_report(model)
     level = logging.WARNING if report.skipped else logging.INFO
     logger.log(level, "timm_flashwin: %s", report.summary())
@@ -236,9 +316,11 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Give every window-attention module of ``model`` timm's forward back, in place."""
+    """Give every window-attention module of ``model`` timm's forward back (and their
+    blocks timm's window method), in place."""
     for _, module, _, _ in _attention_modules(model):
         _clear(module)
+    _sync_blocks(model, False)
     return model
 
 
@@ -256,9 +338,11 @@ def patch_report(model: nn.Module) -> PatchReport:
 @contextlib.contextmanager
 def patched(model: nn.Module, **kwargs) -> Iterator[nn.Module]:
     """``with patched(model): ...``: patch_model on entry; on exit (also on an exception)
-    unpatch exactly the modules this call patched. kwargs go to ``patch_model``."""
+    unpatch exactly the modules this call patched and give the blocks their classes back.
+    kwargs go to ``patch_model``."""
     before = {id(m): m.__dict__.get(RECOMPUTE_QKV_ATTR) for _, m, _, _ in _attention_modules(model)
               if _is_patched(m)}
+    block_classes = [(block, type(block)) for block, _ in _blocks(model)]
     patch_model(model, **kwargs)
     try:
         yield model
@@ -270,3 +354,5 @@ def patched(model: nn.Module, **kwargs) -> Iterator[nn.Module]:
                 module.__dict__.pop(RECOMPUTE_QKV_ATTR, None)
             else:
                 module.__dict__[RECOMPUTE_QKV_ATTR] = before[id(module)]
+        for block, cls in block_classes:
+            _set_block_class(block, cls)

@@ -2,8 +2,10 @@
 the unpatched model, layer by layer, with a float64 copy of the unpatched model as the
 referee.
 
-Every window-attention layer's output (captured with forward hooks, the same images
-through all three models), the final output (and top-1 agreement) and, with
+Every window-attention layer's output (the output of the timm block holding the module,
+or of the module where no timm block holds it; captured with forward hooks on the blocks,
+whose patched method then reads its windows from the feature map as it does unhooked; the
+same images through all three models), the final output (and top-1 agreement) and, with
 ``train=True``, every parameter's gradient are compared. For each quantity:
 
     err_timm  = ||timm - float64|| / ||float64||       (unpatched, requested dtype;
@@ -41,11 +43,12 @@ import difflib
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .adapters import ADAPTERS
 from .op import uses_kernels
 from .patching import _attention_modules, patch_model, patch_report
 
@@ -97,6 +100,25 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
         else:
             p.add_(0.02 * noise(p))
     return model
+
+
+def attention_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(name, module) of what verify compares per window-attention layer: the timm block
+    holding a served module as ``.attn`` (a hook on the module itself would make the
+    patched block call it, timm's way, rather than read its windows from the map:
+    ``patching._feature_map_grid``), or the module where no timm block holds it."""
+    modules = dict(model.named_modules())
+    layers = []
+    for name, module, adapter, family in _attention_modules(model):
+        if adapter is None:
+            continue
+        parent_name = name.rpartition(".")[0]
+        parent = modules.get(parent_name) if name else None
+        if isinstance(parent, ADAPTERS[family].block_type()) and getattr(parent, "attn", None) is module:
+            layers.append((parent_name, parent))
+        else:
+            layers.append((name, module))
+    return layers
 
 
 # --------------------------------------------------------------------------- results
@@ -307,9 +329,8 @@ def verify_model(
     def run(net: nn.Module, float64: bool, loss_scale: float = 1.0, x: torch.Tensor = images
             ) -> Dict[str, torch.Tensor]:
         captured: Dict[str, torch.Tensor] = {}
-        hooks = [module.register_forward_hook(
-            lambda mod, args, out, key=mod_name: captured.__setitem__(key, out))
-            for mod_name, module, adapter, _ in _attention_modules(net) if adapter is not None]
+        hooks = [module.register_forward_hook(lambda mod, args, out, key=mod_name: captured.__setitem__(key, out))
+                 for mod_name, module in attention_layers(net)]
         try:
             torch.manual_seed(seed)  # same dropout draws in every run (SwinV2-CR's meta_mlp)
             x = x.double() if float64 else x
@@ -373,5 +394,5 @@ def verify_model(
     return result
 
 
-__all__ = ["GRADIENT_FACTOR", "group_error", "jitter_images", "larger_error", "Comparison", "RTOL", "ATOL",
+__all__ = ["GRADIENT_FACTOR", "attention_layers", "group_error", "jitter_images", "larger_error", "Comparison", "RTOL", "ATOL",
            "UsageError", "VerifyResult", "perturb_", "verify_model", "build_model", "compare"]

@@ -1,6 +1,6 @@
-"""What every family adapter shares: the checks made at patch time and the forward
-skeleton (qkv -> window_attention -> proj) that reads the module's own tensors at call
-time."""
+"""What every family adapter shares: the checks made at patch time, the forward skeleton
+(qkv -> window_attention -> proj) that reads the module's own tensors at call time, and
+the same on the block's unpartitioned feature map (``block_attention``)."""
 from __future__ import annotations
 
 import functools
@@ -12,10 +12,13 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..kernels.config import MAX_HEAD_DIM, MAX_TOKENS
 from ..op import window_attention
+from ..window_grid import WindowGrid
 
 #: instance attribute of a patched module whose training forward recomputes its qkv
 #: projection in the backward (``patch_model(..., recompute_qkv=True)``)
 RECOMPUTE_QKV_ATTR = "_flashwin_recompute_qkv"
+#: instance attribute of a block: ((H, W, window, shift), its WindowGrid or None), ``block_grid``
+BLOCK_GRID_ATTR = "_flashwin_grid"
 
 
 class WindowAttentionAdapter:
@@ -30,9 +33,19 @@ class WindowAttentionAdapter:
     family: str = ""
     #: attributes the forward reads; a timm version without them is not patched
     required: Sequence[str] = ()
+    #: the method of the family's block (``block_type``) that rolls, partitions, calls the
+    #: module, merges and rolls back; ``block_attention`` does its work on the feature map
+    block_method: str = "_attn"
+    #: block attributes ``block_attention`` reads; a block without them keeps timm's method
+    block_required: Sequence[str] = ("attn", "window_size", "shift_size", "attn_mask")
 
     @staticmethod
     def module_type() -> Type[nn.Module]:
+        raise NotImplementedError
+
+    @staticmethod
+    def block_type() -> Type[nn.Module]:
+        """timm's block class that holds the module as ``.attn``."""
         raise NotImplementedError
 
     # -- geometry ---------------------------------------------------------------------
@@ -90,23 +103,64 @@ class WindowAttentionAdapter:
         if x.shape[2] != in_features:
             raise ValueError(f"{type(module).__name__}: expected C = {in_features} channels, got {x.shape[2]} "
                              f"(x of shape {tuple(x.shape)})")
+        return self._project(module, x, mask)
+
+    def block_grid(self, block: nn.Module, x: torch.Tensor) -> Optional[WindowGrid]:
+        """How ``block`` cuts x (B, H, W, C) into windows, or None where the op cannot read
+        them from the map: H or W not a multiple of the window (timm pads, and its padded
+        tokens take part in the attention), a block window other than its module's, a
+        block without the attributes read. Kept on the block for its present map size,
+        window and shift (this runs per block and step: 10 us to compute on a CPU)."""
+        if x.dim() != 4:
+            return None
+        # timm's blocks hold window_size and shift_size as plain attributes (tuples)
+        key = (x.shape[1], x.shape[2], block.__dict__.get("window_size"), block.__dict__.get("shift_size"))
+        kept = block.__dict__.get(BLOCK_GRID_ATTR)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        if any(not hasattr(block, name) for name in self.block_required) or None in key:
+            return None
+        height, width, window, shift = key[0], key[1], tuple(key[2]), tuple(key[3])
+        grid = None
+        if not (window != tuple(self.window_size(block.attn)) or height % window[0] or width % window[1]
+                or not all(0 <= s < w for s, w in zip(shift, window))):
+            grid = WindowGrid(height, width, window, shift)
+        block.__dict__[BLOCK_GRID_ATTR] = (key, grid)
+        return grid
+
+    def block_attention(self, block: nn.Module, x: torch.Tensor, grid: WindowGrid) -> torch.Tensor:
+        """Replacement of the block's window method (``block_method``) where ``block_grid``
+        gives a grid: x (B, H, W, C) -> (B, H, W, C), what timm's roll, partition, attention
+        module, merge and roll back give, with the op reading each window's rows of the qkv
+        projection of the map where they lie (``window_attention(..., grid=)``) and writing
+        its output there: no copies of the map around the attention."""
+        mask = block.get_attn_mask(x) if getattr(block, "dynamic_mask", False) else block.attn_mask
+        batch, height, width, channels = x.shape
+        out = self._project(block.attn, x.reshape(batch, height * width, channels), mask, grid)
+        return out.view(batch, height, width, out.shape[-1])
+
+    def _project(self, module: nn.Module, x: torch.Tensor, mask: Optional[torch.Tensor],
+                 grid: Optional[WindowGrid] = None) -> torch.Tensor:
+        """x (B_, N, C), or (B, H*W, C) on the feature map with ``grid`` -> the proj output,
+        of the same shape."""
         # attn_drop is read at call time too: nn.Dropout's p, active in training mode only
         dropout_p = self.attn_drop(module) if module.training else 0.0
         bias = self.position_bias(module)
         # getattr, not __dict__: torch.compile guards on the attribute it reads, and recompiles when
         # patch_model changes it
         if getattr(module, RECOMPUTE_QKV_ATTR, False) and torch.is_grad_enabled():
-            out = checkpoint(self._attention, module, x, bias, mask, dropout_p, use_reentrant=False,
+            out = checkpoint(self._attention, module, x, bias, mask, dropout_p, grid, use_reentrant=False,
                              context_fn=_save_attention_outputs)
         else:
-            out = self._attention(module, x, bias, mask, dropout_p)
+            out = self._attention(module, x, bias, mask, dropout_p, grid)
         return module.proj_drop(module.proj(out))
 
     def _attention(self, module: nn.Module, x: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor],
-                   dropout_p: float) -> torch.Tensor:
-        """x (B_, N, C) -> the proj input (B_, N, C): the qkv projection and the op."""
+                   dropout_p: float, grid: Optional[WindowGrid] = None) -> torch.Tensor:
+        """x (B_, N, C) (or (B, H*W, C) with ``grid``) -> the proj input, of the same shape:
+        the qkv projection and the op."""
         return window_attention(self.qkv(module, x), self.num_heads(module), bias=bias, mask=mask,
-                                dropout_p=dropout_p, **self.score_scale(module))
+                                dropout_p=dropout_p, grid=grid, **self.score_scale(module))
 
 
 def _keep_attention_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:

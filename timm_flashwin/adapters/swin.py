@@ -23,6 +23,11 @@ class SwinAdapter(WindowAttentionAdapter):
         from timm.models.swin_transformer import WindowAttention
         return WindowAttention
 
+    @staticmethod
+    def block_type() -> Type[nn.Module]:
+        from timm.models.swin_transformer import SwinTransformerBlock
+        return SwinTransformerBlock
+
     def position_bias(self, module: nn.Module) -> torch.Tensor:
         table, index = module.relative_position_bias_table, module.relative_position_index
         return inference_cache(module, (table, index), lambda: gather_position_bias(table, index, constant_index=True))

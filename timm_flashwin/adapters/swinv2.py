@@ -29,6 +29,11 @@ class SwinV2Adapter(WindowAttentionAdapter):
         from timm.models.swin_transformer_v2 import WindowAttention
         return WindowAttention
 
+    @staticmethod
+    def block_type() -> Type[nn.Module]:
+        from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+        return SwinTransformerV2Block
+
     def head_dim(self, module: nn.Module) -> int:
         return module.qkv.in_features // module.num_heads
 

@@ -15,6 +15,7 @@ from .base import WindowAttentionAdapter, inference_cache
 
 class SwinV2CRAdapter(WindowAttentionAdapter):
     family = "swinv2_cr"
+    block_method = "_shifted_window_attn"
     required = ("qkv", "proj", "proj_drop", "attn_drop", "logit_scale", "meta_mlp", "relative_coordinates_log",
                 "num_heads", "window_size", "_relative_positional_encodings")
 
@@ -22,6 +23,11 @@ class SwinV2CRAdapter(WindowAttentionAdapter):
     def module_type() -> Type[nn.Module]:
         from timm.models.swin_transformer_v2_cr import WindowMultiHeadAttention
         return WindowMultiHeadAttention
+
+    @staticmethod
+    def block_type() -> Type[nn.Module]:
+        from timm.models.swin_transformer_v2_cr import SwinTransformerV2CrBlock
+        return SwinTransformerV2CrBlock
 
     def head_dim(self, module: nn.Module) -> int:
         return module.qkv.in_features // module.num_heads
