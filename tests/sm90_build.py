@@ -10,6 +10,7 @@ stack frame (where spilled registers go) (cuobjdump's resource usage), and exits
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -59,7 +60,7 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict, bias_dtype: torch.dt
             types[name] = "*" + TRITON_TYPES[bias_dtype]
         elif name == "seed_ptr":
             types[name] = "*i64"
-        elif name in ("regions_ptr", "token_map_ptr"):
+        elif name in ("regions_ptr", "grid_ptr"):
             types[name] = "*i32"
         elif name.endswith("_ptr"):
             types[name] = "*" + (TRITON_TYPES[dtype] if name in ACTIVATION_POINTERS else "fp32")
@@ -132,6 +133,8 @@ def main() -> int:
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
     for n, head_dim, dtype, cosine, dropout in CASES:
+        # the partitioned layout, or the feature-map layout of square windows (every case's N is a square)
+        layout = lambda mapped: dict(MAPPED=mapped, WINDOW_W=math.isqrt(n) if mapped else 1)  # noqa: E731
         print(f"N={n} head_dim={head_dim} {TRITON_TYPES[dtype]} {'cosine' if cosine else 'v1'}"
               f"{' dropout' if dropout else ''}")
         flags = dict(H=3, N=n, D=head_dim, HAS_BIAS=True, HAS_MASK=True, COSINE=cosine,
@@ -152,22 +155,22 @@ def main() -> int:
         if streamed:
             for from_regions in kinds:
                 build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=from_regions,
-                                                               STORE_STATS=not bwd.single_tile(n), MAPPED=False),
+                                                               STORE_STATS=not bwd.single_tile(n), **layout(False)),
                       fwd, streamed_bias)
             if not dropout:  # inference: no statistics (cosine: no mean score), either layout
                 for mapped in (False, True):
                     build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=kinds[0],
-                                                                   STORE_STATS=False, MAPPED=mapped), fwd, streamed_bias)
+                                                                   STORE_STATS=False, **layout(mapped)), fwd, streamed_bias)
         else:
             for mapped in (False, True):  # the partitioned and the feature-map layout
                 build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, STORE_STATS=not bwd.single_tile(n),
                                                                MASK_REGIONS=False, FROM_REGIONS=False, BIAS_LOG2E=False,
-                                                               MAPPED=mapped), fwd)
+                                                               **layout(mapped)), fwd)
         if bwd.single_tile(n):
             for mapped in (False, True):
                 build(backward.window_attention_bwd_fused_kernel, dtype,
                       dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine,
-                           MAPPED=mapped), bwd)
+                           **layout(mapped)), bwd)
             continue
         blocks = dict(flags, **streaming, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d)
         # as configured (atomic dQ, the bias gradient by atomics where bwd.dbias_slots), one build

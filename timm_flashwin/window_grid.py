@@ -3,10 +3,12 @@
 timm's blocks roll the (B, H, W, C) map by -shift, partition it into (H / wh) * (W / ww)
 windows of wh * ww tokens (row-major, windows and tokens alike), attend within each window,
 merge the windows back and roll by +shift: four copies forward and four backward around
-the attention, each of the whole map. ``WindowGrid.token_map`` says the same thing as row
-numbers: window w's token t is row token_map[w, t] of the image's H * W rows. The kernels
-read qkv and write their output and gradients through it (``window_attention(...,
-grid=)``), and the copies are not made.
+the attention, each of the whole map. ``WindowGrid`` describes that cut: the kernels
+compute each window token's row of the map from it (``kernel_args``,
+``kernels.tiles.window_rows``) and read qkv and write their output and gradients there
+(``window_attention(..., grid=)``), so that the copies are not made; ``token_map`` says the
+same as a table (window w's token t is row token_map[w, t] of the image's H * W rows), with
+which ``partition`` and ``merge`` make the copies where the kernels cannot.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from typing import Dict, Tuple
 
 import torch
 
-#: (grid, device) -> (token_map (nW, N) int32, its inverse (H*W,) int64)
-_MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
+#: (grid, device) -> (token_map (nW, N) int32, its inverse (H*W,) int64, kernel_args (6,) int32)
+_MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _pair(name: str, value, minimum: int) -> Tuple[int, int]:
@@ -68,6 +70,11 @@ class WindowGrid:
         """(nW, N) int32, contiguous: the map row (y * width + x) of each window's tokens."""
         return self._maps(device)[0]
 
+    def kernel_args(self, device: torch.device) -> torch.Tensor:
+        """(nW, windows per map row, H, W, shift_h, shift_w) int32, what the kernels read
+        (``kernels.tiles.load_window_grid``)."""
+        return self._maps(device)[2]
+
     def partition(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H*W, C) -> (B*nW, N, C): timm's roll by -shift and window partition (a gather)."""
         index = self._maps(x.device)[0].view(-1)
@@ -78,7 +85,7 @@ class WindowGrid:
         inverse = self._maps(windows.device)[1]
         return windows.reshape(-1, self.num_windows * self.tokens, windows.shape[-1]).index_select(1, inverse)
 
-    def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         key = (self, device)
         maps = _MAPS.get(key)
         if maps is None:
@@ -87,7 +94,7 @@ class WindowGrid:
                 _MAPS[key] = maps
         return maps
 
-    def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         (wh, ww), (sh, sw) = self.window, self.shift
         # shifted position p reads the map at (p + shift) mod size, as torch.roll(x, -shift) does
         y = (torch.arange(self.height, device=device) + sh) % self.height
@@ -95,4 +102,6 @@ class WindowGrid:
         rows = (y[:, None] * self.width + x[None, :])  # (H, W): map row of each shifted position
         rows = rows.view(self.height // wh, wh, self.width // ww, ww).permute(0, 2, 1, 3)
         token_map = rows.reshape(self.num_windows, self.tokens).to(torch.int32).contiguous()
-        return token_map, torch.argsort(token_map.view(-1).long())
+        kernel_args = torch.tensor([self.num_windows, self.width // ww, self.height, self.width, sh, sw],
+                                   dtype=torch.int32, device=device)
+        return token_map, torch.argsort(token_map.view(-1).long()), kernel_args

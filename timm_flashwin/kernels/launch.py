@@ -23,6 +23,7 @@ from .bias_copy import float16_bias_copy_kernel
 from .forward import window_attention_fwd_kernel
 from .position_bias import relative_bias_gather_kernel, relative_bias_table_grad_kernel
 from .position_mlp import position_mlp_bwd_kernel, position_mlp_fwd_kernel
+from ..window_grid import WindowGrid
 
 if config.INTERPRET or not hasattr(torch.library, "wrap_triton"):
     # interpreted kernels are plain Python, launched as they are (on CPU tensors); torch
@@ -357,17 +358,17 @@ def attention_forward(
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
     save_stats: bool = True,
-    token_map: Optional[torch.Tensor] = None,
+    grid: Optional[WindowGrid] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns out (B_, N, H*D) in qkv's dtype, the softmax statistics (fp32,
     ``softmax_stats_shape``; empty without ``save_stats``, where no backward follows)
     and the mask's region ids and info (``mask_structure``; empty where unused), which
     the backward takes back. ``logit_scale``: the cosine logit scale as the module holds
     it, (H,) (the kernels clamp and exponentiate it), None for V1. ``seed``: a
-    one-element int64 tensor, with dropout_p > 0. ``token_map``: (nW, N) int32, contiguous,
-    for qkv in the feature-map layout (B, H*W, 3*H*D) (``window_grid.WindowGrid``); out is
-    then (B, H*W, H*D), and window b = image * nW + w as in the partitioned layout."""
-    num_windows, n, channels = _windows_tokens_channels(qkv, token_map)
+    one-element int64 tensor, with dropout_p > 0. ``grid``: qkv is in the feature-map layout
+    (B, H*W, 3*H*D) of that ``WindowGrid``; out is then (B, H*W, H*D), and window
+    b = image * nW + w as in the partitioned layout."""
+    num_windows, n, channels = _windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
     tiles = config.forward_config(n, head_dim, qkv.dtype, cosine, dropout_p > 0,
                                   reads_mask_apart(mask, qkv.dtype, num_heads, n))
@@ -395,31 +396,36 @@ def attention_forward(
         launcher(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
             qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
             logit_scale if logit_scale is not None else qkv,
-            seed if dropout_p > 0 else qkv, token_map if token_map is not None else qkv,
+            seed if dropout_p > 0 else qkv, grid.kernel_args(qkv.device) if grid is not None else qkv,
             scale, dropout_p,
             *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
-            periods, per_period, per_chunk, token_map.shape[0] if token_map is not None else 1,
+            periods, per_period, per_chunk,
             H=num_heads, N=n, D=head_dim,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
             HAS_BIAS=read_bias is not None, HAS_MASK=read_mask is not None, COSINE=cosine,
             FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
             MASK_REGIONS=mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=bias_log2e,
-            ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, MAPPED=token_map is not None,
+            ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, **_layout_flags(grid),
             **launch_options(tiles, dropout_p > 0),
         )
     return out, stats, regions, mask_info
 
 
-def _windows_tokens_channels(qkv: torch.Tensor, token_map: Optional[torch.Tensor]) -> Tuple[int, int, int]:
+def _windows_tokens_channels(qkv: torch.Tensor, grid: Optional[WindowGrid]) -> Tuple[int, int, int]:
     """(B_, N, 3*H*D) of qkv in the partitioned layout, or in the feature-map layout
-    (B, H*W, 3*H*D) with its (nW, N) ``token_map``: B_ = B * nW."""
-    if token_map is None:
+    (B, H*W, 3*H*D) of ``grid``: B_ = B * nW."""
+    if grid is None:
         return tuple(qkv.shape)
-    return qkv.shape[0] * token_map.shape[0], token_map.shape[1], qkv.shape[2]
+    return qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
+
+
+def _layout_flags(grid: Optional[WindowGrid]) -> dict:
+    """The constexprs of the layout: MAPPED, and the window's width (``tiles.window_rows``)."""
+    return dict(MAPPED=grid is not None, WINDOW_W=grid.window[1] if grid is not None else 1)
 
 
 def maps_windows(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, backward: bool) -> bool:
-    """Whether the kernels read and write the feature-map layout (``token_map``) for this
+    """Whether the kernels read and write the feature-map layout (``grid``) for this
     shape: the forward always, the backward where a whole window fits its one-tile kernel
     (the kernels that stream blocks address windows by their partitioned rows)."""
     return not backward or config.backward_config(n, head_dim, dtype, cosine).single_tile(n)
@@ -467,16 +473,16 @@ def attention_backward(
     scale_grad: bool,
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
-    token_map: Optional[torch.Tensor] = None,
+    grid: Optional[WindowGrid] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Takes the forward's out, stats, regions and mask_info; regenerates the forward's
     dropout from the same ``seed``. Returns dqkv (qkv's shape, contiguous), dbias (H, N, N)
     fp32 and d(logit_scale) (H,) fp32; the last two are empty when not asked for.
-    ``token_map``: as the forward's, where ``maps_windows`` allows it."""
-    num_windows, n, channels = _windows_tokens_channels(qkv, token_map)
+    ``grid``: as the forward's, where ``maps_windows`` allows it."""
+    num_windows, n, channels = _windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
     tiles = config.backward_config(n, head_dim, qkv.dtype, cosine)
-    if token_map is not None and not tiles.single_tile(n):
+    if grid is not None and not tiles.single_tile(n):
         raise ValueError(f"window_attention backward: the feature-map layout needs windows of one tile, N = {n} "
                          f"is more (maps_windows)")
     # region ids computed by the forward, for the kernels that stream key blocks
@@ -506,11 +512,11 @@ def attention_backward(
         dbias = qkv.new_empty((groups, num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
         dscale = qkv.new_empty((groups, num_heads) if scale_grad else (0,), dtype=torch.float32)
         launcher(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
-            qkv, dout, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr, token_map if token_map is not None else qkv,
+            qkv, dout, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
+            grid.kernel_args(qkv.device) if grid is not None else qkv,
             dqkv, dbias, dscale, scale, dropout_p, *strides, periods, per_period, per_chunk,
-            token_map.shape[0] if token_map is not None else 1,
             BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
-            MAPPED=token_map is not None,
+            **_layout_flags(grid),
             **launch_options(tiles, dropout_p > 0), **flags,
         )
         return dqkv, dbias.sum(0) if bias_grad else dbias, dscale.sum(0) if scale_grad else dscale

@@ -10,11 +10,11 @@ Conventions used by every kernel:
   sum(dZ * R) for the gradient of the cosine scale s.
 * Padded rows/columns (N is not a power of two) load as 0; padded key columns get a
   logit of -inf so they take no probability.
-* Window b's token t is row t of qkv[b] (the partitioned layout), or with MAPPED row
-  token_map[b % nW, t] of qkv[b // nW] (the feature-map layout: qkv (B, H*W, 3*H*D) as the
-  qkv linear produces it on the unpartitioned map, ``window_rows``); the output and the
-  gradients are written in the same layout, so the shift and the window partition and
-  merge around the op cost no copies.
+* Window b's token t is row t of qkv[b] (the partitioned layout), or with MAPPED the row
+  of qkv[b // nW] where timm's shift and partition take it from (the feature-map layout:
+  qkv (B, H*W, 3*H*D) as the qkv linear produces it on the unpartitioned map,
+  ``window_rows``); the output and the gradients are written in the same layout, so the
+  shift and the window partition and merge around the op cost no copies.
 * Attention dropout draws one Philox number per probability P[b, h, i, j] from a seed
   and the element's flat index ((b * H + h) * N + i) * N + j: the forward and every
   backward kernel regenerate the same keep mask from the same two numbers, whatever
@@ -91,18 +91,43 @@ def logits_tile(q_in, k_in, k_inv, q_scale, logit_scale2, bias_mask, COSINE: tl.
 
 
 @triton.jit
-def window_rows(token_map_ptr, b, tokens, map_windows, N: tl.constexpr, MAPPED: tl.constexpr):
-    """(image, rows): where the tokens ``tokens`` of window b lie, as the row ``rows`` of
+def load_window_grid(grid_ptr, MAPPED: tl.constexpr):
+    """The feature-map layout's geometry, int32 scalars read once per program from
+    ``grid_ptr`` (``window_grid.WindowGrid.kernel_args``): (nW, windows per map row, H, W,
+    shift_h, shift_w); placeholders for the partitioned layout."""
+    if MAPPED:
+        return (tl.load(grid_ptr), tl.load(grid_ptr + 1), tl.load(grid_ptr + 2), tl.load(grid_ptr + 3),
+                tl.load(grid_ptr + 4), tl.load(grid_ptr + 5))
+    else:
+        return (1, 1, 1, 1, 0, 0)
+
+
+@triton.jit
+def window_rows(grid, b, tokens, N: tl.constexpr, WINDOW_W: tl.constexpr, MAPPED: tl.constexpr):
+    """(image, rows): where the tokens ``tokens`` of window b lie, as the rows ``rows`` of
     image ``image`` of qkv, the output and their gradients.
 
-    Partitioned layout: (b, tokens). MAPPED (the feature-map layout): window b is window
-    b % nW (``map_windows``) of image b // nW, and its token t the row token_map[b % nW, t]
-    of that image's (H*W) rows (``window_grid.WindowGrid.token_map``: the shift and the
-    partition as row numbers). Padded tokens (t >= N) get row 0: the loads and stores
-    mask them by token."""
+    Partitioned layout: (b, tokens). MAPPED (the feature-map layout, ``grid`` from
+    ``load_window_grid``, windows of N / WINDOW_W x WINDOW_W tokens): window b is window
+    w = b % nW of image b // nW, at (wy, wx) = (w // nWx, w % nWx), and its token t at
+    (i, j) = (t // WINDOW_W, t % WINDOW_W) reads the map at ((wy * wh + i + shift_h) mod H,
+    (wx * ww + j + shift_w) mod W), where timm's roll by -shift and partition put it. Computed
+    from the token numbers (a few integer operations per row, which the compiler can redo
+    in each layout the loads and stores take), not read from a table. Padded tokens (t >= N) get rows out of range: the loads and stores mask them by token."""
     if MAPPED:
-        rows = tl.load(token_map_ptr + (b % map_windows) * N + tokens, mask=tokens < N, other=0)
-        return b // map_windows, rows
+        map_windows, windows_x, height, width, shift_h, shift_w = grid
+        WINDOW_H: tl.constexpr = N // WINDOW_W
+        # int32 division: int64 division by a run-time value is a long routine (with it, the
+        # one-tile backward took 255 registers and spilled, against 188 partitioned)
+        window = b.to(tl.int32)
+        image = window // map_windows
+        w = window - image * map_windows
+        wy = w // windows_x
+        y = wy * WINDOW_H + tokens // WINDOW_W + shift_h
+        x = (w - wy * windows_x) * WINDOW_W + tokens % WINDOW_W + shift_w
+        y = tl.where(y >= height, y - height, y)  # mod H: y < H + wh <= 2 H
+        x = tl.where(x >= width, x - width, x)
+        return image.to(tl.int64), y * width + x
     else:
         return b, tokens
 
