@@ -60,7 +60,7 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict, bias_dtype: torch.dt
             types[name] = "*" + TRITON_TYPES[bias_dtype]
         elif name == "seed_ptr":
             types[name] = "*i64"
-        elif name in ("regions_ptr", "grid_ptr"):
+        elif name == "regions_ptr":
             types[name] = "*i32"
         elif name.endswith("_ptr"):
             types[name] = "*" + (TRITON_TYPES[dtype] if name in ACTIVATION_POINTERS else "fp32")

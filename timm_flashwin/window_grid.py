@@ -17,8 +17,8 @@ from typing import Dict, Tuple
 
 import torch
 
-#: (grid, device) -> (token_map (nW, N) int32, its inverse (H*W,) int64, kernel_args (6,) int32)
-_MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+#: (grid, device) -> (token_map (nW, N) int32, its inverse (H*W,) int64)
+_MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _pair(name: str, value, minimum: int) -> Tuple[int, int]:
@@ -70,10 +70,10 @@ class WindowGrid:
         """(nW, N) int32, contiguous: the map row (y * width + x) of each window's tokens."""
         return self._maps(device)[0]
 
-    def kernel_args(self, device: torch.device) -> torch.Tensor:
-        """(nW, windows per map row, H, W, shift_h, shift_w) int32, what the kernels read
-        (``kernels.tiles.load_window_grid``)."""
-        return self._maps(device)[2]
+    def kernel_args(self) -> Tuple[int, int, int, int, int, int]:
+        """(nW, windows per map row, H, W, shift_h, shift_w): the kernels' arguments for this
+        grid (``kernels.tiles.window_rows``)."""
+        return (self.num_windows, self.width // self.window[1], self.height, self.width, *self.shift)
 
     def partition(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H*W, C) -> (B*nW, N, C): timm's roll by -shift and window partition (a gather)."""
@@ -85,7 +85,7 @@ class WindowGrid:
         inverse = self._maps(windows.device)[1]
         return windows.reshape(-1, self.num_windows * self.tokens, windows.shape[-1]).index_select(1, inverse)
 
-    def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         key = (self, device)
         maps = _MAPS.get(key)
         if maps is None:
@@ -94,7 +94,7 @@ class WindowGrid:
                 _MAPS[key] = maps
         return maps
 
-    def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         (wh, ww), (sh, sw) = self.window, self.shift
         # shifted position p reads the map at (p + shift) mod size, as torch.roll(x, -shift) does
         y = (torch.arange(self.height, device=device) + sh) % self.height
@@ -102,6 +102,4 @@ class WindowGrid:
         rows = (y[:, None] * self.width + x[None, :])  # (H, W): map row of each shifted position
         rows = rows.view(self.height // wh, wh, self.width // ww, ww).permute(0, 2, 1, 3)
         token_map = rows.reshape(self.num_windows, self.tokens).to(torch.int32).contiguous()
-        kernel_args = torch.tensor([self.num_windows, self.width // ww, self.height, self.width, sh, sw],
-                                   dtype=torch.int32, device=device)
-        return token_map, torch.argsort(token_map.view(-1).long()), kernel_args
+        return token_map, torch.argsort(token_map.view(-1).long())

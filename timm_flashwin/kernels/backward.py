@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
-                    load_qk, load_rows, load_window_grid, load_window_qk, load_window_rows, logit_scale_grad,
+                    load_qk, load_rows, load_window_qk, load_window_rows, logit_scale_grad,
                     logits_tile,
                     mask_kind_launch, mma, normalize_backward, row_norms, store_rows, store_window_rows,
                     window_in_one_region, window_rows, window_run)
@@ -140,9 +140,10 @@ def load_rbar(stats_ptr, bh, rows, stats_stride, N: tl.constexpr):
     return tl.load(stats_ptr + 2 * stats_stride + bh * N + rows, mask=rows < N, other=0.0)
 
 
-@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "map_windows",
+                             "windows_x", "map_height", "map_width", "shift_h", "shift_w"])
 def window_attention_bwd_fused_kernel(
-    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr, grid_ptr,
+    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
     dqkv_ptr, dbias_partial_ptr, dscale_partial_ptr,
     scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
@@ -151,6 +152,7 @@ def window_attention_bwd_fused_kernel(
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     num_periods, windows_per_period, windows_per_program,
+    map_windows, windows_x, map_height, map_width, shift_h, shift_w,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -169,7 +171,6 @@ def window_attention_bwd_fused_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    grid = load_window_grid(grid_ptr, MAPPED)
     bias_mask = load_bias_mask(bias_ptr, mask_ptr, bias_ptr, 0.0, h, w, idx, idx,
                                stride_bias_h, stride_bias_i, stride_bias_j,
                                stride_mask_w, stride_mask_i, stride_mask_j,
@@ -179,7 +180,8 @@ def window_attention_bwd_fused_kernel(
 
     for window in range(first, last):
         b = (w + window * num_periods).to(tl.int64)
-        image, addr = window_rows(grid, b, idx, N, WINDOW_W, MAPPED)
+        image, addr = window_rows(b, idx, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
+                                  N, WINDOW_W, MAPPED)
         q_base = qkv_ptr + image * stride_qkv_b + (h * D) * stride_qkv_c
         k_base = q_base + (H * D) * stride_qkv_c
         v_base = k_base + (H * D) * stride_qkv_c

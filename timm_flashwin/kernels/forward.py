@@ -12,20 +12,21 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_window_qk, load_window_rows, logits_tile,
-                    load_window_grid, mask_kind_launch, mma, row_norms, store_window_rows, window_in_one_region,
+                    mask_kind_launch, mma, row_norms, store_window_rows, window_in_one_region,
                     window_rows, window_run)
 
 
-@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "map_windows",
+                             "windows_x", "map_height", "map_width", "shift_h", "shift_w"])
 def window_attention_fwd_kernel(
     qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
-    grid_ptr,
     scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_out_b, stride_out_n, stride_out_c,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     num_periods, windows_per_period, windows_per_program,
+    map_windows, windows_x, map_height, map_width, shift_h, shift_w,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
@@ -60,7 +61,6 @@ def window_attention_fwd_kernel(
     dims = tl.arange(0, BLOCK_D)
     logit_scale2 = head_scale(logit_scale_ptr, h, scale, COSINE) * LOG2E
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    grid = load_window_grid(grid_ptr, MAPPED)
     # With MASK_REGIONS the launcher launches this kernel twice, FROM_REGIONS True and False:
     # each build serves one kind of mask, and only the launch of the kind found runs.
     # Built apart, the kernel for timm's masks stays small enough (62 KB of shared memory
@@ -72,29 +72,32 @@ def window_attention_fwd_kernel(
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
         if window_in_one_region(mask_info_ptr, w, FROM_REGIONS, ONE_REGION_LOOP):
-            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, grid, mask_value,
+            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value,
                             seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                             stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
+                            map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, STORE_STATS,
                             HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W)
         else:
-            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, grid, mask_value,
+            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value,
                             seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                             stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
+                            map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
                             HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W)
 
 
 @triton.jit
-def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, grid, mask_value, seed,
+def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed,
                     logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                     stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
                     stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                     num_periods, windows_per_period,
+                    map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -123,7 +126,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
             window = first + step // NUM_KEY_BLOCKS
             start_n = (step % NUM_KEY_BLOCKS) * BLOCK_N
             b = (w + window * num_periods).to(tl.int64)
-            image, q_addr = window_rows(grid, b, rows, N, WINDOW_W, MAPPED)
+            image, q_addr = window_rows(b, rows, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
+                                        N, WINDOW_W, MAPPED)
             q_base = qkv_ptr + image * stride_qkv_b + (h * D) * stride_qkv_c
             q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if NUM_KEY_BLOCKS > 1:
@@ -135,7 +139,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                 if start_n == 0:  # the rows' norms, once per window
                     q_inv = row_norms(q_in)[1]
                     q_scale = q_inv * logit_scale2
-            key_addr = window_rows(grid, b, start_n + cols, N, WINDOW_W, MAPPED)[1]
+            key_addr = window_rows(b, start_n + cols, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
+                                   N, WINDOW_W, MAPPED)[1]
             m_i, l_i, r_i, acc = softmax_step(
                 q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                 rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_c,
@@ -150,7 +155,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
     else:
         for window in range(first, last):
             b = (w + window * num_periods).to(tl.int64)
-            image, q_addr = window_rows(grid, b, rows, N, WINDOW_W, MAPPED)
+            image, q_addr = window_rows(b, rows, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
+                                        N, WINDOW_W, MAPPED)
             q_base = qkv_ptr + image * stride_qkv_b + (h * D) * stride_qkv_c
             q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
             if COSINE:
@@ -163,7 +169,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                                                start_n + cols, stride_bias_h, stride_bias_i, stride_bias_j,
                                                stride_mask_w, stride_mask_i, stride_mask_j,
                                                N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
-                key_addr = window_rows(grid, b, start_n + cols, N, WINDOW_W, MAPPED)[1]
+                key_addr = window_rows(b, start_n + cols, map_windows, windows_x, map_height, map_width, shift_h,
+                                       shift_w, N, WINDOW_W, MAPPED)[1]
                 m_i, l_i, r_i, acc = softmax_step(
                     q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                     rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_c,

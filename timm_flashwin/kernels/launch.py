@@ -396,10 +396,10 @@ def attention_forward(
         launcher(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
             qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
             logit_scale if logit_scale is not None else qkv,
-            seed if dropout_p > 0 else qkv, grid.kernel_args(qkv.device) if grid is not None else qkv,
+            seed if dropout_p > 0 else qkv,
             scale, dropout_p,
             *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
-            periods, per_period, per_chunk,
+            periods, per_period, per_chunk, *_grid_args(grid),
             H=num_heads, N=n, D=head_dim,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
             HAS_BIAS=read_bias is not None, HAS_MASK=read_mask is not None, COSINE=cosine,
@@ -417,6 +417,12 @@ def _windows_tokens_channels(qkv: torch.Tensor, grid: Optional[WindowGrid]) -> T
     if grid is None:
         return tuple(qkv.shape)
     return qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
+
+
+def _grid_args(grid: Optional[WindowGrid]) -> Tuple[int, ...]:
+    """The layout's run-time arguments (``tiles.window_rows``): the feature-map geometry,
+    placeholders for the partitioned layout."""
+    return grid.kernel_args() if grid is not None else (1, 1, 1, 1, 0, 0)
 
 
 def _layout_flags(grid: Optional[WindowGrid]) -> dict:
@@ -513,8 +519,7 @@ def attention_backward(
         dscale = qkv.new_empty((groups, num_heads) if scale_grad else (0,), dtype=torch.float32)
         launcher(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
             qkv, dout, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
-            grid.kernel_args(qkv.device) if grid is not None else qkv,
-            dqkv, dbias, dscale, scale, dropout_p, *strides, periods, per_period, per_chunk,
+            dqkv, dbias, dscale, scale, dropout_p, *strides, periods, per_period, per_chunk, *_grid_args(grid),
             BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
             **_layout_flags(grid),
             **launch_options(tiles, dropout_p > 0), **flags,

@@ -91,31 +91,24 @@ def logits_tile(q_in, k_in, k_inv, q_scale, logit_scale2, bias_mask, COSINE: tl.
 
 
 @triton.jit
-def load_window_grid(grid_ptr, MAPPED: tl.constexpr):
-    """The feature-map layout's geometry, int32 scalars read once per program from
-    ``grid_ptr`` (``window_grid.WindowGrid.kernel_args``): (nW, windows per map row, H, W,
-    shift_h, shift_w); placeholders for the partitioned layout."""
-    if MAPPED:
-        return (tl.load(grid_ptr), tl.load(grid_ptr + 1), tl.load(grid_ptr + 2), tl.load(grid_ptr + 3),
-                tl.load(grid_ptr + 4), tl.load(grid_ptr + 5))
-    else:
-        return (1, 1, 1, 1, 0, 0)
-
-
-@triton.jit
-def window_rows(grid, b, tokens, N: tl.constexpr, WINDOW_W: tl.constexpr, MAPPED: tl.constexpr):
+def window_rows(b, tokens, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
+                N: tl.constexpr, WINDOW_W: tl.constexpr, MAPPED: tl.constexpr):
     """(image, rows): where the tokens ``tokens`` of window b lie, as the rows ``rows`` of
     image ``image`` of qkv, the output and their gradients.
 
-    Partitioned layout: (b, tokens). MAPPED (the feature-map layout, ``grid`` from
-    ``load_window_grid``, windows of N / WINDOW_W x WINDOW_W tokens): window b is window
-    w = b % nW of image b // nW, at (wy, wx) = (w // nWx, w % nWx), and its token t at
-    (i, j) = (t // WINDOW_W, t % WINDOW_W) reads the map at ((wy * wh + i + shift_h) mod H,
-    (wx * ww + j + shift_w) mod W), where timm's roll by -shift and partition put it. Computed
-    from the token numbers (a few integer operations per row, which the compiler can redo
-    in each layout the loads and stores take), not read from a table. Padded tokens (t >= N) get rows out of range: the loads and stores mask them by token."""
+    Partitioned layout: (b, tokens). MAPPED (the feature-map layout; windows of N / WINDOW_W
+    x WINDOW_W tokens, nW = ``map_windows`` per image and nWx = ``windows_x`` per map row,
+    a (``map_height``, ``map_width``) map, its shift: ``WindowGrid.kernel_args``): window b
+    is window w = b % nW of image b // nW, at (wy, wx) = (w // nWx, w % nWx), and its token t
+    at (i, j) = (t // WINDOW_W, t % WINDOW_W) reads the map at ((wy * wh + i + shift_h) mod H,
+    (wx * ww + j + shift_w) mod W), where timm's roll by -shift and partition put it.
+    Computed from the token numbers and run-time scalars (a few integer operations per row,
+    which the compiler redoes in each layout the loads and stores take), not read from a
+    table (a (nW, N) table: the one-tile backward 255 registers and a spill, against 193),
+    nor from a tensor of the geometry (passed down as a tuple it made torch 2.11's analysis
+    of which tensors a user kernel writes give up and take every input for written).
+    Padded tokens (t >= N) get rows out of range: the loads and stores mask them by token."""
     if MAPPED:
-        map_windows, windows_x, height, width, shift_h, shift_w = grid
         WINDOW_H: tl.constexpr = N // WINDOW_W
         # int32 division: int64 division by a run-time value is a long routine (with it, the
         # one-tile backward took 255 registers and spilled, against 188 partitioned)
@@ -125,9 +118,9 @@ def window_rows(grid, b, tokens, N: tl.constexpr, WINDOW_W: tl.constexpr, MAPPED
         wy = w // windows_x
         y = wy * WINDOW_H + tokens // WINDOW_W + shift_h
         x = (w - wy * windows_x) * WINDOW_W + tokens % WINDOW_W + shift_w
-        y = tl.where(y >= height, y - height, y)  # mod H: y < H + wh <= 2 H
-        x = tl.where(x >= width, x - width, x)
-        return image.to(tl.int64), y * width + x
+        y = tl.where(y >= map_height, y - map_height, y)  # mod H: y < H + wh <= 2 H
+        x = tl.where(x >= map_width, x - map_width, x)
+        return image.to(tl.int64), y * map_width + x
     else:
         return b, tokens
 
