@@ -17,13 +17,12 @@ import argparse
 import copy
 import os
 import sys
-import time
 
 import timm
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import cuda_kernel_times, write_json  # noqa: E402
+from common import cuda_kernel_times, host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 
 #: (model, stage, block, batch)
@@ -38,14 +37,7 @@ def block_of(model: torch.nn.Module, stage: int, index: int) -> torch.nn.Module:
 
 def gpu_and_wall_us(fn, calls: int = 30):
     """(GPU kernel us, wall us) per call of ``fn``."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / calls * 1e6
+    wall = host_us_per_call(fn, calls)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
