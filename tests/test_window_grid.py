@@ -157,3 +157,17 @@ def test_gpu_feature_map_layout_at_model_shapes(grid, cosine, dtype, determinist
     reference = forward_backward(_reference_on_windows(grid), replace(case, bias=bias_as_read(windows).bias),
                                  torch.float64)
     assert_matches_reference(on_map, reference, TOLERANCE[dtype])
+
+
+def test_partition_and_merge_gradients_are_gathers(deterministic_algorithms):
+    """The gradient of partition is merge and that of merge is partition, exactly (no
+    index_add_ scatter: deterministic mode allows them on every device)."""
+    grid = GRIDS[0]
+    x = torch.randn(2, grid.height * grid.width, 5, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2 * grid.num_windows, grid.tokens, 5, dtype=torch.float64)
+    grid.partition(x).backward(g)
+    assert torch.equal(x.grad, grid.merge(g))
+    w = g.clone().requires_grad_()
+    grid.merge(w).backward(x.detach())
+    assert torch.equal(w.grad, grid.partition(x.detach()))
+    assert torch.autograd.gradcheck(lambda t: grid.merge(grid.partition(t) * 2.0), (x,))

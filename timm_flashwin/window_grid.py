@@ -17,8 +17,8 @@ from typing import Dict, Tuple
 
 import torch
 
-#: (grid, device) -> (token_map (nW, N) int32, its inverse (H*W,) int64)
-_MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
+#: (grid, device) -> (token_map (nW, N) int32, the same flat as int64, its inverse (H*W,) int64)
+_MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _pair(name: str, value, minimum: int) -> Tuple[int, int]:
@@ -76,16 +76,19 @@ class WindowGrid:
         return (self.num_windows, self.width // self.window[1], self.height, self.width, *self.shift)
 
     def partition(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, H*W, C) -> (B*nW, N, C): timm's roll by -shift and window partition (a gather)."""
-        index = self._maps(x.device)[0].view(-1)
-        return x.index_select(1, index).view(-1, self.tokens, x.shape[-1])
+        """(B, H*W, C) -> (B*nW, N, C): timm's roll by -shift and window partition (a gather;
+        its gradient a gather too)."""
+        _, index, inverse = self._maps(x.device)
+        return _PermuteRows.apply(x, index, inverse).view(-1, self.tokens, x.shape[-1])
 
     def merge(self, windows: torch.Tensor) -> torch.Tensor:
-        """(B*nW, N, C) -> (B, H*W, C): timm's window merge and roll by +shift (a gather)."""
-        inverse = self._maps(windows.device)[1]
-        return windows.reshape(-1, self.num_windows * self.tokens, windows.shape[-1]).index_select(1, inverse)
+        """(B*nW, N, C) -> (B, H*W, C): timm's window merge and roll by +shift (a gather;
+        its gradient a gather too)."""
+        _, index, inverse = self._maps(windows.device)
+        rows = windows.reshape(-1, self.num_windows * self.tokens, windows.shape[-1])
+        return _PermuteRows.apply(rows, inverse, index)
 
-    def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         key = (self, device)
         maps = _MAPS.get(key)
         if maps is None:
@@ -94,12 +97,28 @@ class WindowGrid:
                 _MAPS[key] = maps
         return maps
 
-    def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         (wh, ww), (sh, sw) = self.window, self.shift
         # shifted position p reads the map at (p + shift) mod size, as torch.roll(x, -shift) does
         y = (torch.arange(self.height, device=device) + sh) % self.height
         x = (torch.arange(self.width, device=device) + sw) % self.width
         rows = (y[:, None] * self.width + x[None, :])  # (H, W): map row of each shifted position
         rows = rows.view(self.height // wh, wh, self.width // ww, ww).permute(0, 2, 1, 3)
-        token_map = rows.reshape(self.num_windows, self.tokens).to(torch.int32).contiguous()
-        return token_map, torch.argsort(token_map.view(-1).long())
+        index = rows.reshape(-1).contiguous()
+        return index.view(self.num_windows, self.tokens).to(torch.int32), index, torch.argsort(index)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x.index_select(1, index) for a permutation ``index`` of x's rows, whose gradient is
+    the gather by its ``inverse``: index_select's own backward adds into zeros with
+    index_add_, which on CUDA adds atomically (its order varies) and which
+    ``torch.use_deterministic_algorithms(True)`` refuses."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.inverse = inverse
+        return x.index_select(1, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.index_select(1, ctx.inverse), None, None
