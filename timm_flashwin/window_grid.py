@@ -17,8 +17,9 @@ from typing import Dict, Tuple
 
 import torch
 
-#: (grid, device) -> (token_map (nW, N) int32, the same flat as int64, its inverse (H*W,) int64)
-_MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+#: (grid, device) -> (the map rows of the windows' tokens in window order (H*W,) int64, the
+#: inverse permutation (H*W,) int64)
+_MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _pair(name: str, value, minimum: int) -> Tuple[int, int]:
@@ -68,7 +69,7 @@ class WindowGrid:
 
     def token_map(self, device: torch.device) -> torch.Tensor:
         """(nW, N) int32, contiguous: the map row (y * width + x) of each window's tokens."""
-        return self._maps(device)[0]
+        return self._maps(device)[0].view(self.num_windows, self.tokens).to(torch.int32)
 
     def kernel_args(self) -> Tuple[int, int, int, int, int, int]:
         """(nW, windows per map row, H, W, shift_h, shift_w): the kernels' arguments for this
@@ -78,17 +79,17 @@ class WindowGrid:
     def partition(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H*W, C) -> (B*nW, N, C): timm's roll by -shift and window partition (a gather;
         its gradient a gather too)."""
-        _, index, inverse = self._maps(x.device)
+        index, inverse = self._maps(x.device)
         return _PermuteRows.apply(x, index, inverse).view(-1, self.tokens, x.shape[-1])
 
     def merge(self, windows: torch.Tensor) -> torch.Tensor:
         """(B*nW, N, C) -> (B, H*W, C): timm's window merge and roll by +shift (a gather;
         its gradient a gather too)."""
-        _, index, inverse = self._maps(windows.device)
+        index, inverse = self._maps(windows.device)
         rows = windows.reshape(-1, self.num_windows * self.tokens, windows.shape[-1])
         return _PermuteRows.apply(rows, inverse, index)
 
-    def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         key = (self, device)
         maps = _MAPS.get(key)
         if maps is None:
@@ -97,7 +98,7 @@ class WindowGrid:
                 _MAPS[key] = maps
         return maps
 
-    def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         (wh, ww), (sh, sw) = self.window, self.shift
         # shifted position p reads the map at (p + shift) mod size, as torch.roll(x, -shift) does
         y = (torch.arange(self.height, device=device) + sh) % self.height
@@ -105,7 +106,7 @@ class WindowGrid:
         rows = (y[:, None] * self.width + x[None, :])  # (H, W): map row of each shifted position
         rows = rows.view(self.height // wh, wh, self.width // ww, ww).permute(0, 2, 1, 3)
         index = rows.reshape(-1).contiguous()
-        return index.view(self.num_windows, self.tokens).to(torch.int32), index, torch.argsort(index)
+        return index, torch.argsort(index)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -116,9 +117,10 @@ class _PermuteRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.inverse = inverse
+        ctx.save_for_backward(inverse)
         return x.index_select(1, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.index_select(1, ctx.inverse), None, None
+        inverse, = ctx.saved_tensors
+        return grad.index_select(1, inverse), None, None
