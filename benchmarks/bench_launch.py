@@ -22,7 +22,7 @@ from common import host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import window_attention  # noqa: E402
 from timm_flashwin.kernels import fast_launch  # noqa: E402
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
-from timm_flashwin.op import _direct_launches  # noqa: E402
+from timm_flashwin.dispatch import direct_launches  # noqa: E402
 
 #: name: (windows, heads, N, head_dim, mask windows)
 CASES = {"w7": (16, 3, 49, 32, 4), "w24": (4, 4, 576, 32, 4)}
@@ -58,7 +58,7 @@ def kernel_launch_times(calls: int) -> dict:
     inputs = op_inputs(*CASES["w7"], cosine=False, grad=False)
     window_attention_fwd_kernel.run = spy
     try:
-        with torch.no_grad(), _direct_launches():
+        with torch.no_grad(), direct_launches():
             fast_launch.ENABLED = False
             window_attention(**inputs)
     finally:

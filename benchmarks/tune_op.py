@@ -24,7 +24,7 @@ from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
 from timm_flashwin.kernels.launch import (attention_backward, attention_forward, dq_by_atomic_adds,  # noqa: E402
                                           reads_mask_apart)
-from timm_flashwin.op import _direct_launches  # noqa: E402
+from timm_flashwin.dispatch import direct_launches  # noqa: E402
 
 
 def _compiled(kernel) -> Dict:
@@ -199,7 +199,7 @@ def main() -> None:
                                                         bias_grad, scale_grad)
 
                 def fn(launch=launch):
-                    with _direct_launches():  # as in eager use: launch options include the register cap
+                    with direct_launches():  # as in eager use: launch options include the register cap
                         return launch()
                 fn()
                 torch.cuda.synchronize()

@@ -26,7 +26,7 @@ from timm_flashwin.kernels import backward, config
 from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel
 from timm_flashwin.kernels.launch import compiler_options, folds_mask, launch_options
-from timm_flashwin.op import _direct_launches
+from timm_flashwin.dispatch import direct_launches
 
 TARGET = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -106,7 +106,7 @@ def build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchCon
           bias_dtype: torch.dtype = torch.float32) -> None:
     types, constexprs, attrs = as_launched(kernel, signature(kernel, dtype, constexprs, bias_dtype), constexprs)
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs)
-    with _direct_launches():  # the options of an eager launch: the register cap included
+    with direct_launches():  # the options of an eager launch: the register cap included
         options = launch_options(launch, constexprs.get("HAS_DROPOUT", False))
     _report(kernel, triton.compile(source, target=TARGET, options=options))
 
@@ -123,7 +123,7 @@ def build_bias_copy() -> None:
     source = ASTSource(fn=float16_bias_copy_kernel, signature=types,
                        constexprs=dict(HAS_BIAS=True, HAS_MASK=True, BLOCK=1024),
                        attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
-    with _direct_launches():
+    with direct_launches():
         options = compiler_options()
     _report(float16_bias_copy_kernel, triton.compile(source, target=TARGET, options=options))
 

@@ -687,7 +687,7 @@ def test_eager_path_equals_the_operator(cosine, monkeypatch):
     monkeypatch.setattr(op, "window_attention_fwd", lambda *a: ops_called.append(1) or real_op(*a))
     eager = forward_backward(window_attention, case)
     assert not ops_called
-    monkeypatch.setattr(op, "_dispatch_free", lambda qkv: False)
+    monkeypatch.setattr(op, "dispatch_free", lambda qkv: False)
     dispatched = forward_backward(window_attention, case)
     assert ops_called
     assert all(torch.equal(a, b) for a, b in zip(eager, dispatched))
@@ -726,12 +726,12 @@ def test_fake_tensors_take_the_operator():
     """Under FakeTensorMode (shape propagation, memory estimates) the registered
     operator's fake implementation answers; no kernel runs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from timm_flashwin.op import _dispatch_free
+    from timm_flashwin.dispatch import dispatch_free
     case = make_case(4, 2, 3, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
-    assert _dispatch_free(case.qkv)
+    assert dispatch_free(case.qkv)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         qkv = mode.from_tensor(case.qkv)
-        assert not _dispatch_free(qkv)
+        assert not dispatch_free(qkv)
         out = window_attention(qkv, 3, bias=mode.from_tensor(case.bias), mask=mode.from_tensor(case.mask),
                                logit_scale=mode.from_tensor(case.logit_scale))
     assert out.shape == (4, 16, 48)

@@ -124,7 +124,7 @@ def test_eager_gather_skips_the_operator_dispatch(as_parameter, monkeypatch):
     results = []
     for dispatched in (False, True):
         if dispatched:
-            monkeypatch.setattr(position_bias, "_dispatch_free", lambda t: False)
+            monkeypatch.setattr(position_bias, "dispatch_free", lambda t: False)
         table = torch.nn.Parameter(values.clone()) if as_parameter else values.clone().requires_grad_()
         bias = gather_position_bias(table, index)
         assert bool(ops_called) == dispatched
@@ -208,7 +208,7 @@ def test_sigmoid_scale_matches_float64(dtype, dispatched, monkeypatch):
     in its row."""
     from timm_flashwin import position_bias
     if dispatched:
-        monkeypatch.setattr(position_bias, "_dispatch_free", lambda t: False)
+        monkeypatch.setattr(position_bias, "dispatch_free", lambda t: False)
     g = torch.Generator().manual_seed(3)
     index = relative_position_index(8, 8).to(KERNEL_DEVICE)
     values = 4 * torch.randn(225, 6, generator=g)

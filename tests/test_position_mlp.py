@@ -39,7 +39,7 @@ def test_table_and_weight_gradients_match_float64(rows, hidden, heads, dtype, di
     partial sums the backward adds up (700 rows)."""
     from timm_flashwin import position_mlp
     if dispatched:
-        monkeypatch.setattr(position_mlp, "_dispatch_free", lambda t: False)
+        monkeypatch.setattr(position_mlp, "dispatch_free", lambda t: False)
     coords, w1, b1, w2 = (t.to(KERNEL_DEVICE) for t in _mlp_inputs(rows, hidden, heads, dtype))
     params = [t.clone().requires_grad_() for t in (w1, b1, w2)]
     table = position_mlp_table(coords, *params)

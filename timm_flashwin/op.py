@@ -11,20 +11,18 @@ math with PyTorch autograd, with the same semantics.
 """
 from __future__ import annotations
 
-import contextlib
 from numbers import Real
 from typing import Optional, Tuple
 
 import torch
 
+from .dispatch import KERNEL_DTYPES, direct_launches, dispatch_free, register_op, uses_kernels
 from .kernels import config
 from .kernels.launch import (attention_backward, attention_forward, maps_windows, mask_regions_shapes,
                              mask_regions_used, softmax_stats_shape)
 from .reference import window_attention_reference
 from .window_grid import WindowGrid
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_NAMESPACE = "timm_flashwin"
 
 
 # --------------------------------------------------------------------------- operators
@@ -84,20 +82,8 @@ def _backward_fake(grad_out, qkv, out, stats, regions, mask_info, bias, mask, lo
     return qkv.new_empty(qkv.shape), dbias, dscale
 
 
-def _register(name: str, impl, fake):
-    """triton_op lets torch.compile see the Triton kernels; the interpreter's kernels are
-    plain Python functions that cannot be traced, so there (and on torch < 2.6) the op
-    is an opaque custom_op with an explicit fake."""
-    qualname = f"{_NAMESPACE}::{name}"
-    if hasattr(torch.library, "triton_op") and not config.INTERPRET:
-        return torch.library.triton_op(qualname, impl, mutates_args=())
-    op = torch.library.custom_op(qualname, impl, mutates_args=())
-    op.register_fake(fake)
-    return op
-
-
-window_attention_fwd = _register("window_attention_fwd", _forward_impl, _forward_fake)
-window_attention_bwd = _register("window_attention_bwd", _backward_impl, _backward_fake)
+window_attention_fwd = register_op("window_attention_fwd", _forward_impl, _forward_fake)
+window_attention_bwd = register_op("window_attention_bwd", _backward_impl, _backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -142,17 +128,6 @@ def _input_grads(backward_op, ctx, grad_out, *layout):
 window_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-_set_wrap_triton_enabled = getattr(getattr(torch._library, "triton", None), "set_wrap_triton_enabled", None)
-
-
-def _direct_launches():
-    """Launch the kernels as they are, not through wrap_triton's higher-order op, which
-    only tracing needs (a triton_op's eager call does the same). Measured on an H100
-    (benchmarks/bench_host.py): left on, a patched swin_tiny attention module's forward
-    took 780 to 920 us of host time, against 270 to 360 us through the operator."""
-    return _set_wrap_triton_enabled(False) if _set_wrap_triton_enabled is not None else contextlib.nullcontext()
-
-
 class _EagerWindowAttention(torch.autograd.Function):
     """The operator's forward and backward without the operator dispatch around them.
 
@@ -161,7 +136,7 @@ class _EagerWindowAttention(torch.autograd.Function):
     and eager training steps of the tiny models are bound by host time
     (benchmarks/RESULTS.md). benchmarks/bench_dispatch.py, kernels stubbed out, on a CPU:
     forward + backward 440 -> 236 us per call. torch.compile, fake tensors and tensor
-    subclasses still get the registered operators (``_dispatch_free``).
+    subclasses still get the registered operators (``dispatch.dispatch_free``).
 
     Its inputs are the operator's and the ``WindowGrid`` of the feature-map layout (None for
     the partitioned one), which only these eager launches take (``window_attention(...,
@@ -170,7 +145,7 @@ class _EagerWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        with _direct_launches():
+        with direct_launches():
             output = attention_forward(*inputs)
         _setup_context(ctx, inputs, output)
         ctx.grid = inputs[10]
@@ -179,34 +154,15 @@ class _EagerWindowAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
-        with _direct_launches():
+        with direct_launches():
             return _input_grads(attention_backward, ctx, grad_out, ctx.grid)
 
 
 def _eager_forward_without_grad(*inputs):
     """The forward where nothing takes a gradient (``save_stats`` False), launched directly;
     the inputs are ``_EagerWindowAttention``'s."""
-    with _direct_launches():
+    with direct_launches():
         return attention_forward(*inputs)
-
-
-#: Tensor types that dispatch as plain tensors: nn.Parameter disables __torch_function__
-#: (a Swin V1 bias table is one; taking it for a subclass sent every eager call of the
-#: bias gather through the operator dispatch: 0.75 ms of host time per layer and training
-#: step of swin_tiny on an H100, benchmarks/bench_host.py --profile).
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def _dispatch_free(qkv: torch.Tensor) -> bool:
-    """Whether the op can skip the operator dispatch: eager mode on plain tensors (or
-    parameters), with no torch.compile tracing and no dispatch mode (FakeTensorMode, ...)
-    in effect."""
-    if _set_wrap_triton_enabled is None and hasattr(torch.library, "wrap_triton"):
-        return False  # a torch whose wrap_triton cannot be switched off
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or type(qkv) not in _PLAIN_TENSOR_TYPES:
-        return False
-    dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    return dispatch_modes is not None and dispatch_modes() == 0
 
 
 # --------------------------------------------------------------------------- validation
@@ -234,7 +190,7 @@ def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=No
     if qkv.dim() != 3:
         _fail(ValueError, "qkv", "a 3-D tensor (B_, N, 3*H*D)" if grid is None else "a 3-D tensor (B, H*W, 3*H*D)",
               f"shape {tuple(qkv.shape)}")
-    if qkv.dtype not in _KERNEL_DTYPES + (torch.float64,):
+    if qkv.dtype not in KERNEL_DTYPES + (torch.float64,):
         _fail(TypeError, "qkv", "float16, bfloat16, float32 or float64", qkv.dtype)
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         _fail(ValueError, "num_heads", "a positive int", repr(num_heads))
@@ -279,14 +235,6 @@ def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=No
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real) or not 0.0 <= dropout_p < 1.0:
         _fail(ValueError, "dropout_p", "a float in [0, 1)", repr(dropout_p))
     return num_windows, n, head_dim
-
-
-def uses_kernels(qkv: torch.Tensor) -> bool:
-    """Whether ``window_attention`` runs the Triton kernels for this input (else PyTorch)."""
-    if qkv.dtype not in _KERNEL_DTYPES:
-        return False
-    # is_cuda, not device.type: no torch.device built per call (host time of eager calls)
-    return qkv.is_cuda or (config.INTERPRET and qkv.device.type == "cpu")
 
 
 # --------------------------------------------------------------------------- public op
@@ -346,7 +294,7 @@ def window_attention(
     # score, 3 to 6% of that forward (H200, seventh session).
     save_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (qkv, bias, logit_scale))
-    if grid is not None and not (uses_kernels(qkv) and _dispatch_free(qkv)
+    if grid is not None and not (uses_kernels(qkv) and dispatch_free(qkv)
                                  and maps_windows(n, head_dim, qkv.dtype, logit_scale is not None, save_stats)):
         windows = window_attention(grid.partition(qkv), num_heads, bias=bias, mask=mask, scale=scale,
                                    logit_scale=logit_scale, dropout_p=dropout_p)
@@ -362,7 +310,7 @@ def window_attention(
     seed = draw_dropout_seed(qkv.device) if dropout_p > 0 else None
     inputs = (qkv, num_heads, bias, mask, logit_scale, float(scale) if scale is not None else 1.0,
               logit_scale is not None, dropout_p, seed, save_stats)
-    if not _dispatch_free(qkv):
+    if not dispatch_free(qkv):
         return window_attention_fwd(*inputs)[0]
     if save_stats:
         return _EagerWindowAttention.apply(*inputs, grid)[0]

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from .kernels.launch import kept_on, relative_bias_gather, relative_bias_table_grad
-from .op import _direct_launches, _dispatch_free, _register, uses_kernels
+from .dispatch import direct_launches, dispatch_free, register_op, uses_kernels
 
 
 def _sorted_pairs(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -80,14 +80,14 @@ class _GatherFromTable(torch.autograd.Function):
         ctx.rows, ctx.num_rows, ctx.table_dtype, ctx.sigmoid_scale = rows, table.shape[0], table.dtype, sigmoid_scale
         if sigmoid_scale:
             ctx.save_for_backward(table)
-        with _direct_launches():
+        with direct_launches():
             return relative_bias_gather(table, index, sigmoid_scale)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         table = ctx.saved_tensors[0] if ctx.sigmoid_scale else None
-        with _direct_launches():
+        with direct_launches():
             dtable = relative_bias_table_grad(grad, ctx.rows.order, ctx.rows.offsets, ctx.num_rows, ctx.table_dtype,
                                               table=table, sigmoid_scale=ctx.sigmoid_scale)
         return dtable, None, None, None
@@ -117,8 +117,8 @@ def _table_grad_fake(grad, table, index, order, offsets, sigmoid_scale):
     return table.new_empty(table.shape)
 
 
-gather_position_bias_op = _register("gather_position_bias", _gather_impl, _gather_fake)
-position_bias_table_grad_op = _register("position_bias_table_grad", _table_grad_impl, _table_grad_fake)
+gather_position_bias_op = register_op("gather_position_bias", _gather_impl, _gather_fake)
+position_bias_table_grad_op = register_op("position_bias_table_grad", _table_grad_impl, _table_grad_fake)
 
 
 def _gather_setup_context(ctx, inputs, output):
@@ -167,19 +167,19 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
     if uses_kernels(table):
         grad = table.requires_grad and torch.is_grad_enabled()
         if grad:
-            if _dispatch_free(table):
+            if dispatch_free(table):
                 return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]), scale)
             if constant_index and torch.compiler.is_compiling():
                 order, offsets = _traced_table_rows(index, table.shape[0])
             else:
                 order, offsets = _sorted_pairs(index, table.shape[0])
             return gather_position_bias_op(table, index, order, offsets, scale)
-        if _dispatch_free(table):
+        if dispatch_free(table):
             # Without a gradient too: PyTorch's indexing took 201 us for a window of 24x24
             # (its vectorized_gather_kernel, H200, benchmarks/profile_op.py --forward), the
             # kernel 4 us. TableRows.of checks the index's range, once per index tensor.
             TableRows.of(index, table.shape[0])
-            with _direct_launches():
+            with direct_launches():
                 return relative_bias_gather(table, index, scale)
         if not torch.compiler.is_compiling():
             # under a dispatch mode or for a tensor subclass, the operator: its kernel gives

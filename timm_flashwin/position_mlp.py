@@ -20,7 +20,7 @@ from torch import nn
 
 from .hooks import runs_hooks
 from .kernels.launch import position_mlp_grads, position_mlp_table as _launch_table, split_position_mlp_grads
-from .op import _PLAIN_TENSOR_TYPES, _direct_launches, _dispatch_free, _register, uses_kernels
+from .dispatch import PLAIN_TENSOR_TYPES, direct_launches, dispatch_free, register_op, uses_kernels
 
 
 def _weight_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
@@ -36,13 +36,13 @@ class _PositionMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(coords, w1, b1, w2)
-        with _direct_launches():
+        with direct_launches():
             return _launch_table(coords, w1, b1, w2)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        with _direct_launches():
+        with direct_launches():
             return (None, *_weight_grads(grad, *ctx.saved_tensors, position_mlp_grads))
 
 
@@ -55,8 +55,8 @@ def _grads_fake(grad, coords, w1, b1, w2):
     return coords.new_empty(((3 + w2.shape[0]) * w1.shape[0],), dtype=torch.float32)
 
 
-position_mlp_table_op = _register("position_mlp_table", _launch_table, _table_fake)
-position_mlp_grads_op = _register("position_mlp_grads", position_mlp_grads, _grads_fake)
+position_mlp_table_op = register_op("position_mlp_table", _launch_table, _table_fake)
+position_mlp_grads_op = register_op("position_mlp_grads", position_mlp_grads, _grads_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -89,11 +89,11 @@ def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
             raise ValueError(f"position_mlp_table: `{name}` must be on coords' device {coords.device}, got {t.device}")
     if uses_kernels(coords) and all(uses_kernels(t) for t in (w1, b1, w2)) and not coords.requires_grad:
         # the weights are checked too: tensor subclasses (a DTensor weight) take the operator
-        if not (_dispatch_free(coords) and all(type(t) in _PLAIN_TENSOR_TYPES for t in (w1, b1, w2))):
+        if not (dispatch_free(coords) and all(type(t) in PLAIN_TENSOR_TYPES for t in (w1, b1, w2))):
             return position_mlp_table_op(coords, w1, b1, w2)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (w1, b1, w2)):
             return _PositionMLP.apply(coords, w1, b1, w2)
-        with _direct_launches():
+        with direct_launches():
             return _launch_table(coords, w1, b1, w2)
     return F.linear(F.relu(F.linear(coords, w1, b1)), w2)
 

@@ -1,0 +1,71 @@
+"""How a call reaches the kernels: registered operators, or, in eager mode, the kernels
+launched directly.
+
+Every public function of this package has two roads to its Triton kernels. Under
+torch.compile, a dispatch mode (FakeTensorMode, selective checkpointing, ...) or for a
+tensor subclass, it calls operators registered with ``torch.library`` (``register_op``),
+which those can see and trace. In plain eager mode on plain tensors (``dispatch_free``)
+it skips that dispatch and launches the kernels itself (``direct_launches``): eager
+training steps of the tiny models are bound by host time (benchmarks/RESULTS.md). Tensors
+the kernels do not take (``uses_kernels``: plain CPU tensors, float64) take PyTorch's
+expressions instead.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .kernels import config
+
+#: the dtypes the kernels take; float64 runs in PyTorch
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: the torch.library namespace of the registered operators
+NAMESPACE = "timm_flashwin"
+#: Tensor types that dispatch as plain tensors: nn.Parameter disables __torch_function__
+#: (a Swin V1 bias table is one; taking it for a subclass sent every eager call of the
+#: bias gather through the operator dispatch: 0.75 ms of host time per layer and training
+#: step of swin_tiny on an H100, benchmarks/bench_host.py --profile).
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+_set_wrap_triton_enabled = getattr(getattr(torch._library, "triton", None), "set_wrap_triton_enabled", None)
+
+
+def register_op(name: str, impl, fake):
+    """``NAMESPACE::name`` running ``impl``. triton_op lets torch.compile see the Triton
+    kernels; the interpreter's kernels are plain Python functions that cannot be traced,
+    so there (and on torch < 2.6) the op is an opaque custom_op with an explicit fake."""
+    qualname = f"{NAMESPACE}::{name}"
+    if hasattr(torch.library, "triton_op") and not config.INTERPRET:
+        return torch.library.triton_op(qualname, impl, mutates_args=())
+    op = torch.library.custom_op(qualname, impl, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+def direct_launches():
+    """Launch the kernels as they are, not through wrap_triton's higher-order op, which
+    only tracing needs (a triton_op's eager call does the same). Measured on an H100
+    (benchmarks/bench_host.py): left on, a patched swin_tiny attention module's forward
+    took 780 to 920 us of host time, against 270 to 360 us through the operator."""
+    return _set_wrap_triton_enabled(False) if _set_wrap_triton_enabled is not None else contextlib.nullcontext()
+
+
+def dispatch_free(tensor: torch.Tensor) -> bool:
+    """Whether a call on ``tensor`` can skip the operator dispatch: eager mode on a plain
+    tensor (or parameter), with no torch.compile tracing and no dispatch mode
+    (FakeTensorMode, ...) in effect."""
+    if _set_wrap_triton_enabled is None and hasattr(torch.library, "wrap_triton"):
+        return False  # a torch whose wrap_triton cannot be switched off
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or type(tensor) not in PLAIN_TENSOR_TYPES:
+        return False
+    dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return dispatch_modes is not None and dispatch_modes() == 0
+
+
+def uses_kernels(tensor: torch.Tensor) -> bool:
+    """Whether the kernels take this tensor (else PyTorch computes)."""
+    if tensor.dtype not in KERNEL_DTYPES:
+        return False
+    # is_cuda, not device.type: no torch.device built per call (host time of eager calls)
+    return tensor.is_cuda or (config.INTERPRET and tensor.device.type == "cpu")
