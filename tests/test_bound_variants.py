@@ -1,6 +1,8 @@
 """The bound variants of benchmarks/profile_step.py compute what their docstrings say: every
 attention module (``attention-free``) or every block's window path (``window-free``)
-reduced to proj(qkv(x)[..., :C]), and only that. RESULTS.md's bounds are as good as these."""
+reduced to proj(qkv(x)[..., :C]), and only that. RESULTS.md's bounds are as good as these.
+The ``flashwin-gathered-bias`` variant computes the patched model's values with the bias
+gathered apart."""
 import copy
 import os
 import sys
@@ -10,8 +12,9 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from profile_step import WINDOW_METHODS, attention_free, window_free  # noqa: E402
+from profile_step import WINDOW_METHODS, _gathered_bias, attention_free, window_free  # noqa: E402
 
+from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 
 # small members of each family: two stages, shifted and unshifted blocks
@@ -59,3 +62,29 @@ def test_attention_free_modules_project_the_windows(family):
     for attn in attns:
         x = torch.randn(3, 5, attn.proj.in_features)
         torch.testing.assert_close(attn(x), _projections(attn, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["swin", "swinv2"])
+def test_gathered_bias_variant_gathers_apart_with_the_same_values(family):
+    torch.manual_seed(0)
+    model = patch_model(MODELS[family]()).train()
+    x = torch.randn(1, 3, SIZES[family], SIZES[family])
+    results = {}
+
+    def step(name):
+        def run():
+            out = model(x)
+            seen, stack = set(), [out.grad_fn]
+            while stack:  # every node of the graph
+                node = stack.pop()
+                if node is not None and node not in seen:
+                    seen.add(node)
+                    stack.extend(fn for fn, _ in node.next_functions)
+            results[name] = out.detach(), {type(node).__name__ for node in seen}
+        return run
+
+    step("within")()
+    _gathered_bias(step("apart"))()
+    torch.testing.assert_close(results["apart"][0], results["within"][0], rtol=0, atol=0)
+    assert "_GatherFromTableBackward" in results["apart"][1]
+    assert "_GatherFromTableBackward" not in results["within"][1]

@@ -262,6 +262,32 @@ def test_blocks_read_their_windows_from_the_map_until_unpatched(monkeypatch):
     assert [type(b) for b in blocks] == [SWIN_V1_BLOCK] * 4 and is_patched(ours)
 
 
+def _autograd_nodes(out: torch.Tensor) -> list:
+    """Names of the nodes of ``out``'s autograd graph."""
+    seen, stack, names = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("swin_tiny_patch4_window7_224", dict(img_size=56, depths=(2, 2), num_heads=(2, 4), embed_dim=32)),
+    ("swinv2_tiny_window8_256", dict(img_size=64, depths=(2, 2), num_heads=(2, 4), embed_dim=32)),
+], ids=["swin", "swinv2"])
+def test_training_gathers_the_position_bias_within_the_op(name, kwargs):
+    """V1 and SwinV2 modules hand the op their bias table (``TableBias``): in eager training
+    one autograd node per attention, none for a gather of its own."""
+    model = patch_model(create(name, **kwargs)).train()
+    nodes = _autograd_nodes(model(images(1, (kwargs["img_size"],) * 2)))
+    assert nodes.count("_EagerWindowAttentionBackward") == 4
+    assert "_GatherFromTableBackward" not in nodes and "IndexBackward0" not in nodes
+
+
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_padded_maps_and_dynamic_masks(train, monkeypatch):
     """dynamic_img_size: every block builds its mask per call (timm's dynamic_mask). At 84

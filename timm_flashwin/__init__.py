@@ -7,6 +7,7 @@
         ...
 """
 from .op import window_attention
+from .position_bias import TableBias
 from .patching import (ModuleStatus, PatchError, PatchReport, is_patched, patch_model, patch_report, patched,
                        unpatch_model)
 from .reference import window_attention_reference
@@ -18,6 +19,7 @@ __all__ = [
     "ModuleStatus",
     "PatchError",
     "PatchReport",
+    "TableBias",
     "WindowGrid",
     "is_patched",
     "patch_model",

@@ -12,7 +12,7 @@ math with PyTorch autograd, with the same semantics.
 from __future__ import annotations
 
 from numbers import Real
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -20,6 +20,7 @@ from .dispatch import KERNEL_DTYPES, direct_launches, dispatch_free, register_op
 from .kernels import config
 from .kernels.launch import (attention_backward, attention_forward, maps_windows, mask_regions_shapes,
                              mask_regions_used, softmax_stats_shape)
+from .position_bias import TableBias, TableGather
 from .reference import window_attention_reference
 from .window_grid import WindowGrid
 
@@ -86,43 +87,53 @@ window_attention_fwd = register_op("window_attention_fwd", _forward_impl, _forwa
 window_attention_bwd = register_op("window_attention_bwd", _backward_impl, _backward_fake)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output, *also_saved):
     qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed = inputs[:9]
     out, stats, regions, mask_info = output
     ctx.mark_non_differentiable(stats, regions, mask_info)
     # the backward takes no gradients of those three: not materialized, autograd launches
     # no fill kernels of zeros for them (launch.attention_backward has the measurement)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed)
+    ctx.save_for_backward(qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed, *also_saved)
     ctx.num_heads, ctx.scale, ctx.cosine, ctx.dropout_p = num_heads, scale, cosine, dropout_p
 
 
 def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
-    return _input_grads(window_attention_bwd, ctx, grad_out)
+    saved = ctx.saved_tensors
+    dqkv, dbias, dscale = _backward_outputs(window_attention_bwd, ctx, saved, grad_out)
+    return _input_grads(ctx, dqkv, dbias.to(saved[5].dtype) if dbias is not None else None, dscale)
 
 
-def _input_grads(backward_op, ctx, grad_out, *layout):
-    """The gradients of the forward's inputs, with ``backward_op`` (the registered op, or
-    its implementation in eager mode, which also takes the forward's ``WindowGrid``, in
-    ``layout``) computing them."""
-    qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed = ctx.saved_tensors
+def _backward_outputs(backward_op, ctx, saved, grad_out, *layout):
+    """(dqkv, dbias or None, d(logit_scale) in its dtype or None) with ``backward_op`` (the
+    registered op, or its implementation in eager mode, which also takes the forward's
+    ``WindowGrid`` and ``sum_bias_grad``, in ``layout``); dbias fp32, as the op gives it.
+    ``saved``: ``ctx.saved_tensors``, read once (activation checkpointing unpacks each
+    saved tensor once)."""
+    qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed = saved[:9]
     bias_grad = bias is not None and ctx.needs_input_grad[2]
     scale_grad = logit_scale is not None and ctx.needs_input_grad[4]
     dqkv, dbias, dscale = backward_op(
         grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, ctx.num_heads, ctx.scale,
         ctx.cosine, bias_grad, scale_grad, ctx.dropout_p, seed, *layout)
+    return dqkv, dbias if bias_grad else None, dscale.to(logit_scale.dtype) if scale_grad else None
+
+
+def _input_grads(ctx, dqkv, dbias, dscale, extra_inputs: int = 0):
+    """The gradients of the forward's inputs: the operator's ten and ``extra_inputs`` more
+    that take none."""
     return (
         dqkv,
         None,
-        dbias.to(bias.dtype) if bias_grad else None,
+        dbias,
         None,  # the mask takes no gradient
-        dscale.to(logit_scale.dtype) if scale_grad else None,
+        dscale,
         None,
         None,
         None,
         None,  # nor the dropout seed
         None,  # nor save_stats
-    ) + (None,) * len(layout)  # nor the grid
+    ) + (None,) * extra_inputs
 
 
 window_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -138,31 +149,51 @@ class _EagerWindowAttention(torch.autograd.Function):
     forward + backward 440 -> 236 us per call. torch.compile, fake tensors and tensor
     subclasses still get the registered operators (``dispatch.dispatch_free``).
 
-    Its inputs are the operator's and the ``WindowGrid`` of the feature-map layout (None for
+    Its inputs are the operator's, the ``WindowGrid`` of the feature-map layout (None for
     the partitioned one), which only these eager launches take (``window_attention(...,
-    grid=)``).
+    grid=)``), and a ``TableGather`` where the bias is a ``TableBias``: the bias input is
+    then its table, gathered here, and the table's gradient is summed here from the
+    attention backward's partial bias gradients (one autograd node and two launches, the
+    gather's node and the reduction of the partials, fewer than a gather of its own).
     """
 
     @staticmethod
     def forward(ctx, *inputs):
+        *inputs, grid, table_gather = inputs
+        table = inputs[2] if table_gather is not None else None
         with direct_launches():
-            output = attention_forward(*inputs)
-        _setup_context(ctx, inputs, output)
-        ctx.grid = inputs[10]
+            if table is not None:
+                inputs[2] = table_gather.gather(table)
+            output = attention_forward(*inputs, grid)
+        # the table is kept for the derivative of its sigmoid only
+        _setup_context(ctx, inputs, output, *((table,) if table is not None and table_gather.sigmoid_scale else ()))
+        ctx.grid, ctx.table_gather = grid, table_gather
+        ctx.table_dtype = table.dtype if table is not None else None
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
+        table_gather, saved = ctx.table_gather, ctx.saved_tensors
         with direct_launches():
-            return _input_grads(attention_backward, ctx, grad_out, ctx.grid)
+            dqkv, dbias, dscale = _backward_outputs(attention_backward, ctx, saved, grad_out, ctx.grid,
+                                                    table_gather is None)
+            if dbias is not None and table_gather is None:
+                dbias = dbias.to(saved[5].dtype)
+            elif dbias is not None:
+                table = saved[9] if table_gather.sigmoid_scale else None
+                dbias = table_gather.table_grad(dbias, ctx.table_dtype, table)
+        return _input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2)
 
 
 def _eager_forward_without_grad(*inputs):
     """The forward where nothing takes a gradient (``save_stats`` False), launched directly;
     the inputs are ``_EagerWindowAttention``'s."""
+    *inputs, grid, table_gather = inputs
     with direct_launches():
-        return attention_forward(*inputs)
+        if table_gather is not None:
+            inputs[2] = table_gather.gather(inputs[2])
+        return attention_forward(*inputs, grid)
 
 
 # --------------------------------------------------------------------------- validation
@@ -210,7 +241,20 @@ def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=No
         _fail(ValueError, "qkv", f"a token count N in [1, {config.MAX_TOKENS}]", n)
     # Parameters may stay float32 under autocast, or match qkv's dtype.
     param_dtypes = tuple(dict.fromkeys((qkv.dtype, torch.float32)))
-    if bias is not None:
+    if isinstance(bias, TableBias):
+        _check_tensor("bias.table", bias.table, (2,), qkv, param_dtypes)
+        if bias.table.shape[1] != num_heads:
+            _fail(ValueError, "bias.table", f"of shape (T, H) with H = num_heads = {num_heads}",
+                  f"shape {tuple(bias.table.shape)}")
+        index = bias.index
+        if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point or index.dtype.is_complex:
+            _fail(TypeError, "bias.index", "an integer torch.Tensor",
+                  index.dtype if isinstance(index, torch.Tensor) else type(index).__name__)
+        if tuple(index.shape) != (n, n):
+            _fail(ValueError, "bias.index", f"of shape (N, N) = {(n, n)}", f"shape {tuple(index.shape)}")
+        if index.device != qkv.device:
+            _fail(ValueError, "bias.index", f"on qkv's device {qkv.device}", index.device)
+    elif bias is not None:
         _check_tensor("bias", bias, (3, 4), qkv, param_dtypes)
         if tuple(bias.shape[-3:]) != (num_heads, n, n) or (bias.dim() == 4 and bias.shape[0] != 1):
             _fail(ValueError, "bias", f"of shape (H, N, N) = {(num_heads, n, n)} or (1, H, N, N)",
@@ -249,7 +293,7 @@ def window_attention(
     qkv: torch.Tensor,
     num_heads: int,
     *,
-    bias: Optional[torch.Tensor] = None,
+    bias: Union[torch.Tensor, TableBias, None] = None,
     mask: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     logit_scale: Optional[torch.Tensor] = None,
@@ -267,7 +311,10 @@ def window_attention(
             timm's qkv linear produces it; any strides.
         num_heads: H. The head dim D can be anything in [1, 256] (multiples of 8 are
             fastest: rows are then 16-byte aligned); N in [1, 1024].
-        bias: (H, N, N) or (1, H, N, N), qkv's dtype or float32; gets a gradient.
+        bias: (H, N, N) or (1, H, N, N), qkv's dtype or float32; gets a gradient. Or a
+            ``TableBias`` (a table (T, H) of qkv's dtype or float32 and an (N, N) index into
+            it, timm's relative-position bias): the same values, gathered within the op,
+            and the table gets the gradient (in eager mode with one autograd node fewer).
         mask: (nW, N, N) additive float mask (timm's 0/-100, -inf works); B_ % nW == 0.
             Takes no gradient.
         scale: V1 score scale (a Python float).
@@ -292,17 +339,24 @@ def window_attention(
     # Where nothing takes a gradient (inference), the forward saves no softmax statistics:
     # for cosine attention over more than 64 tokens that also skips summing the rows' mean
     # score, 3 to 6% of that forward (H200, seventh session).
+    table_bias = isinstance(bias, TableBias)
     save_stats = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (qkv, bias, logit_scale))
+        t is not None and t.requires_grad for t in (qkv, bias.table if table_bias else bias, logit_scale))
     if grid is not None and not (uses_kernels(qkv) and dispatch_free(qkv)
                                  and maps_windows(n, head_dim, qkv.dtype, logit_scale is not None, save_stats)):
         windows = window_attention(grid.partition(qkv), num_heads, bias=bias, mask=mask, scale=scale,
                                    logit_scale=logit_scale, dropout_p=dropout_p)
         return grid.merge(windows)
+    table_gather = None
+    if table_bias and uses_kernels(qkv) and dispatch_free(qkv) and dispatch_free(bias.table):
+        # gathered, and its table's gradient summed, in the eager path's own node
+        table_gather, bias = TableGather.of(bias), bias.table
+    elif table_bias:
+        bias = bias.dense()
     if not uses_kernels(qkv):
         return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
                                           dropout_p=dropout_p)
-    if bias is not None and bias.dim() == 4:
+    if table_gather is None and bias is not None and bias.dim() == 4:
         bias = bias[0]
     if logit_scale is not None:  # the kernels clamp it at ln 100 and exponentiate it (tiles.head_scale)
         logit_scale = logit_scale.reshape(num_heads).contiguous()  # read as logit_scale_ptr + h
@@ -313,7 +367,7 @@ def window_attention(
     if not dispatch_free(qkv):
         return window_attention_fwd(*inputs)[0]
     if save_stats:
-        return _EagerWindowAttention.apply(*inputs, grid)[0]
+        return _EagerWindowAttention.apply(*inputs, grid, table_gather)[0]
     # nothing can take a gradient: no autograd node, and so no torch.autograd.Function
     # (its apply costs host time, which small eager inference calls are bound by)
-    return _eager_forward_without_grad(*inputs, grid)[0]
+    return _eager_forward_without_grad(*inputs, grid, table_gather)[0]

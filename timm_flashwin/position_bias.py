@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Real
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -138,6 +138,19 @@ gather_position_bias_op.register_autograd(_gather_backward, setup_context=_gathe
 
 
 # ----------------------------------------------------------------------- public function
+def _check_table_index(table: torch.Tensor, index: torch.Tensor, sigmoid_scale: Optional[float]) -> None:
+    if not isinstance(index, torch.Tensor) or index.dim() != 2 or index.shape[0] != index.shape[1]:
+        raise ValueError(f"gather_position_bias: `index` must be of shape (N, N), got "
+                         f"{tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__}")
+    if not isinstance(table, torch.Tensor) or table.dim() != 2:
+        raise ValueError(f"gather_position_bias: `table` must be of shape (rows, heads), got "
+                         f"{tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__}")
+    if sigmoid_scale is not None and (isinstance(sigmoid_scale, bool) or not isinstance(sigmoid_scale, Real)
+                                      or not math.isfinite(sigmoid_scale) or sigmoid_scale == 0):
+        raise ValueError(f"gather_position_bias: `sigmoid_scale` must be None or a finite nonzero float, "
+                         f"got {sigmoid_scale!r}")
+
+
 def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_index: bool = False,
                          sigmoid_scale: Optional[float] = None) -> torch.Tensor:
     """(H, N, N) contiguous bias ``table[index]`` from a table (T, H) and an index (N, N)
@@ -155,14 +168,7 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
     The index's range is checked in eager mode (once per index tensor, a host
     synchronization); under torch.compile and dispatch modes it is not: the kernels read
     the rows it names."""
-    if index.dim() != 2 or index.shape[0] != index.shape[1]:
-        raise ValueError(f"gather_position_bias: `index` must be of shape (N, N), got {tuple(index.shape)}")
-    if table.dim() != 2:
-        raise ValueError(f"gather_position_bias: `table` must be of shape (rows, heads), got {tuple(table.shape)}")
-    if sigmoid_scale is not None and (isinstance(sigmoid_scale, bool) or not isinstance(sigmoid_scale, Real)
-                                      or not math.isfinite(sigmoid_scale) or sigmoid_scale == 0):
-        raise ValueError(f"gather_position_bias: `sigmoid_scale` must be None or a finite nonzero float, "
-                         f"got {sigmoid_scale!r}")
+    _check_table_index(table, index, sigmoid_scale)
     scale = float(sigmoid_scale) if sigmoid_scale is not None else 0.0  # 0: no sigmoid (the kernels' switch)
     if uses_kernels(table):
         grad = table.requires_grad and torch.is_grad_enabled()
@@ -189,3 +195,61 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
     n = index.shape[0]
     bias = table[index.reshape(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
     return scale * torch.sigmoid(bias) if scale else bias
+
+
+# -------------------------------------------------------- the bias as the op takes it
+class TableBias(NamedTuple):
+    """A relative-position bias given by its table, for ``window_attention(..., bias=)``:
+    ``table[index]`` (H, N, N), or ``sigmoid_scale * sigmoid(table[index])``, the values
+    ``gather_position_bias(table, index, ...)`` gives (timm's V1 and SwinV2 biases).
+
+    In eager mode the op then gathers it, and sums the table's gradient, within its own
+    autograd node: no node, no launch and no autograd bookkeeping of a gather of its own,
+    and the table gradient's kernel sums the attention backward's partial bias gradients
+    itself (a reduction's launch fewer). Elsewhere (torch.compile, dispatch modes, tensor
+    subclasses, PyTorch's path) the op takes ``dense()``. A NamedTuple: torch.compile
+    traces it as it traces a tuple.
+
+    table: (T, H); index: (N, N) integer table rows; sigmoid_scale: None, or SwinV2's 16;
+    constant_index: as ``gather_position_bias``'s.
+    """
+
+    table: torch.Tensor
+    index: torch.Tensor
+    sigmoid_scale: Optional[float] = None
+    constant_index: bool = False
+
+    def dense(self) -> torch.Tensor:
+        """The (H, N, N) bias, ``gather_position_bias``'s."""
+        return gather_position_bias(self.table, self.index, constant_index=self.constant_index,
+                                    sigmoid_scale=self.sigmoid_scale)
+
+
+@dataclass(frozen=True)
+class TableGather:
+    """How the op's eager autograd node gathers a ``TableBias`` and sums its table's
+    gradient: the index, its pairs sorted by table row (``TableRows``, the index's range
+    checked once) and the sigmoid scale (0: none). Call in ``dispatch.direct_launches()``."""
+
+    index: torch.Tensor
+    rows: TableRows
+    num_rows: int
+    sigmoid_scale: float
+
+    @staticmethod
+    def of(bias: TableBias) -> "TableGather":
+        table, index, scale = bias.table, bias.index, bias.sigmoid_scale
+        _check_table_index(table, index, scale)
+        return TableGather(index, TableRows.of(index, table.shape[0]), table.shape[0],
+                           float(scale) if scale is not None else 0.0)
+
+    def gather(self, table: torch.Tensor) -> torch.Tensor:
+        """The dense bias (H, N, N) in the table's dtype."""
+        return relative_bias_gather(table, self.index, self.sigmoid_scale)
+
+    def table_grad(self, bias_grad: torch.Tensor, dtype: torch.dtype, table: Optional[torch.Tensor]) -> torch.Tensor:
+        """The table's gradient (T, H) in ``dtype`` (the table's) from the bias gradient
+        (H, N, N) or its partial sums (S, H, N, N); ``table`` is read with a sigmoid scale
+        only (the sigmoid's derivative)."""
+        return relative_bias_table_grad(bias_grad, self.rows.order, self.rows.offsets, self.num_rows, dtype,
+                                        table=table, sigmoid_scale=self.sigmoid_scale)

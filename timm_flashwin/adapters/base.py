@@ -4,7 +4,7 @@ the same on the block's unpartitioned feature map (``block_attention``)."""
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..kernels.config import MAX_HEAD_DIM, MAX_TOKENS
 from ..op import window_attention
+from ..position_bias import TableBias
 from ..window_grid import WindowGrid
 
 #: instance attribute of a patched module whose training forward recomputes its qkv
@@ -65,7 +66,9 @@ class WindowAttentionAdapter:
     def qkv(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return module.qkv(x)
 
-    def position_bias(self, module: nn.Module) -> torch.Tensor:
+    def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor]:
+        """The bias as ``window_attention`` takes it: (1, H, N, N) / (H, N, N), or a
+        ``TableBias`` that the op gathers itself."""
         raise NotImplementedError
 
     def score_scale(self, module: nn.Module) -> Dict:
@@ -149,14 +152,19 @@ class WindowAttentionAdapter:
         # getattr, not __dict__: torch.compile guards on the attribute it reads, and recompiles when
         # patch_model changes it
         if getattr(module, RECOMPUTE_QKV_ATTR, False) and torch.is_grad_enabled():
+            # gathered here: inside the checkpoint, under its dispatch mode, the op would
+            # gather it anyway (the eager path's own gather needs no dispatch mode), and
+            # again in the recomputation
+            if isinstance(bias, TableBias):
+                bias = bias.dense()
             out = checkpoint(self._attention, module, x, bias, mask, dropout_p, grid, use_reentrant=False,
                              context_fn=_save_attention_outputs)
         else:
             out = self._attention(module, x, bias, mask, dropout_p, grid)
         return module.proj_drop(module.proj(out))
 
-    def _attention(self, module: nn.Module, x: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor],
-                   dropout_p: float, grid: Optional[WindowGrid] = None) -> torch.Tensor:
+    def _attention(self, module: nn.Module, x: torch.Tensor, bias: Union[TableBias, torch.Tensor],
+                   mask: Optional[torch.Tensor], dropout_p: float, grid: Optional[WindowGrid] = None) -> torch.Tensor:
         """x (B_, N, C) (or (B, H*W, C) with ``grid``) -> the proj input, of the same shape:
         the qkv projection and the op."""
         return window_attention(self.qkv(module, x), self.num_heads(module), bias=bias, mask=mask,
@@ -178,7 +186,8 @@ _save_attention_outputs = functools.partial(create_selective_checkpoint_contexts
 
 
 def inference_cache(module: nn.Module, sources: Sequence[torch.Tensor], compute: Callable[[], torch.Tensor]):
-    """``compute()``, reused across calls while nothing it reads can have changed.
+    """``compute()``, reused across calls while nothing it reads can have changed; a
+    ``TableBias`` is kept gathered (``dense()``), the (H, N, N) bias the kernels read.
 
     Only in inference (no autograd recording, module in eval mode, not under
     torch.compile, which fuses the computation anyway). The key holds the identity,
@@ -196,5 +205,7 @@ def inference_cache(module: nn.Module, sources: Sequence[torch.Tensor], compute:
     if cached is not None and cached[0] == key:
         return cached[1]
     value = compute()
+    if isinstance(value, TableBias):
+        value = value.dense()
     module.__dict__["_flashwin_bias_cache"] = (key, value)
     return value

@@ -1,15 +1,16 @@
 """Swin Transformer V1 (and swin_s3): ``timm.models.swin_transformer.WindowAttention``.
 
 S = scale * Q K^T; the bias is what timm's ``_get_rel_pos_bias()`` computes, a gather from
-relative_position_bias_table ((2Wh-1)(2Ww-1), H) by relative_position_index, through
-``gather_position_bias`` (whose backward sums the table gradient in one kernel).
+relative_position_bias_table ((2Wh-1)(2Ww-1), H) by relative_position_index, handed to
+the op as a ``TableBias`` (gathered within its autograd node in eager mode; its backward
+sums the table gradient in one kernel).
 """
-from typing import Dict, Type
+from typing import Dict, Type, Union
 
 import torch
 from torch import nn
 
-from ..position_bias import gather_position_bias
+from ..position_bias import TableBias
 from .base import WindowAttentionAdapter, inference_cache
 
 
@@ -28,9 +29,9 @@ class SwinAdapter(WindowAttentionAdapter):
         from timm.models.swin_transformer import SwinTransformerBlock
         return SwinTransformerBlock
 
-    def position_bias(self, module: nn.Module) -> torch.Tensor:
+    def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor]:
         table, index = module.relative_position_bias_table, module.relative_position_index
-        return inference_cache(module, (table, index), lambda: gather_position_bias(table, index, constant_index=True))
+        return inference_cache(module, (table, index), lambda: TableBias(table, index, constant_index=True))
 
     def score_scale(self, module: nn.Module) -> Dict:
         return dict(scale=float(module.scale))

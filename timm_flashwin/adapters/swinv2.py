@@ -3,18 +3,18 @@
 S = exp(min(logit_scale, ln 100)) * Q^ K^^T (cosine attention); the bias is
 16 * sigmoid(cpb_mlp(relative_coords_table)[relative_position_index]), as timm computes it:
 timm's cpb_mlp in one kernel (``position_mlp_table``, fp32, where the module is timm's
-Linear -> ReLU -> Linear and the kernels run), the gather and the sigmoid in one more
-(``gather_position_bias(..., sigmoid_scale=16)``; the sigmoid is elementwise, so its place
-does not change the values). The qkv bias is cat(q_bias, k_bias (a zero buffer), v_bias).
+Linear -> ReLU -> Linear and the kernels run), the gather and the sigmoid within the op
+(a ``TableBias`` with sigmoid_scale=16; the sigmoid is elementwise, so its place does not
+change the values). The qkv bias is cat(q_bias, k_bias (a zero buffer), v_bias).
 """
-from typing import Dict, Type
+from typing import Dict, Type, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..op import uses_kernels
-from ..position_bias import gather_position_bias
+from ..position_bias import TableBias
 from ..position_mlp import fusable_cpb_mlp, position_mlp_table
 from .base import WindowAttentionAdapter, inference_cache
 
@@ -47,14 +47,14 @@ class SwinV2Adapter(WindowAttentionAdapter):
             return qkv
         return F.linear(x, weight=module.qkv.weight, bias=qkv_bias)
 
-    def position_bias(self, module: nn.Module) -> torch.Tensor:
-        def compute() -> torch.Tensor:
+    def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor]:
+        def compute() -> TableBias:
             mlp, coords = module.cpb_mlp, module.relative_coords_table
             if uses_kernels(coords) and fusable_cpb_mlp(mlp):
                 table = position_mlp_table(coords.view(-1, 2), mlp[0].weight, mlp[0].bias, mlp[2].weight)
             else:
                 table = mlp(coords).view(-1, module.num_heads)
-            return gather_position_bias(table, module.relative_position_index, constant_index=True, sigmoid_scale=16.0)
+            return TableBias(table, module.relative_position_index, sigmoid_scale=16.0, constant_index=True)
 
         sources = (module.relative_coords_table, module.relative_position_index, *module.cpb_mlp.parameters())
         return inference_cache(module, sources, compute)

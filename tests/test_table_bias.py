@@ -1,0 +1,216 @@
+"""window_attention(..., bias=TableBias(table, index)): the relative-position bias given by
+its table, gathered within the op (interpreter on CPU in CI) against float64, against the
+op given the gathered bias, and the one autograd node it takes in eager mode."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import KERNEL_DEVICE
+from opcases import TOLERANCE, assert_matches_reference, make_case, relative_error
+from test_position_bias import relative_position_index
+from timm_flashwin import TableBias, WindowGrid, window_attention
+from timm_flashwin.kernels.launch import relative_bias_table_grad
+from timm_flashwin.position_bias import TableRows, gather_position_bias
+from timm_flashwin.reference import window_attention_reference
+
+
+def _table_case(window, heads, *, cosine, dtype, windows=4, head_dim=16, seed=0):
+    """(case, table (T, H) float32, index (N, N)): an op case whose bias is ``table[index]``."""
+    n = window[0] * window[1]
+    case = make_case(windows, 2, heads, n, head_dim, cosine=cosine, masked=True, dtype=dtype, device=KERNEL_DEVICE,
+                     seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    table = torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, generator=g).to(KERNEL_DEVICE)
+    return case, table, relative_position_index(*window).to(KERNEL_DEVICE)
+
+
+def _run(case, table, index, sigmoid_scale, *, as_table: bool, grid=None, dtype=None):
+    """[out, d qkv, d table, (d logit_scale)] of the op with the bias given as a TableBias
+    or gathered beforehand (``gather_position_bias``); with ``grid``, on the feature map
+    whose windows are the case's (results partitioned again); ``dtype`` float64: the
+    reference (PyTorch, on the windows)."""
+    reference = dtype == torch.float64
+    qkv = case.qkv.detach().to(dtype or case.qkv.dtype)
+    grad_out = case.grad_out.to(qkv.dtype)
+    on_map = grid is not None and not reference
+    if on_map:
+        qkv, grad_out = grid.merge(qkv), grid.merge(grad_out)
+    qkv.requires_grad_()
+    table = table.detach().to(dtype or table.dtype).requires_grad_()
+    logit_scale = None if case.logit_scale is None else case.logit_scale.detach().to(dtype or torch.float32)
+    if logit_scale is not None:
+        logit_scale.requires_grad_()
+    if reference:
+        dense = table[index.view(-1)].view(*index.shape, -1).permute(2, 0, 1)
+        bias = sigmoid_scale * torch.sigmoid(dense) if sigmoid_scale else dense
+        # the values the kernels read (the sigmoid's in float32), the gradient of the exact ones:
+        # the logit-scale gradient, a sum whose terms cancel, moves with the bias's rounding
+        as_read = gather_position_bias(table.detach().float(), index, sigmoid_scale=sigmoid_scale).double()
+        bias = bias + (as_read - bias).detach()
+        attention = window_attention_reference
+    else:
+        bias = (TableBias(table, index, sigmoid_scale) if as_table
+                else gather_position_bias(table, index, sigmoid_scale=sigmoid_scale))
+        attention = window_attention
+    out = attention(qkv, case.num_heads, bias=bias, mask=case.mask.to(dtype or case.mask.dtype), scale=case.scale,
+                    logit_scale=logit_scale, **(dict(grid=grid) if on_map else {}))
+    out.backward(grad_out)
+    results = [out.detach(), qkv.grad]
+    if on_map:
+        results = [grid.partition(r) for r in results]
+    return results + [table.grad] + ([logit_scale.grad] if logit_scale is not None else [])
+
+
+# V1 (the bias gathered as it is) and SwinV2 (cosine, 16 * sigmoid of it), as timm pairs them
+FAMILIES = [pytest.param(False, None, id="v1"), pytest.param(True, 16.0, id="swinv2")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cosine, sigmoid_scale", FAMILIES)
+@pytest.mark.parametrize("on_map", [False, True], ids=["windows", "feature-map"])
+def test_one_tile_windows_match_float64_and_the_gathered_bias(on_map, cosine, sigmoid_scale, dtype):
+    """Windows of one tile (4 x 4): output and every gradient within the tolerance of
+    float64; the output and d qkv bit for bit those of the op given the gathered bias (the
+    same kernels read the same bias), the table gradient (partial sums per group of
+    windows summed by the table kernel, not first by a reduction) within float32 rounding."""
+    window, grid = (4, 4), WindowGrid(8, 4, (4, 4), (2, 0)) if on_map else None
+    case, table, index = _table_case(window, 2, cosine=cosine, dtype=dtype)
+    ours = _run(case, table, index, sigmoid_scale, as_table=True, grid=grid)
+    gathered = _run(case, table, index, sigmoid_scale, as_table=False, grid=grid)
+    reference = _run(case, table, index, sigmoid_scale, as_table=False, dtype=torch.float64)
+    names = ("out", "d_qkv", "d_table", "d_logit_scale")
+    assert_matches_reference(ours, reference, TOLERANCE[dtype], names)
+    assert torch.equal(ours[0], gathered[0]) and torch.equal(ours[1], gathered[1])
+    assert relative_error(ours[2], gathered[2]) < 1e-6
+    if cosine:
+        assert torch.equal(ours[3], gathered[3])
+
+
+@pytest.mark.parametrize("cosine, sigmoid_scale", FAMILIES)
+def test_windows_of_several_blocks_match_float64(cosine, sigmoid_scale):
+    """Windows of 9 x 9 (81 tokens): the backward streams key blocks, and the bias gradient's
+    partial sums come from the multi-block kernels."""
+    case, table, index = _table_case((9, 9), 1, cosine=cosine, dtype=torch.float32, windows=2)
+    ours = _run(case, table, index, sigmoid_scale, as_table=True)
+    reference = _run(case, table, index, sigmoid_scale, as_table=False, dtype=torch.float64)
+    assert_matches_reference(ours, reference, TOLERANCE[torch.float32], ("out", "d_qkv", "d_table", "d_logit_scale"))
+
+
+def test_eager_training_takes_one_autograd_node_and_no_gather_of_its_own():
+    case, table, index = _table_case((4, 4), 2, cosine=False, dtype=torch.float32)
+    table.requires_grad_()
+    out = window_attention(case.qkv.requires_grad_(), 2, bias=TableBias(table, index), mask=case.mask,
+                           scale=case.scale)
+    node = out.grad_fn
+    while "EagerWindowAttention" not in type(node).__name__:  # the [0] of the op's outputs
+        node = node.next_functions[0][0]
+    inputs = [fn for fn, _ in node.next_functions if fn is not None]
+    # straight into the table's gradient accumulator: no gather node between
+    assert any(type(fn).__name__ == "AccumulateGrad" and fn.variable is table for fn in inputs)
+
+
+def test_inference_gives_the_gathered_bias_output():
+    case, table, index = _table_case((4, 4), 2, cosine=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours = window_attention(case.qkv, 2, bias=TableBias(table, index, 16.0), mask=case.mask,
+                                logit_scale=case.logit_scale)
+        gathered = window_attention(case.qkv, 2, bias=gather_position_bias(table, index, sigmoid_scale=16.0),
+                                    mask=case.mask, logit_scale=case.logit_scale)
+    assert torch.equal(ours, gathered)
+
+
+def test_the_registered_operators_take_the_gathered_bias(monkeypatch):
+    """Where the op cannot skip the dispatch (torch.compile, dispatch modes, subclasses) it
+    gathers the bias with ``TableBias.dense()`` and runs the registered operators."""
+    from timm_flashwin import op
+    case, table, index = _table_case((4, 4), 2, cosine=False, dtype=torch.float32)
+    eager = _run(case, table, index, None, as_table=True)
+    monkeypatch.setattr(op, "dispatch_free", lambda t: False)
+    dispatched = _run(case, table, index, None, as_table=True)
+    assert torch.equal(eager[0], dispatched[0]) and torch.equal(eager[1], dispatched[1])
+    assert relative_error(dispatched[2], eager[2]) < 1e-6
+
+
+def test_pytorch_path_takes_the_gathered_bias():
+    """float64 runs in PyTorch: the bias gathered with PyTorch's indexing, the gradient
+    reaching the table through it."""
+    case, table, index = _table_case((4, 4), 2, cosine=True, dtype=torch.float32)
+    case = replace(case, qkv=case.qkv.double(), grad_out=case.grad_out.double(), mask=case.mask.double(),
+                   logit_scale=case.logit_scale.double())
+    ours = _run(case, table.double(), index, 16.0, as_table=True)
+    gathered = _run(case, table.double(), index, 16.0, as_table=False)
+    for a, b in zip(ours, gathered):
+        assert torch.equal(a, b)
+    assert ours[0].dtype == ours[2].dtype == torch.float64
+
+
+def test_table_gradient_is_reproducible():
+    """The table kernel sums each row's (slice, pair) terms in a fixed order."""
+    case, table, index = _table_case((4, 4), 2, cosine=False, dtype=torch.bfloat16)
+    first = _run(case, table, index, None, as_table=True)[2]
+    assert torch.equal(first, _run(case, table, index, None, as_table=True)[2])
+
+
+@pytest.mark.parametrize("slices", [1, 3])
+@pytest.mark.parametrize("sigmoid_scale", [0.0, 16.0])
+def test_table_gradient_kernel_sums_partial_bias_gradients(slices, sigmoid_scale):
+    """``relative_bias_table_grad`` of partial sums (S, H, N, N) is that of their sum."""
+    g = torch.Generator().manual_seed(slices)
+    index = relative_position_index(5, 3).to(KERNEL_DEVICE)
+    rows, n = 9 * 5, 15
+    table = torch.randn(rows, 3, generator=g).to(KERNEL_DEVICE)
+    partials = torch.randn(slices, 3, n, n, generator=g).to(KERNEL_DEVICE)
+    sorted_pairs = TableRows.of(index, rows)
+    order, offsets = sorted_pairs.order, sorted_pairs.offsets
+    kwargs = dict(table=table if sigmoid_scale else None, sigmoid_scale=sigmoid_scale)
+    ours = relative_bias_table_grad(partials, order, offsets, rows, torch.float32, **kwargs)
+    summed = torch.zeros(rows, 3, dtype=torch.float64).index_add_(
+        0, index.view(-1).cpu(), partials.sum(0).permute(1, 2, 0).reshape(n * n, 3).double().cpu())
+    if sigmoid_scale:
+        s = torch.sigmoid(table.double().cpu())
+        summed = summed * sigmoid_scale * s * (1 - s)
+    torch.testing.assert_close(ours.double().cpu(), summed, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias, error, message", [
+    (lambda t, i: TableBias(t[:, :1], i), ValueError, r"`bias.table` must be of shape \(T, H\) with H = num_heads = 2"),
+    (lambda t, i: TableBias(t[0], i), ValueError, r"`bias.table` must be a tensor of rank 2"),
+    (lambda t, i: TableBias(t.double(), i), TypeError, r"`bias.table` must be of dtype float32"),
+    (lambda t, i: TableBias(t, i[:3]), ValueError, r"`bias.index` must be of shape \(N, N\) = \(16, 16\)"),
+    (lambda t, i: TableBias(t, i.float()), TypeError, r"`bias.index` must be an integer torch.Tensor"),
+    (lambda t, i: TableBias(t, i.clone().fill_(49)), ValueError, r"`index` must hold table rows in \[0, 49\)"),
+    (lambda t, i: TableBias(t, i, 0.0), ValueError, r"`sigmoid_scale` must be None or a finite nonzero float"),
+])
+def test_bad_table_bias_names_the_argument(bias, error, message):
+    case, table, index = _table_case((4, 4), 2, cosine=False, dtype=torch.float32)
+    with pytest.raises(error, match=message):
+        window_attention(case.qkv, 2, bias=bias(table.requires_grad_(), index), scale=case.scale)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cosine, sigmoid_scale", FAMILIES)
+@pytest.mark.parametrize("window, heads, windows, grid", [
+    ((7, 7), 3, 128, WindowGrid(56, 56, (7, 7), (3, 3))),  # swin_tiny's stage 1, read in place
+    ((8, 8), 3, 32, WindowGrid(32, 32, (8, 8), (4, 4))),  # SwinV2-tiny's
+    ((12, 12), 4, 32, None),  # windows whose backward streams key blocks
+    ((24, 24), 4, 8, None),
+], ids=["w7-map", "w8-map", "w12", "w24"])
+def test_gpu_model_shapes_match_the_gathered_bias(window, heads, windows, grid, cosine, sigmoid_scale, dtype,
+                                                  deterministic_algorithms):
+    """At model shapes, in deterministic mode (elsewhere the multi-block backward adds the
+    bias gradient with atomics): the output, d qkv and d logit_scale bit for bit the op's
+    given the gathered bias, the table gradient within float32 rounding of it; the one-tile
+    windows within the tolerance of float64 too."""
+    case, table, index = _table_case(window, heads, cosine=cosine, dtype=dtype, windows=windows, head_dim=32)
+    ours = _run(case, table, index, sigmoid_scale, as_table=True, grid=grid)
+    gathered = _run(case, table, index, sigmoid_scale, as_table=False, grid=grid)
+    for i, (a, b) in enumerate(zip(ours, gathered)):
+        if i == 2:
+            assert relative_error(a, b) < 1e-5
+        else:
+            assert torch.equal(a, b)
+    if grid is not None:
+        reference = _run(case, table, index, sigmoid_scale, as_table=False, dtype=torch.float64)
+        assert_matches_reference(ours, reference, TOLERANCE[dtype], ("out", "d_qkv", "d_table", "d_logit_scale"))
