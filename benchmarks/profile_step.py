@@ -107,8 +107,8 @@ def _through_triton(step):
 
 def _gathered_bias(step):
     """``step`` with the V1 and SwinV2 adapters handing the op their bias gathered
-    beforehand (``TableBias.dense()``: a gather node of its own, the bias gradient summed
-    by a reduction before the table kernel), as they did before the op took a ``TableBias``."""
+    beforehand (``TableBias.dense()``: a gather node of its own), as they did before the op
+    took a ``TableBias``."""
     def dense(position_bias):
         def gathered(self, module):
             bias = position_bias(self, module)

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from opcases import TOLERANCE, assert_matches_reference, make_case, relative_error
+from opcases import TOLERANCE, assert_matches_reference, make_case
 from test_position_bias import relative_position_index
 from timm_flashwin import TableBias, WindowGrid, window_attention
-from timm_flashwin.kernels.launch import relative_bias_table_grad
-from timm_flashwin.position_bias import TableRows, gather_position_bias
+from timm_flashwin.position_bias import gather_position_bias
 from timm_flashwin.reference import window_attention_reference
 
 
@@ -71,9 +70,8 @@ FAMILIES = [pytest.param(False, None, id="v1"), pytest.param(True, 16.0, id="swi
 @pytest.mark.parametrize("on_map", [False, True], ids=["windows", "feature-map"])
 def test_one_tile_windows_match_float64_and_the_gathered_bias(on_map, cosine, sigmoid_scale, dtype):
     """Windows of one tile (4 x 4): output and every gradient within the tolerance of
-    float64; the output and d qkv bit for bit those of the op given the gathered bias (the
-    same kernels read the same bias), the table gradient (partial sums per group of
-    windows summed by the table kernel, not first by a reduction) within float32 rounding."""
+    float64; the output and every gradient bit for bit those of the op given the gathered
+    bias (the same kernels read the same bias)."""
     window, grid = (4, 4), WindowGrid(8, 4, (4, 4), (2, 0)) if on_map else None
     case, table, index = _table_case(window, 2, cosine=cosine, dtype=dtype)
     ours = _run(case, table, index, sigmoid_scale, as_table=True, grid=grid)
@@ -81,10 +79,8 @@ def test_one_tile_windows_match_float64_and_the_gathered_bias(on_map, cosine, si
     reference = _run(case, table, index, sigmoid_scale, as_table=False, dtype=torch.float64)
     names = ("out", "d_qkv", "d_table", "d_logit_scale")
     assert_matches_reference(ours, reference, TOLERANCE[dtype], names)
-    assert torch.equal(ours[0], gathered[0]) and torch.equal(ours[1], gathered[1])
-    assert relative_error(ours[2], gathered[2]) < 1e-6
-    if cosine:
-        assert torch.equal(ours[3], gathered[3])
+    for a, b in zip(ours, gathered):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("cosine, sigmoid_scale", FAMILIES)
@@ -128,8 +124,8 @@ def test_the_registered_operators_take_the_gathered_bias(monkeypatch):
     eager = _run(case, table, index, None, as_table=True)
     monkeypatch.setattr(op, "dispatch_free", lambda t: False)
     dispatched = _run(case, table, index, None, as_table=True)
-    assert torch.equal(eager[0], dispatched[0]) and torch.equal(eager[1], dispatched[1])
-    assert relative_error(dispatched[2], eager[2]) < 1e-6
+    for a, b in zip(eager, dispatched):
+        assert torch.equal(a, b)
 
 
 def test_pytorch_path_takes_the_gathered_bias():
@@ -150,27 +146,6 @@ def test_table_gradient_is_reproducible():
     case, table, index = _table_case((4, 4), 2, cosine=False, dtype=torch.bfloat16)
     first = _run(case, table, index, None, as_table=True)[2]
     assert torch.equal(first, _run(case, table, index, None, as_table=True)[2])
-
-
-@pytest.mark.parametrize("slices", [1, 3])
-@pytest.mark.parametrize("sigmoid_scale", [0.0, 16.0])
-def test_table_gradient_kernel_sums_partial_bias_gradients(slices, sigmoid_scale):
-    """``relative_bias_table_grad`` of partial sums (S, H, N, N) is that of their sum."""
-    g = torch.Generator().manual_seed(slices)
-    index = relative_position_index(5, 3).to(KERNEL_DEVICE)
-    rows, n = 9 * 5, 15
-    table = torch.randn(rows, 3, generator=g).to(KERNEL_DEVICE)
-    partials = torch.randn(slices, 3, n, n, generator=g).to(KERNEL_DEVICE)
-    sorted_pairs = TableRows.of(index, rows)
-    order, offsets = sorted_pairs.order, sorted_pairs.offsets
-    kwargs = dict(table=table if sigmoid_scale else None, sigmoid_scale=sigmoid_scale)
-    ours = relative_bias_table_grad(partials, order, offsets, rows, torch.float32, **kwargs)
-    summed = torch.zeros(rows, 3, dtype=torch.float64).index_add_(
-        0, index.view(-1).cpu(), partials.sum(0).permute(1, 2, 0).reshape(n * n, 3).double().cpu())
-    if sigmoid_scale:
-        s = torch.sigmoid(table.double().cpu())
-        summed = summed * sigmoid_scale * s * (1 - s)
-    torch.testing.assert_close(ours.double().cpu(), summed, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bias, error, message", [
@@ -200,17 +175,13 @@ def test_bad_table_bias_names_the_argument(bias, error, message):
 def test_gpu_model_shapes_match_the_gathered_bias(window, heads, windows, grid, cosine, sigmoid_scale, dtype,
                                                   deterministic_algorithms):
     """At model shapes, in deterministic mode (elsewhere the multi-block backward adds the
-    bias gradient with atomics): the output, d qkv and d logit_scale bit for bit the op's
-    given the gathered bias, the table gradient within float32 rounding of it; the one-tile
-    windows within the tolerance of float64 too."""
+    bias gradient with atomics): the output and every gradient bit for bit the op's given
+    the gathered bias; the one-tile windows within the tolerance of float64 too."""
     case, table, index = _table_case(window, heads, cosine=cosine, dtype=dtype, windows=windows, head_dim=32)
     ours = _run(case, table, index, sigmoid_scale, as_table=True, grid=grid)
     gathered = _run(case, table, index, sigmoid_scale, as_table=False, grid=grid)
-    for i, (a, b) in enumerate(zip(ours, gathered)):
-        if i == 2:
-            assert relative_error(a, b) < 1e-5
-        else:
-            assert torch.equal(a, b)
+    for a, b in zip(ours, gathered):
+        assert torch.equal(a, b)
     if grid is not None:
         reference = _run(case, table, index, sigmoid_scale, as_table=False, dtype=torch.float64)
         assert_matches_reference(ours, reference, TOLERANCE[dtype], ("out", "d_qkv", "d_table", "d_logit_scale"))

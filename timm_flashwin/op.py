@@ -107,7 +107,7 @@ def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
 def _backward_outputs(backward_op, ctx, saved, grad_out, *layout):
     """(dqkv, dbias or None, d(logit_scale) in its dtype or None) with ``backward_op`` (the
     registered op, or its implementation in eager mode, which also takes the forward's
-    ``WindowGrid`` and ``sum_bias_grad``, in ``layout``); dbias fp32, as the op gives it.
+    ``WindowGrid``, in ``layout``); dbias fp32, as the op gives it.
     ``saved``: ``ctx.saved_tensors``, read once (activation checkpointing unpacks each
     saved tensor once)."""
     qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed = saved[:9]
@@ -152,9 +152,8 @@ class _EagerWindowAttention(torch.autograd.Function):
     Its inputs are the operator's, the ``WindowGrid`` of the feature-map layout (None for
     the partitioned one), which only these eager launches take (``window_attention(...,
     grid=)``), and a ``TableGather`` where the bias is a ``TableBias``: the bias input is
-    then its table, gathered here, and the table's gradient is summed here from the
-    attention backward's partial bias gradients (one autograd node and two launches, the
-    gather's node and the reduction of the partials, fewer than a gather of its own).
+    then its table, gathered here, and the table's gradient is summed here from the bias
+    gradient (one autograd node fewer than a gather of its own).
     """
 
     @staticmethod
@@ -176,8 +175,7 @@ class _EagerWindowAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
         table_gather, saved = ctx.table_gather, ctx.saved_tensors
         with direct_launches():
-            dqkv, dbias, dscale = _backward_outputs(attention_backward, ctx, saved, grad_out, ctx.grid,
-                                                    table_gather is None)
+            dqkv, dbias, dscale = _backward_outputs(attention_backward, ctx, saved, grad_out, ctx.grid)
             if dbias is not None and table_gather is None:
                 dbias = dbias.to(saved[5].dtype)
             elif dbias is not None:

@@ -204,9 +204,9 @@ class TableBias(NamedTuple):
     ``gather_position_bias(table, index, ...)`` gives (timm's V1 and SwinV2 biases).
 
     In eager mode the op then gathers it, and sums the table's gradient, within its own
-    autograd node: no node, no launch and no autograd bookkeeping of a gather of its own,
-    and the table gradient's kernel sums the attention backward's partial bias gradients
-    itself (a reduction's launch fewer). Elsewhere (torch.compile, dispatch modes, tensor
+    autograd node: no node, no torch.autograd.Function call and no autograd bookkeeping of
+    a gather of its own (host time, which eager training steps of the tiny models are bound
+    by). Elsewhere (torch.compile, dispatch modes, tensor
     subclasses, PyTorch's path) the op takes ``dense()``. A NamedTuple: torch.compile
     traces it as it traces a tuple.
 
@@ -249,7 +249,6 @@ class TableGather:
 
     def table_grad(self, bias_grad: torch.Tensor, dtype: torch.dtype, table: Optional[torch.Tensor]) -> torch.Tensor:
         """The table's gradient (T, H) in ``dtype`` (the table's) from the bias gradient
-        (H, N, N) or its partial sums (S, H, N, N); ``table`` is read with a sigmoid scale
-        only (the sigmoid's derivative)."""
+        (H, N, N); ``table`` is read with a sigmoid scale only (the sigmoid's derivative)."""
         return relative_bias_table_grad(bias_grad, self.rows.order, self.rows.offsets, self.num_rows, dtype,
                                         table=table, sigmoid_scale=self.sigmoid_scale)

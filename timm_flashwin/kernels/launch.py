@@ -480,15 +480,11 @@ def attention_backward(
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
     grid: Optional[WindowGrid] = None,
-    sum_bias_grad: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Takes the forward's out, stats, regions and mask_info; regenerates the forward's
     dropout from the same ``seed``. Returns dqkv (qkv's shape, contiguous), dbias (H, N, N)
     fp32 and d(logit_scale) (H,) fp32; the last two are empty when not asked for.
-    ``grid``: as the forward's, where ``maps_windows`` allows it. ``sum_bias_grad`` False:
-    dbias is (S, H, N, N), partial sums that add up to the gradient (per group of windows,
-    or per atomic-add slot), for a kernel that reads them anyway (the position-bias table
-    gradient) to sum: no launch of a reduction here."""
+    ``grid``: as the forward's, where ``maps_windows`` allows it."""
     num_windows, n, channels = _windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
     tiles = config.backward_config(n, head_dim, qkv.dtype, cosine)
@@ -528,7 +524,7 @@ def attention_backward(
             **_layout_flags(grid),
             **launch_options(tiles, dropout_p > 0), **flags,
         )
-        return dqkv, dbias.sum(0) if bias_grad and sum_bias_grad else dbias, dscale.sum(0) if scale_grad else dscale
+        return dqkv, dbias.sum(0) if bias_grad else dbias, dscale.sum(0) if scale_grad else dscale
 
     if stats.dim() != 4:  # (0,): not (2 or 3, B_, H, N); a static check, no guard when traced
         raise RuntimeError("window_attention backward: the forward saved no softmax statistics (it ran where "
@@ -597,7 +593,7 @@ def attention_backward(
             )
     if slots:
         # one slot is the sum itself (a reduce kernel over it took 5 us on window 16, H200)
-        dbias = dbias_sums if not sum_bias_grad else dbias_sums[0] if slots == 1 else dbias_sums.sum(0)
+        dbias = dbias_sums[0] if slots == 1 else dbias_sums.sum(0)
     elif bias_grad:
         dbias_tiles = config.dbias_config(n, head_dim, qkv.dtype, cosine)
         tiles_m, tiles_n = -(-n // dbias_tiles.block_m), -(-n // dbias_tiles.block_n)
@@ -614,7 +610,7 @@ def attention_backward(
             BLOCK_D=dbias_tiles.block_d, ATOMIC_SUM=atomic_sum, **flags,
             **launch_options(dbias_tiles, dropout_p > 0),
         )
-        dbias = dbias if not sum_bias_grad else dbias[0] if atomic_sum else dbias.sum(0)
+        dbias = dbias[0] if atomic_sum else dbias.sum(0)
     else:
         dbias = qkv.new_empty((0,), dtype=torch.float32)
     return dqkv, dbias, dscale.sum((0, 2)) if scale_grad and not dq_atomic else dscale
@@ -644,15 +640,14 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
                              dtype: torch.dtype, index: Optional[torch.Tensor] = None,
                              table: Optional[torch.Tensor] = None, sigmoid_scale: float = 0.0) -> torch.Tensor:
     """Gradient (num_rows, H) in ``dtype`` of a table gathered into a dense bias (H, N, N)
-    whose gradient is ``grad``, or the sum of ``grad`` (S, H, N, N) over its first dimension
-    (partial sums, summed in the kernel); order and offsets group the pairs by table row
+    whose gradient is ``grad``; order and offsets group the pairs by table row
     (``position_bias.TableRows``). With ``index`` (N, N), the kernel checks every pair
     against it: rows whose pairs were sorted from another index are NaN. With a
     ``sigmoid_scale`` other than 0, the bias was ``sigmoid_scale * sigmoid(table[index])``
     (``relative_bias_gather``) and ``table`` (T, H) is that table."""
-    heads = grad.shape[-3]
-    grad = grad.reshape(-1, heads, grad.shape[-1] * grad.shape[-2])
-    if grad.stride(2) != 1:
+    heads = grad.shape[0]
+    grad = grad.reshape(heads, -1)
+    if grad.stride(1) != 1:
         grad = grad.contiguous()
     out = grad.new_empty((num_rows, heads), dtype=dtype)
     block_h = _heads_block(heads)
@@ -667,7 +662,7 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
         block_t, block_j = 4, min(256, max(32, 4096 // block_h))
     launcher(relative_bias_table_grad_kernel)[(-(-num_rows // block_t),)](
         grad, order, offsets, index.reshape(-1) if index is not None else order,
-        table if sigmoid_scale else out, out, num_rows, grad.shape[0], grad.stride(0), grad.stride(1),
+        table if sigmoid_scale else out, out, num_rows, grad.stride(0),
         *(table.stride() if sigmoid_scale else (0, 0)), *out.stride(),
         H=heads, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_H=block_h, CHECK_INDEX=index is not None,
         SIGMOID_SCALE=float(sigmoid_scale), **compiler_options(),

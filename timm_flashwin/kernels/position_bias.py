@@ -27,17 +27,14 @@ import triton.language as tl
 @triton.jit
 def relative_bias_table_grad_kernel(
     grad_ptr, order_ptr, offsets_ptr, index_ptr, table_ptr, out_ptr,
-    num_rows, num_slices, stride_grad_s, stride_grad_h, stride_table_t, stride_table_h, stride_out_t, stride_out_h,
+    num_rows, stride_grad_h, stride_table_t, stride_table_h, stride_out_t, stride_out_h,
     H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
     CHECK_INDEX: tl.constexpr, SIGMOID_SCALE: tl.constexpr,
 ):
-    """Grid: (table rows / BLOCK_T,). grad (S, H, N*N) fp32 or the bias dtype: S slices
-    whose sum is the bias gradient (the attention backward's partial sums per group of
-    windows, summed here rather than by a launch of their own; S = 1: the gradient itself);
-    order (N*N,) the pairs sorted by table row, offsets (T + 1,) where each row's pairs
-    start in it; out (T, H). Each row's (slice, pair) terms, S times its pairs, slice-major,
-    are summed BLOCK_J at a time, the blocks in order, up to the longest row of the
-    program's rows: a fixed order, deterministic. CHECK_INDEX: index (N*N,) is read at every
+    """Grid: (table rows / BLOCK_T,). grad (H, N*N) fp32 or the bias dtype; order (N*N,)
+    the pairs sorted by table row, offsets (T + 1,) where each row's pairs start in it;
+    out (T, H). Each row's pairs are summed BLOCK_J at a time, the blocks in order, up to
+    the longest row of the program's rows. CHECK_INDEX: index (N*N,) is read at every
     pair, and a row with a pair whose index is not the row is NaN. SIGMOID_SCALE
     (a float, or 0 for none): the gradient of SIGMOID_SCALE * sigmoid(table), the row sums
     times SIGMOID_SCALE * s * (1 - s), s = sigmoid(table[t, h]) (table (T, H), any float
@@ -49,14 +46,11 @@ def relative_bias_table_grad_kernel(
     count = tl.load(offsets_ptr + rows + 1, mask=in_table, other=0) - start
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     mismatches = tl.zeros((BLOCK_T,), tl.int32)
-    divisor = tl.maximum(count, 1)[:, None]  # rows without pairs take no terms
-    for j0 in range(0, tl.max(count, 0) * num_slices, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)[None, :]
-        taken = j < count[:, None] * num_slices  # (BLOCK_T, BLOCK_J)
-        grad_slice = j // divisor
-        pair = tl.load(order_ptr + start[:, None] + (j - grad_slice * divisor), mask=taken, other=0)
-        ptrs = (grad_ptr + grad_slice.to(tl.int64)[:, :, None] * stride_grad_s + heads[None, None, :] * stride_grad_h
-                + pair[:, :, None])
+    for j0 in range(0, tl.max(count, 0), BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        taken = j[None, :] < count[:, None]  # (BLOCK_T, BLOCK_J)
+        pair = tl.load(order_ptr + start[:, None] + j[None, :], mask=taken, other=0)
+        ptrs = grad_ptr + heads[None, None, :] * stride_grad_h + pair[:, :, None]
         grads = tl.load(ptrs, mask=taken[:, :, None] & (heads[None, None, :] < H), other=0.0)
         acc += tl.sum(grads.to(tl.float32), axis=1)
         if CHECK_INDEX:
