@@ -1,7 +1,8 @@
 """One Swin block's window attention (timm's ``_attn``: roll, partition, attention module,
 merge, roll back) three ways: timm's, the patched module inside timm's method
 (``patch_model(..., feature_map=False)``), and the op reading the windows in place
-(``patch_model``). GPU kernel time per call (every kernel summed, from torch.profiler:
+(``patch_model``), and that with the V1 / SwinV2 bias gathered before the op
+(``flashwin-gathered-bias``, as before the kernels read its table). GPU kernel time per call (every kernel summed, from torch.profiler:
 the shuffles' copies included, the host's launch time left out) and wall time per call
 (host included), forward alone (no_grad) and forward + backward, under AMP bf16.
 
@@ -22,13 +23,13 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import cuda_kernel_times, host_us_per_call, write_json  # noqa: E402
+from common import cuda_kernel_times, gathered_bias, host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 
 #: (model, stage, block, batch)
 BLOCKS = [("swin_tiny_patch4_window7_224", stage, 1, 64) for stage in range(4)] + [
     ("swinv2_tiny_window8_256", 0, 1, 64)]
-VARIANTS = ("timm", "flashwin-partitioned", "flashwin")
+VARIANTS = ("timm", "flashwin-partitioned", "flashwin", "flashwin-gathered-bias")
 
 
 def block_of(model: torch.nn.Module, stage: int, index: int) -> torch.nn.Module:
@@ -47,6 +48,7 @@ def gpu_and_wall_us(fn, calls: int = 30):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
@@ -60,10 +62,10 @@ def main() -> None:
         hook.remove()
         _, height, width, channels = shapes[0]
         x = torch.randn(batch, height, width, channels, device="cuda")
-        for variant in VARIANTS:
+        for variant in args.variants:
             model = copy.deepcopy(base)
             if variant != "timm":
-                patch_model(model, feature_map=variant == "flashwin")
+                patch_model(model, feature_map=variant != "flashwin-partitioned")
             block = block_of(model, stage, index)
             attend = block._shifted_window_attn if hasattr(block, "_shifted_window_attn") else block._attn
             xg = x.clone().requires_grad_()
@@ -77,6 +79,8 @@ def main() -> None:
                     out = attend(xg)
                 out.backward(torch.ones_like(out))
 
+            if variant == "flashwin-gathered-bias":
+                forward, forward_backward = gathered_bias(forward), gathered_bias(forward_backward)
             fwd_gpu, fwd_wall = gpu_and_wall_us(forward)
             fb_gpu, fb_wall = gpu_and_wall_us(forward_backward)
             row = dict(model=name, stage=stage, block=index, batch=batch, map=[height, width], channels=channels,

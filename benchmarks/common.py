@@ -40,3 +40,30 @@ def host_us_per_call(fn, calls: int, warmup: int = 5) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def gathered_bias(step):
+    """``step`` with the V1 and SwinV2 adapters handing the op their bias gathered
+    beforehand (``TableBias.dense()``: a gather of its own, autograd node and kernel launch,
+    the attention kernels reading the dense bias), as before the op took a ``TableBias``:
+    the variant ``flashwin-gathered-bias`` of profile_step.py and bench_feature_map.py."""
+    from timm_flashwin import TableBias
+    from timm_flashwin.adapters.swin import SwinAdapter
+    from timm_flashwin.adapters.swinv2 import SwinV2Adapter
+
+    def dense(position_bias):
+        def gathered(self, module):
+            bias = position_bias(self, module)
+            return bias.dense() if isinstance(bias, TableBias) else bias
+        return gathered
+
+    def run():
+        originals = {cls: cls.position_bias for cls in (SwinAdapter, SwinV2Adapter)}
+        for cls, position_bias in originals.items():
+            cls.position_bias = dense(position_bias)
+        try:
+            step()
+        finally:
+            for cls, position_bias in originals.items():
+                cls.position_bias = position_bias
+    return run

@@ -22,8 +22,8 @@ steps), to measure what the direct launches save in the same process; ``flashwin
 is the patched model with timm's roll, partition, merge and roll-back copies around its
 modules (``patch_model(..., feature_map=False)``), to measure what reading the windows in
 place saves; ``flashwin-gathered-bias`` is the patched model with its V1 and SwinV2 position
-biases gathered before the op (a gather of their own, as before the op took a ``TableBias``),
-to measure what gathering them within the op saves. Two variants bound
+biases gathered before the op (``common.gathered_bias``), to measure what reading them from
+their tables within the op saves. Two variants bound
 what any implementation can give: ``attention-free`` (every attention module computes
 proj(qkv(x)[..., :C]), nothing between the projections) and ``window-free`` (the same on the
 unpartitioned feature map, without timm's shift, partition and merge around it).
@@ -43,12 +43,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
-from common import cuda_kernel_times, write_json  # noqa: E402
+from common import cuda_kernel_times, gathered_bias, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
-from timm_flashwin import TableBias  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
-from timm_flashwin.adapters.swin import SwinAdapter  # noqa: E402
-from timm_flashwin.adapters.swinv2 import SwinV2Adapter  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
 from timm_flashwin.kernels import fast_launch  # noqa: E402
 from timm_flashwin.verify import build_model  # noqa: E402
@@ -102,28 +99,6 @@ def _through_triton(step):
             step()
         finally:
             fast_launch.ENABLED = True
-    return run
-
-
-def _gathered_bias(step):
-    """``step`` with the V1 and SwinV2 adapters handing the op their bias gathered
-    beforehand (``TableBias.dense()``: a gather node of its own), as they did before the op
-    took a ``TableBias``."""
-    def dense(position_bias):
-        def gathered(self, module):
-            bias = position_bias(self, module)
-            return bias.dense() if isinstance(bias, TableBias) else bias
-        return gathered
-
-    def run():
-        originals = {cls: cls.position_bias for cls in (SwinAdapter, SwinV2Adapter)}
-        for cls, position_bias in originals.items():
-            cls.position_bias = dense(position_bias)
-        try:
-            step()
-        finally:
-            for cls, position_bias in originals.items():
-                cls.position_bias = position_bias
     return run
 
 
@@ -220,7 +195,7 @@ def main() -> None:
         if variant == "flashwin-triton-launch":
             steps[variant] = _through_triton(steps[variant])
         elif variant == "flashwin-gathered-bias":
-            steps[variant] = _gathered_bias(steps[variant])
+            steps[variant] = gathered_bias(steps[variant])
         # compiled (forward and backward) in the first steps, with the variant's options
         with inductor_config.patch(VARIANT_INDUCTOR_OPTIONS.get(variant, {})):
             for _ in range(5):

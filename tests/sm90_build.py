@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 from timm_flashwin.kernels import backward, config
 from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel
-from timm_flashwin.kernels.launch import compiler_options, folds_mask, launch_options
+from timm_flashwin.kernels.launch import compiler_options, folds_mask, launch_options, reads_table
 from timm_flashwin.dispatch import direct_launches
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -60,7 +60,7 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict, bias_dtype: torch.dt
             types[name] = "*" + TRITON_TYPES[bias_dtype]
         elif name == "seed_ptr":
             types[name] = "*i64"
-        elif name == "regions_ptr":
+        elif name in ("regions_ptr", "bias_index_ptr"):
             types[name] = "*i32"
         elif name.endswith("_ptr"):
             types[name] = "*" + (TRITON_TYPES[dtype] if name in ACTIVATION_POINTERS else "fp32")
@@ -135,6 +135,8 @@ def main() -> int:
     for n, head_dim, dtype, cosine, dropout in CASES:
         # the partitioned layout, or the feature-map layout of square windows (every case's N is a square)
         layout = lambda mapped: dict(MAPPED=mapped, WINDOW_W=math.isqrt(n) if mapped else 1)  # noqa: E731
+        # V1's table read as it is, SwinV2's through 16 * sigmoid
+        bias_table = lambda table: dict(BIAS_TABLE=table, BIAS_SIGMOID=16.0 if table and cosine else 0.0)  # noqa: E731
         print(f"N={n} head_dim={head_dim} {TRITON_TYPES[dtype]} {'cosine' if cosine else 'v1'}"
               f"{' dropout' if dropout else ''}")
         flags = dict(H=3, N=n, D=head_dim, HAS_BIAS=True, HAS_MASK=True, COSINE=cosine,
@@ -143,6 +145,10 @@ def main() -> int:
         fwd = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask=not folded)
         bwd = config.backward_config(n, head_dim, dtype, cosine)
         streamed = n > fwd.block_n
+        # the partitioned and the feature-map layout, and where the kernels of both passes read a
+        # position bias from its table (launch.reads_table), the latter with the table too
+        layouts = ((False, False), (True, False)) + (((True, True),) if reads_table(n, head_dim, dtype, cosine, dropout)
+                                                      else ())
         # kernels that stream key blocks read, with 16-bit inputs, a float16 copy of bias + mask
         # times log2(e) and no mask of their own where that copy is small (launch.streamed_bias),
         # else the bias (float16 copy with 16-bit inputs) and the mask's region ids, one build
@@ -155,22 +161,24 @@ def main() -> int:
         if streamed:
             for from_regions in kinds:
                 build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=from_regions,
-                                                               STORE_STATS=not bwd.single_tile(n), **layout(False)),
+                                                               STORE_STATS=not bwd.single_tile(n), **layout(False),
+                                                               **bias_table(False)),
                       fwd, streamed_bias)
             if not dropout:  # inference: no statistics (cosine: no mean score), either layout
                 for mapped in (False, True):
-                    build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=kinds[0],
-                                                                   STORE_STATS=False, **layout(mapped)), fwd, streamed_bias)
+                    build(window_attention_fwd_kernel, dtype,
+                          dict(fwd_blocks, **streaming, FROM_REGIONS=kinds[0], STORE_STATS=False, **layout(mapped),
+                               **bias_table(False)), fwd, streamed_bias)
         else:
-            for mapped in (False, True):  # the partitioned and the feature-map layout
+            for mapped, table in layouts:
                 build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, STORE_STATS=not bwd.single_tile(n),
                                                                MASK_REGIONS=False, FROM_REGIONS=False, BIAS_LOG2E=False,
-                                                               **layout(mapped)), fwd)
+                                                               **layout(mapped), **bias_table(table)), fwd)
         if bwd.single_tile(n):
-            for mapped in (False, True):
+            for mapped, table in layouts:
                 build(backward.window_attention_bwd_fused_kernel, dtype,
                       dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine,
-                           **layout(mapped)), bwd)
+                           **layout(mapped), **bias_table(table)), bwd)
             continue
         blocks = dict(flags, **streaming, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d)
         # as configured (atomic dQ, the bias gradient by atomics where bwd.dbias_slots), one build

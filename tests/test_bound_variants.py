@@ -12,7 +12,8 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from profile_step import WINDOW_METHODS, _gathered_bias, attention_free, window_free  # noqa: E402
+from common import gathered_bias  # noqa: E402
+from profile_step import WINDOW_METHODS, attention_free, window_free  # noqa: E402
 
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
@@ -84,7 +85,7 @@ def test_gathered_bias_variant_gathers_apart_with_the_same_values(family):
         return run
 
     step("within")()
-    _gathered_bias(step("apart"))()
+    gathered_bias(step("apart"))()
     torch.testing.assert_close(results["apart"][0], results["within"][0], rtol=0, atol=0)
     assert "_GatherFromTableBackward" in results["apart"][1]
     assert "_GatherFromTableBackward" not in results["within"][1]

@@ -10,7 +10,7 @@ from conftest import KERNEL_DEVICE
 from opcases import TOLERANCE, assert_matches_reference, make_case
 from test_position_bias import relative_position_index
 from timm_flashwin import TableBias, WindowGrid, window_attention
-from timm_flashwin.position_bias import gather_position_bias
+from timm_flashwin.position_bias import TableGather, gather_position_bias
 from timm_flashwin.reference import window_attention_reference
 
 
@@ -67,15 +67,22 @@ FAMILIES = [pytest.param(False, None, id="v1"), pytest.param(True, 16.0, id="swi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cosine, sigmoid_scale", FAMILIES)
-@pytest.mark.parametrize("on_map", [False, True], ids=["windows", "feature-map"])
-def test_one_tile_windows_match_float64_and_the_gathered_bias(on_map, cosine, sigmoid_scale, dtype):
-    """Windows of one tile (4 x 4): output and every gradient within the tolerance of
-    float64; the output and every gradient bit for bit those of the op given the gathered
-    bias (the same kernels read the same bias)."""
-    window, grid = (4, 4), WindowGrid(8, 4, (4, 4), (2, 0)) if on_map else None
+@pytest.mark.parametrize("window, grid", [
+    ((4, 4), None), ((4, 4), WindowGrid(8, 4, (4, 4), (2, 0))),
+    ((5, 3), None), ((5, 3), WindowGrid(5, 6, (5, 3), (0, 1))),  # 15 tokens: padded tiles
+], ids=["4x4-windows", "4x4-feature-map", "5x3-windows", "5x3-feature-map"])
+def test_one_tile_windows_match_float64_and_the_gathered_bias(window, grid, cosine, sigmoid_scale, dtype,
+                                                              monkeypatch):
+    """Windows of one tile, whose kernels read the table themselves (no gather launched):
+    output and every gradient within the tolerance of float64, and bit for bit those of the
+    op given the gathered bias (the kernels build the same bias tile)."""
+    gathers = []
+    real_gather = TableGather.gather
+    monkeypatch.setattr(TableGather, "gather", lambda self, table: gathers.append(table) or real_gather(self, table))
     case, table, index = _table_case(window, 2, cosine=cosine, dtype=dtype)
     ours = _run(case, table, index, sigmoid_scale, as_table=True, grid=grid)
     gathered = _run(case, table, index, sigmoid_scale, as_table=False, grid=grid)
+    assert not gathers
     reference = _run(case, table, index, sigmoid_scale, as_table=False, dtype=torch.float64)
     names = ("out", "d_qkv", "d_table", "d_logit_scale")
     assert_matches_reference(ours, reference, TOLERANCE[dtype], names)
@@ -84,11 +91,15 @@ def test_one_tile_windows_match_float64_and_the_gathered_bias(on_map, cosine, si
 
 
 @pytest.mark.parametrize("cosine, sigmoid_scale", FAMILIES)
-def test_windows_of_several_blocks_match_float64(cosine, sigmoid_scale):
-    """Windows of 9 x 9 (81 tokens): the backward streams key blocks, and the bias gradient's
-    partial sums come from the multi-block kernels."""
+def test_windows_of_several_blocks_match_float64(cosine, sigmoid_scale, monkeypatch):
+    """Windows of 9 x 9 (81 tokens): the kernels stream key blocks and read the bias gathered
+    (within the op's node), the bias gradient from the multi-block kernels."""
+    gathers = []
+    real_gather = TableGather.gather
+    monkeypatch.setattr(TableGather, "gather", lambda self, table: gathers.append(table) or real_gather(self, table))
     case, table, index = _table_case((9, 9), 1, cosine=cosine, dtype=torch.float32, windows=2)
     ours = _run(case, table, index, sigmoid_scale, as_table=True)
+    assert len(gathers) == 1
     reference = _run(case, table, index, sigmoid_scale, as_table=False, dtype=torch.float64)
     assert_matches_reference(ours, reference, TOLERANCE[torch.float32], ("out", "d_qkv", "d_table", "d_logit_scale"))
 

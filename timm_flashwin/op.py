@@ -19,7 +19,7 @@ import torch
 from .dispatch import KERNEL_DTYPES, direct_launches, dispatch_free, register_op, uses_kernels
 from .kernels import config
 from .kernels.launch import (attention_backward, attention_forward, maps_windows, mask_regions_shapes,
-                             mask_regions_used, softmax_stats_shape)
+                             mask_regions_used, reads_table, softmax_stats_shape)
 from .position_bias import TableBias, TableGather
 from .reference import window_attention_reference
 from .window_grid import WindowGrid
@@ -152,21 +152,25 @@ class _EagerWindowAttention(torch.autograd.Function):
     Its inputs are the operator's, the ``WindowGrid`` of the feature-map layout (None for
     the partitioned one), which only these eager launches take (``window_attention(...,
     grid=)``), and a ``TableGather`` where the bias is a ``TableBias``: the bias input is
-    then its table, gathered here, and the table's gradient is summed here from the bias
-    gradient (one autograd node fewer than a gather of its own).
+    then its table, which the kernels read through the index where windows are one tile
+    (else it is gathered here), and the table's gradient is summed here from the bias
+    gradient: one autograd node, and in one-tile windows one kernel launch, fewer than a
+    gather of its own.
     """
 
     @staticmethod
     def forward(ctx, *inputs):
         *inputs, grid, table_gather = inputs
         table = inputs[2] if table_gather is not None else None
+        table_args = table_gather.kernel_args() if table is not None else ()
         with direct_launches():
-            if table is not None:
+            if table is not None and not table_args:  # the kernels read the gathered bias
                 inputs[2] = table_gather.gather(table)
-            output = attention_forward(*inputs, grid)
-        # the table is kept for the derivative of its sigmoid only
-        _setup_context(ctx, inputs, output, *((table,) if table is not None and table_gather.sigmoid_scale else ()))
-        ctx.grid, ctx.table_gather = grid, table_gather
+            output = attention_forward(*inputs, grid, *table_args)
+        # the table is kept for the derivative of its sigmoid, where the bias saved is the gathered one
+        also_saved = (table,) if table is not None and not table_args and table_gather.sigmoid_scale else ()
+        _setup_context(ctx, inputs, output, *also_saved)
+        ctx.grid, ctx.table_gather, ctx.table_args = grid, table_gather, table_args
         ctx.table_dtype = table.dtype if table is not None else None
         return output
 
@@ -175,11 +179,12 @@ class _EagerWindowAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
         table_gather, saved = ctx.table_gather, ctx.saved_tensors
         with direct_launches():
-            dqkv, dbias, dscale = _backward_outputs(attention_backward, ctx, saved, grad_out, ctx.grid)
+            dqkv, dbias, dscale = _backward_outputs(attention_backward, ctx, saved, grad_out, ctx.grid,
+                                                    *ctx.table_args)
             if dbias is not None and table_gather is None:
                 dbias = dbias.to(saved[5].dtype)
             elif dbias is not None:
-                table = saved[9] if table_gather.sigmoid_scale else None
+                table = None if not table_gather.sigmoid_scale else saved[5] if ctx.table_args else saved[9]
                 dbias = table_gather.table_grad(dbias, ctx.table_dtype, table)
         return _input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2)
 
@@ -188,10 +193,11 @@ def _eager_forward_without_grad(*inputs):
     """The forward where nothing takes a gradient (``save_stats`` False), launched directly;
     the inputs are ``_EagerWindowAttention``'s."""
     *inputs, grid, table_gather = inputs
+    table_args = table_gather.kernel_args() if table_gather is not None else ()
     with direct_launches():
-        if table_gather is not None:
+        if table_gather is not None and not table_args:
             inputs[2] = table_gather.gather(inputs[2])
-        return attention_forward(*inputs, grid)
+        return attention_forward(*inputs, grid, *table_args)
 
 
 # --------------------------------------------------------------------------- validation
@@ -347,8 +353,10 @@ def window_attention(
         return grid.merge(windows)
     table_gather = None
     if table_bias and uses_kernels(qkv) and dispatch_free(qkv) and dispatch_free(bias.table):
-        # gathered, and its table's gradient summed, in the eager path's own node
-        table_gather, bias = TableGather.of(bias), bias.table
+        # read from its table by the kernels, or gathered, and its table's gradient summed, in the
+        # eager path's own node
+        in_kernels = reads_table(n, head_dim, qkv.dtype, logit_scale is not None, dropout_p > 0)
+        table_gather, bias = TableGather.of(bias, in_kernels), bias.table
     elif table_bias:
         bias = bias.dense()
     if not uses_kernels(qkv):

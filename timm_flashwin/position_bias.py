@@ -39,10 +39,12 @@ def _sorted_pairs(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, tor
 
 @dataclass(frozen=True)
 class TableRows:
-    """``_sorted_pairs`` of an index, computed once per index tensor in eager mode."""
+    """``_sorted_pairs`` of an index, and the index as the attention kernels read it (int32,
+    contiguous: ``index32``), computed once per index tensor in eager mode."""
 
     order: torch.Tensor
     offsets: torch.Tensor
+    index32: torch.Tensor
 
     @staticmethod
     def of(index: torch.Tensor, num_rows: int) -> "TableRows":
@@ -54,7 +56,7 @@ class TableRows:
             if low < 0 or high >= num_rows:
                 raise ValueError(f"gather_position_bias: `index` must hold table rows in [0, {num_rows}), "
                                  f"got values in [{low}, {high}]")
-            return TableRows(*_sorted_pairs(index, num_rows))
+            return TableRows(*_sorted_pairs(index, num_rows), index.to(torch.int32).contiguous())
 
         return kept_on(index, "_flashwin_table_rows", compute, num_rows)
 
@@ -203,10 +205,12 @@ class TableBias(NamedTuple):
     ``table[index]`` (H, N, N), or ``sigmoid_scale * sigmoid(table[index])``, the values
     ``gather_position_bias(table, index, ...)`` gives (timm's V1 and SwinV2 biases).
 
-    In eager mode the op then gathers it, and sums the table's gradient, within its own
+    In eager mode the op then reads it, and sums the table's gradient, within its own
     autograd node: no node, no torch.autograd.Function call and no autograd bookkeeping of
     a gather of its own (host time, which eager training steps of the tiny models are bound
-    by). Elsewhere (torch.compile, dispatch modes, tensor
+    by); where a window is one tile of the kernels (N <= 64) they read the table themselves
+    (``kernels.tiles.load_table_bias_mask``: no gather launched, no dense bias kept between
+    the passes), else a gather kernel writes the bias for them. Elsewhere (torch.compile, dispatch modes, tensor
     subclasses, PyTorch's path) the op takes ``dense()``. A NamedTuple: torch.compile
     traces it as it traces a tuple.
 
@@ -227,21 +231,29 @@ class TableBias(NamedTuple):
 
 @dataclass(frozen=True)
 class TableGather:
-    """How the op's eager autograd node gathers a ``TableBias`` and sums its table's
-    gradient: the index, its pairs sorted by table row (``TableRows``, the index's range
-    checked once) and the sigmoid scale (0: none). Call in ``dispatch.direct_launches()``."""
+    """How the op's eager path reads a ``TableBias`` and sums its table's gradient: the
+    index, its pairs sorted by table row (``TableRows``, the index's range checked once),
+    the sigmoid scale (0: none) and whether the attention kernels read the table
+    themselves (``in_kernels``, ``launch.reads_table``: windows of one tile) or take the
+    bias gathered by a kernel of its own. Call its launches in ``dispatch.direct_launches()``."""
 
     index: torch.Tensor
     rows: TableRows
     num_rows: int
     sigmoid_scale: float
+    in_kernels: bool
 
     @staticmethod
-    def of(bias: TableBias) -> "TableGather":
+    def of(bias: TableBias, in_kernels: bool) -> "TableGather":
         table, index, scale = bias.table, bias.index, bias.sigmoid_scale
         _check_table_index(table, index, scale)
         return TableGather(index, TableRows.of(index, table.shape[0]), table.shape[0],
-                           float(scale) if scale is not None else 0.0)
+                           float(scale) if scale is not None else 0.0, in_kernels)
+
+    def kernel_args(self) -> Tuple:
+        """What the attention launchers take to read the table (``table_index``,
+        ``table_sigmoid``), or nothing where they read the gathered bias."""
+        return (self.rows.index32, self.sigmoid_scale) if self.in_kernels else ()
 
     def gather(self, table: torch.Tensor) -> torch.Tensor:
         """The dense bias (H, N, N) in the table's dtype."""

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions,
-                    load_qk, load_rows, load_window_qk, load_window_rows, logit_scale_grad,
+                    load_qk, load_rows, load_table_bias_mask, load_window_qk, load_window_rows, logit_scale_grad,
                     logits_tile,
                     mask_kind_launch, mma, normalize_backward, row_norms, store_rows, store_window_rows,
                     window_in_one_region, window_rows, window_run)
@@ -143,7 +143,7 @@ def load_rbar(stats_ptr, bh, rows, stats_stride, N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "map_windows",
                              "windows_x", "map_height", "map_width", "shift_h", "shift_w"])
 def window_attention_bwd_fused_kernel(
-    qkv_ptr, dout_ptr, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
+    qkv_ptr, dout_ptr, bias_ptr, bias_index_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
     dqkv_ptr, dbias_partial_ptr, dscale_partial_ptr,
     scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
@@ -157,10 +157,13 @@ def window_attention_bwd_fused_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     BIAS_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MAPPED: tl.constexpr,
-    WINDOW_W: tl.constexpr,
+    WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr, BIAS_SIGMOID: tl.constexpr,
 ):
     """Grid: (H * nW * window chunks,). One whole window per tile. MAPPED: qkv, dout and dqkv
-    in the feature-map layout, windows WINDOW_W tokens wide (``tiles.window_rows``)."""
+    in the feature-map layout, windows WINDOW_W tokens wide (``tiles.window_rows``).
+    BIAS_TABLE: the bias read from its table through the index at bias_index_ptr, as the
+    forward reads it (``tiles.load_table_bias_mask``); its gradient is still the dense (H, N, N)
+    partial sums, which the table's gradient kernel sums per table row."""
     pid = tl.program_id(0)
     h = pid % H
     group = (pid // H).to(tl.int64)  # = chunk * num_periods + w
@@ -171,10 +174,15 @@ def window_attention_bwd_fused_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    bias_mask = load_bias_mask(bias_ptr, mask_ptr, bias_ptr, 0.0, h, w, idx, idx,
-                               stride_bias_h, stride_bias_i, stride_bias_j,
-                               stride_mask_w, stride_mask_i, stride_mask_j,
-                               N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N, False, False)
+    if BIAS_TABLE:
+        bias_mask = load_table_bias_mask(bias_ptr, bias_index_ptr, mask_ptr, h, w, idx, idx, stride_bias_i,
+                                         stride_bias_h, stride_mask_w, stride_mask_i, stride_mask_j,
+                                         N, HAS_MASK, BLOCK_N, BIAS_SIGMOID)
+    else:
+        bias_mask = load_bias_mask(bias_ptr, mask_ptr, bias_ptr, 0.0, h, w, idx, idx,
+                                   stride_bias_h, stride_bias_i, stride_bias_j,
+                                   stride_mask_w, stride_mask_i, stride_mask_j,
+                                   N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N, False, False)
     dbias_acc = tl.zeros((BLOCK_N, BLOCK_N), tl.float32)
     dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
 

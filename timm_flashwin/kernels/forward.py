@@ -11,16 +11,16 @@ product with V is dropped (O = (P * keep / (1 - p)) V, as timm's attn_drop appli
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_window_qk, load_window_rows, logits_tile,
-                    mask_kind_launch, mma, row_norms, store_window_rows, window_in_one_region,
-                    window_rows, window_run)
+from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_table_bias_mask, load_window_qk,
+                    load_window_rows, logits_tile, mask_kind_launch, mma, row_norms, store_window_rows,
+                    window_in_one_region, window_rows, window_run)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "map_windows",
                              "windows_x", "map_height", "map_width", "shift_h", "shift_w"])
 def window_attention_fwd_kernel(
-    qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
-    scale, dropout_p,
+    qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr,
+    seed_ptr, scale, dropout_p,
     stride_qkv_b, stride_qkv_n, stride_qkv_c,
     stride_out_b, stride_out_n, stride_out_c,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
@@ -32,11 +32,15 @@ def window_attention_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
     FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
-    FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr, WINDOW_W: tl.constexpr,
+    FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr, WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr,
+    BIAS_SIGMOID: tl.constexpr,
 ):
     """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) (MAPPED: the
     feature-map layout, (B, H*W, H*D) as qkv, windows WINDOW_W tokens wide, ``tiles.window_rows``)
     and, with
+    BIAS_TABLE (windows of one key block): the bias read from its table (T, H) at bias_ptr,
+    rows stride_bias_i apart, heads stride_bias_h, through the (N, N) index at
+    bias_index_ptr, BIAS_SIGMOID its sigmoid scale or 0 (``tiles.load_table_bias_mask``); and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
     row max of the log2 logits, stats[1] 1 / sum(exp2(logits - max)), each (B_, H, N),
     and for cosine attention stats[2] the rows' P-weighted mean score
@@ -72,27 +76,29 @@ def window_attention_fwd_kernel(
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
         if window_in_one_region(mask_info_ptr, w, FROM_REGIONS, ONE_REGION_LOOP):
-            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value,
+            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value,
                             seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                             stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, STORE_STATS,
-                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W)
+                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W, BIAS_TABLE,
+                            BIAS_SIGMOID)
         else:
-            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value,
+            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value,
                             seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                             stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
-                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W)
+                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W, BIAS_TABLE,
+                            BIAS_SIGMOID)
 
 
 @triton.jit
-def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed,
+def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value, seed,
                     logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                     stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
                     stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
@@ -103,7 +109,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
                     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                     STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_REGIONS: tl.constexpr,
                     BIAS_LOG2E: tl.constexpr, FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr,
-                    WINDOW_W: tl.constexpr):
+                    WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr, BIAS_SIGMOID: tl.constexpr):
     """The forward of one program's query block over its run of windows.
 
     FLAT_LOOP: one loop over (window, key block) steps, each window's last step storing its
@@ -113,7 +119,12 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, mask_ptr, regions_ptr
     fetches them while the previous window ends, but loads the q tile at every step
     (config.LaunchConfig.flat_loop says where each is faster)."""
     NUM_KEY_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    if NUM_KEY_BLOCKS == 1:  # one bias+mask tile for all the program's windows
+    tl.static_assert(NUM_KEY_BLOCKS == 1 or not BIAS_TABLE, "the bias is read from its table in one-tile windows only")
+    if NUM_KEY_BLOCKS == 1 and BIAS_TABLE:  # one bias+mask tile for all the program's windows
+        bias_mask = load_table_bias_mask(bias_ptr, bias_index_ptr, mask_ptr, h, w, rows, cols, stride_bias_i,
+                                         stride_bias_h, stride_mask_w, stride_mask_i, stride_mask_j,
+                                         N, HAS_MASK, BLOCK_N, BIAS_SIGMOID)
+    elif NUM_KEY_BLOCKS == 1:
         bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                                    stride_bias_h, stride_bias_i, stride_bias_j,
                                    stride_mask_w, stride_mask_i, stride_mask_j,

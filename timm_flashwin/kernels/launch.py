@@ -108,11 +108,17 @@ def _fp32_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or config.INTERPRET
 
 
-def _bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], qkv: torch.Tensor):
+def _bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], qkv: torch.Tensor,
+                    table: bool = False):
     """Pointers and strides of the bias, (H, N, N) or with the mask folded in (nW, H, N, N)
     (``streamed_bias``), and of the mask (nW, N, N); a dummy where absent. The bias's
     strides are (window, head, row, column), 0 along a dimension of one (a bias without
-    windows serves every window, a folded mask without a bias every head)."""
+    windows serves every window, a folded mask without a bias every head). ``table``: the
+    bias is a table (T, H) read through an index (``tiles.load_table_bias_mask``): its head
+    stride and its rows' stride in the head and row places."""
+    if table:
+        return bias, mask if mask is not None else qkv, (0, bias.stride(1), bias.stride(0), 0), (
+            mask.stride() if mask is not None else (0, 0, 0))
     bias_ptr = bias if bias is not None else qkv
     mask_ptr = mask if mask is not None else qkv
     if bias is None:
@@ -359,6 +365,8 @@ def attention_forward(
     seed: Optional[torch.Tensor] = None,
     save_stats: bool = True,
     grid: Optional[WindowGrid] = None,
+    table_index: Optional[torch.Tensor] = None,
+    table_sigmoid: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns out (B_, N, H*D) in qkv's dtype, the softmax statistics (fp32,
     ``softmax_stats_shape``; empty without ``save_stats``, where no backward follows)
@@ -367,11 +375,17 @@ def attention_forward(
     it, (H,) (the kernels clamp and exponentiate it), None for V1. ``seed``: a
     one-element int64 tensor, with dropout_p > 0. ``grid``: qkv is in the feature-map layout
     (B, H*W, 3*H*D) of that ``WindowGrid``; out is then (B, H*W, H*D), and window
-    b = image * nW + w as in the partitioned layout."""
+    b = image * nW + w as in the partitioned layout. ``table_index``: ``bias`` is a table (T, H)
+    and this (N, N) int32 contiguous index says which of its rows each token pair reads,
+    ``table_sigmoid`` the sigmoid scale (0: none), read in the kernel (``reads_table``)."""
     num_windows, n, channels = _windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
     tiles = config.forward_config(n, head_dim, qkv.dtype, cosine, dropout_p > 0,
                                   reads_mask_apart(mask, qkv.dtype, num_heads, n))
+    table = table_index is not None
+    if table and n > tiles.block_n:
+        raise ValueError(f"window_attention: the bias is read from its table in windows of one tile, N = {n} is "
+                         f"more (reads_table)")
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
     used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads)
     if used:
@@ -391,10 +405,11 @@ def attention_forward(
     # the kernel reads its bias tile once per program where a window is one key block, else streams it
     read_bias, read_mask, bias_log2e = (streamed_bias(bias, mask, qkv.dtype, num_heads) if n > tiles.block_n
                                         else (bias, mask, False))
-    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv)
+    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv, table)
     for from_regions in _mask_kinds(mask_regions, mask):
         launcher(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
-            qkv, out, stats, bias_ptr, mask_ptr, regions if mask_regions else qkv, mask_info if mask_regions else qkv,
+            qkv, out, stats, bias_ptr, table_index if table else qkv, mask_ptr, regions if mask_regions else qkv,
+            mask_info if mask_regions else qkv,
             logit_scale if logit_scale is not None else qkv,
             seed if dropout_p > 0 else qkv,
             scale, dropout_p,
@@ -406,7 +421,7 @@ def attention_forward(
             FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
             MASK_REGIONS=mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=bias_log2e,
             ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, **_layout_flags(grid),
-            **launch_options(tiles, dropout_p > 0),
+            BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid), **launch_options(tiles, dropout_p > 0),
         )
     return out, stats, regions, mask_info
 
@@ -428,6 +443,14 @@ def _grid_args(grid: Optional[WindowGrid]) -> Tuple[int, ...]:
 def _layout_flags(grid: Optional[WindowGrid]) -> dict:
     """The constexprs of the layout: MAPPED, and the window's width (``tiles.window_rows``)."""
     return dict(MAPPED=grid is not None, WINDOW_W=grid.window[1] if grid is not None else 1)
+
+
+def reads_table(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool) -> bool:
+    """Whether the kernels of both passes read a position bias from its table for this
+    shape (``table_index``): where a whole window is one tile of the forward and of the
+    backward (the kernels that stream key blocks read the dense bias, or a copy of it)."""
+    return (n <= config.forward_config(n, head_dim, dtype, cosine, dropout).block_n
+            and config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
 
 
 def maps_windows(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, backward: bool) -> bool:
@@ -480,17 +503,24 @@ def attention_backward(
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
     grid: Optional[WindowGrid] = None,
+    table_index: Optional[torch.Tensor] = None,
+    table_sigmoid: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Takes the forward's out, stats, regions and mask_info; regenerates the forward's
     dropout from the same ``seed``. Returns dqkv (qkv's shape, contiguous), dbias (H, N, N)
     fp32 and d(logit_scale) (H,) fp32; the last two are empty when not asked for.
-    ``grid``: as the forward's, where ``maps_windows`` allows it."""
+    ``grid``: as the forward's, where ``maps_windows`` allows it; ``table_index`` and
+    ``table_sigmoid``: as the forward's (the bias gradient is still the dense one)."""
     num_windows, n, channels = _windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
     tiles = config.backward_config(n, head_dim, qkv.dtype, cosine)
     if grid is not None and not tiles.single_tile(n):
         raise ValueError(f"window_attention backward: the feature-map layout needs windows of one tile, N = {n} "
                          f"is more (maps_windows)")
+    table = table_index is not None
+    if table and not tiles.single_tile(n):
+        raise ValueError(f"window_attention backward: the bias is read from its table in windows of one tile, "
+                         f"N = {n} is more (reads_table)")
     # region ids computed by the forward, for the kernels that stream key blocks
     mask_regions = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads) and not tiles.single_tile(n)
     if not mask_regions:
@@ -503,7 +533,7 @@ def attention_backward(
         read_bias, read_mask, bias_log2e = bias, mask, False
     else:
         read_bias, read_mask, bias_log2e = streamed_bias(bias, mask, qkv.dtype, num_heads)
-    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv)
+    bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv, table)
     scale_grad = scale_grad and cosine
     logit_scale_ptr = logit_scale if logit_scale is not None else qkv
     seed_ptr = seed if dropout_p > 0 else qkv
@@ -518,10 +548,10 @@ def attention_backward(
         dbias = qkv.new_empty((groups, num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
         dscale = qkv.new_empty((groups, num_heads) if scale_grad else (0,), dtype=torch.float32)
         launcher(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
-            qkv, dout, bias_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
+            qkv, dout, bias_ptr, table_index if table else qkv, mask_ptr, logit_scale_ptr, seed_ptr,
             dqkv, dbias, dscale, scale, dropout_p, *strides, periods, per_period, per_chunk, *_grid_args(grid),
             BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
-            **_layout_flags(grid),
+            **_layout_flags(grid), BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid),
             **launch_options(tiles, dropout_p > 0), **flags,
         )
         return dqkv, dbias.sum(0) if bias_grad else dbias, dscale.sum(0) if scale_grad else dscale

@@ -347,6 +347,40 @@ def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols
             bm = bm * LOG2E
     else:
         bm = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    return add_mask(bm, mask_ptr, regions_ptr, mask_value, w, rows, cols, stride_mask_w, stride_mask_i, stride_mask_j,
+                    N, HAS_MASK, BLOCK_N, FROM_REGIONS)
+
+
+@triton.jit
+def load_table_bias_mask(table_ptr, index_ptr, mask_ptr, h, w, rows, cols, stride_table_t, stride_table_h,
+                         stride_mask_w, stride_mask_i, stride_mask_j,
+                         N: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, SIGMOID_SCALE: tl.constexpr):
+    """``load_bias_mask``'s tile (dense mask) with the bias read from its table: B[h, i, j] =
+    table[index[i, j], h], or SIGMOID_SCALE * sigmoid(table[index[i, j], h]) in fp32 rounded
+    to the table's dtype (SIGMOID_SCALE a float, 0 for none): the values
+    ``launch.relative_bias_gather`` writes, scaled and masked in the same operations, so
+    the tile is bit for bit the one read from the gathered bias. table (T, H) with strides
+    (stride_table_t, stride_table_h); index (N, N) int32, contiguous.
+
+    For the one-tile kernels, which read their tile once per program: the gather (and the
+    sigmoid) costs once per program, not per window, and spares the gather's launch and the
+    dense bias kept between the passes."""
+    inside = (rows[:, None] < N) & (cols[None, :] < N)
+    pairs = tl.load(index_ptr + rows[:, None] * N + cols[None, :], mask=inside, other=0)
+    bias = tl.load(table_ptr + pairs * stride_table_t + h * stride_table_h, mask=inside, other=0.0)
+    if SIGMOID_SCALE != 0:  # 0 on padded tokens, as the gathered bias is read there
+        bias = tl.where(inside, (SIGMOID_SCALE * tl.sigmoid(bias.to(tl.float32))).to(table_ptr.dtype.element_ty), 0.0)
+    bm = bias.to(tl.float32) * LOG2E
+    return add_mask(bm, mask_ptr, mask_ptr, 0.0, w, rows, cols, stride_mask_w, stride_mask_i, stride_mask_j,
+                    N, HAS_MASK, BLOCK_N, False)
+
+
+@triton.jit
+def add_mask(bm, mask_ptr, regions_ptr, mask_value, w, rows, cols, stride_mask_w, stride_mask_i, stride_mask_j,
+             N: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, FROM_REGIONS: tl.constexpr):
+    """The bias tile ``bm`` (times log2(e)) plus M[w] * log2(e) (``load_bias_mask``), -inf
+    on padded columns."""
+    inside = (rows[:, None] < N) & (cols[None, :] < N)
     if HAS_MASK:
         if FROM_REGIONS:
             region_rows = tl.load(regions_ptr + w * N + rows, mask=rows < N, other=0)
