@@ -346,20 +346,22 @@ def window_attention(
     table_bias = isinstance(bias, TableBias)
     save_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (qkv, bias.table if table_bias else bias, logit_scale))
-    if grid is not None and not (uses_kernels(qkv) and dispatch_free(qkv)
-                                 and maps_windows(n, head_dim, qkv.dtype, logit_scale is not None, save_stats)):
+    kernels = uses_kernels(qkv)
+    # the eager path: the kernels launched here, without the registered operators' dispatch
+    eager = kernels and dispatch_free(qkv)
+    if grid is not None and not (eager and maps_windows(n, head_dim, qkv.dtype, logit_scale is not None, save_stats)):
         windows = window_attention(grid.partition(qkv), num_heads, bias=bias, mask=mask, scale=scale,
                                    logit_scale=logit_scale, dropout_p=dropout_p)
         return grid.merge(windows)
     table_gather = None
-    if table_bias and uses_kernels(qkv) and dispatch_free(qkv) and dispatch_free(bias.table):
+    if table_bias and eager and dispatch_free(bias.table):
         # read from its table by the kernels, or gathered, and its table's gradient summed, in the
         # eager path's own node
         in_kernels = reads_table(n, head_dim, qkv.dtype, logit_scale is not None, dropout_p > 0)
         table_gather, bias = TableGather.of(bias, in_kernels), bias.table
     elif table_bias:
         bias = bias.dense()
-    if not uses_kernels(qkv):
+    if not kernels:
         return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
                                           dropout_p=dropout_p)
     if table_gather is None and bias is not None and bias.dim() == 4:
@@ -370,7 +372,7 @@ def window_attention(
     seed = draw_dropout_seed(qkv.device) if dropout_p > 0 else None
     inputs = (qkv, num_heads, bias, mask, logit_scale, float(scale) if scale is not None else 1.0,
               logit_scale is not None, dropout_p, seed, save_stats)
-    if not dispatch_free(qkv):
+    if not eager:
         return window_attention_fwd(*inputs)[0]
     if save_stats:
         return _EagerWindowAttention.apply(*inputs, grid, table_gather)[0]
