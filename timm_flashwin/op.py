@@ -25,7 +25,6 @@ from .reference import window_attention_reference
 from .window_grid import WindowGrid
 
 
-
 # --------------------------------------------------------------------------- operators
 def _forward_impl(
     qkv: torch.Tensor,
@@ -317,8 +316,9 @@ def window_attention(
             fastest: rows are then 16-byte aligned); N in [1, 1024].
         bias: (H, N, N) or (1, H, N, N), qkv's dtype or float32; gets a gradient. Or a
             ``TableBias`` (a table (T, H) of qkv's dtype or float32 and an (N, N) index into
-            it, timm's relative-position bias): the same values, gathered within the op,
-            and the table gets the gradient (in eager mode with one autograd node fewer).
+            it, timm's relative-position bias): the same values, and the table gets the
+            gradient; in eager mode within the op's one autograd node, the kernels of
+            windows up to 64 tokens reading the table themselves.
         mask: (nW, N, N) additive float mask (timm's 0/-100, -inf works); B_ % nW == 0.
             Takes no gradient.
         scale: V1 score scale (a Python float).

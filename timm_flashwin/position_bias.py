@@ -15,6 +15,12 @@ benchmarks/profile_step.py), the pairs of a module's index sorted once, when the
 traced (``constant_index``), other indices' pairs sorted in the graph at every step;
 without a gradient there, and on plain CPU tensors, it is the PyTorch expression itself.
 SwinV2's 16 * sigmoid(table[index]) runs in the same kernels (``sigmoid_scale``).
+
+``TableBias(table, index, ...)`` is the same bias handed to ``window_attention`` ungathered:
+in eager mode the op reads it within its own autograd node (``TableGather``: the attention
+kernels of one-tile windows read the table through the index themselves, larger windows
+take the gather kernel's bias) and sums the table's gradient with the same kernel;
+elsewhere it is ``gather_position_bias``'s.
 """
 from __future__ import annotations
 
