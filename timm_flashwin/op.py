@@ -59,8 +59,10 @@ def _backward_impl(
     dropout_p: float,
     seed: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, num_heads, scale,
-                              cosine, bias_grad, scale_grad, dropout_p, seed)
+    dqkv, dbias, dscale = attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale,
+                                             num_heads, scale, cosine, bias_grad, scale_grad, dropout_p, seed)
+    # the two are views of one sum (launch.attention_backward); an operator's outputs may not alias
+    return dqkv, dbias, dscale.clone() if bias_grad and scale_grad else dscale
 
 
 def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats=True):

@@ -151,6 +151,7 @@ def window_attention_bwd_fused_kernel(
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
+    stride_partial_group,
     num_periods, windows_per_period, windows_per_program,
     map_windows, windows_x, map_height, map_width, shift_h, shift_w,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
@@ -161,6 +162,10 @@ def window_attention_bwd_fused_kernel(
 ):
     """Grid: (H * nW * window chunks,). One whole window per tile. MAPPED: qkv, dout and dqkv
     in the feature-map layout, windows WINDOW_W tokens wide (``tiles.window_rows``).
+    Each program group (the H programs of one mask window and chunk) writes its partial bias
+    gradient (H, N, N) at dbias_partial_ptr and its partial logit-scale gradient (H,) at
+    dscale_partial_ptr, both stride_partial_group apart from group to group (the launcher
+    lays the two out in one buffer, which one reduction sums).
     BIAS_TABLE: the bias read from its table through the index at bias_index_ptr, as the
     forward reads it (``tiles.load_table_bias_mask``); its gradient is still the dense (H, N, N)
     partial sums, which the table's gradient kernel sums per table row."""
@@ -221,10 +226,11 @@ def window_attention_bwd_fused_kernel(
             dscale_acc += tl.sum(ds * key_scaled, 1) * q_inv  # sum_j dZ_ij R_ij
 
     if BIAS_GRAD:
-        ptrs = dbias_partial_ptr + ((group * H + h) * N + idx[:, None]) * N + idx[None, :]
+        ptrs = dbias_partial_ptr + group * stride_partial_group + (h * N + idx[:, None]) * N + idx[None, :]
         tl.store(ptrs, dbias_acc, mask=(idx[:, None] < N) & (idx[None, :] < N))
     if SCALE_GRAD:
-        tl.store(dscale_partial_ptr + group * H + h, logit_scale_grad(tl.sum(dscale_acc, 0), s, logit_scale_ptr, h))
+        tl.store(dscale_partial_ptr + group * stride_partial_group + h,
+                 logit_scale_grad(tl.sum(dscale_acc, 0), s, logit_scale_ptr, h))
 
 
 @triton.jit

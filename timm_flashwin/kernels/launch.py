@@ -508,7 +508,8 @@ def attention_backward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Takes the forward's out, stats, regions and mask_info; regenerates the forward's
     dropout from the same ``seed``. Returns dqkv (qkv's shape, contiguous), dbias (H, N, N)
-    fp32 and d(logit_scale) (H,) fp32; the last two are empty when not asked for.
+    fp32 and d(logit_scale) (H,) fp32; the last two are empty when not asked for (and, for
+    windows of one tile, views of one tensor).
     ``grid``: as the forward's, where ``maps_windows`` allows it; ``table_index`` and
     ``table_sigmoid``: as the forward's (the bias gradient is still the dense one)."""
     num_windows, n, channels = _windows_tokens_channels(qkv, grid)
@@ -545,16 +546,23 @@ def attention_backward(
         chunks, per_chunk = config.split_windows(per_period, num_heads * periods,
                                                  config.target_programs(qkv.device, tiles.programs_per_sm))
         groups = chunks * periods
-        dbias = qkv.new_empty((groups, num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
-        dscale = qkv.new_empty((groups, num_heads) if scale_grad else (0,), dtype=torch.float32)
+        # each program group's partial gradients of the bias (H*N*N) and the logit scale (H), side
+        # by side in one row of one buffer: one reduction sums both (a launch fewer per layer
+        # with cosine attention)
+        bias_size, scale_size = num_heads * n * n if bias_grad else 0, num_heads if scale_grad else 0
+        partials = qkv.new_empty((groups, bias_size + scale_size), dtype=torch.float32)
         launcher(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
             qkv, dout, bias_ptr, table_index if table else qkv, mask_ptr, logit_scale_ptr, seed_ptr,
-            dqkv, dbias, dscale, scale, dropout_p, *strides, periods, per_period, per_chunk, *_grid_args(grid),
+            dqkv, partials, partials[:, bias_size:] if scale_grad else partials, scale, dropout_p, *strides,
+            partials.stride(0), periods, per_period, per_chunk, *_grid_args(grid),
             BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
             **_layout_flags(grid), BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid),
             **launch_options(tiles, dropout_p > 0), **flags,
         )
-        return dqkv, dbias.sum(0) if bias_grad else dbias, dscale.sum(0) if scale_grad else dscale
+        sums = partials.sum(0) if bias_grad or scale_grad else partials.new_empty((0,))
+        empty = sums.new_empty((0,))
+        return (dqkv, sums[:bias_size].view(num_heads, n, n) if bias_grad else empty,
+                sums[bias_size:] if scale_grad else empty)
 
     if stats.dim() != 4:  # (0,): not (2 or 3, B_, H, N); a static check, no guard when traced
         raise RuntimeError("window_attention backward: the forward saved no softmax statistics (it ran where "
