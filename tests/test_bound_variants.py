@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from common import gathered_bias  # noqa: E402
 from profile_step import WINDOW_METHODS, attention_free, window_free  # noqa: E402
 
+from test_patching import autograd_nodes  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 
@@ -75,13 +76,7 @@ def test_gathered_bias_variant_gathers_apart_with_the_same_values(family):
     def step(name):
         def run():
             out = model(x)
-            seen, stack = set(), [out.grad_fn]
-            while stack:  # every node of the graph
-                node = stack.pop()
-                if node is not None and node not in seen:
-                    seen.add(node)
-                    stack.extend(fn for fn, _ in node.next_functions)
-            results[name] = out.detach(), {type(node).__name__ for node in seen}
+            results[name] = out.detach(), set(autograd_nodes(out))
         return run
 
     step("within")()

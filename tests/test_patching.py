@@ -262,7 +262,7 @@ def test_blocks_read_their_windows_from_the_map_until_unpatched(monkeypatch):
     assert [type(b) for b in blocks] == [SWIN_V1_BLOCK] * 4 and is_patched(ours)
 
 
-def _autograd_nodes(out: torch.Tensor) -> list:
+def autograd_nodes(out: torch.Tensor) -> list:
     """Names of the nodes of ``out``'s autograd graph."""
     seen, stack, names = set(), [out.grad_fn], []
     while stack:
@@ -283,7 +283,7 @@ def test_training_gathers_the_position_bias_within_the_op(name, kwargs):
     """V1 and SwinV2 modules hand the op their bias table (``TableBias``): in eager training
     one autograd node per attention, none for a gather of its own."""
     model = patch_model(create(name, **kwargs)).train()
-    nodes = _autograd_nodes(model(images(1, (kwargs["img_size"],) * 2)))
+    nodes = autograd_nodes(model(images(1, (kwargs["img_size"],) * 2)))
     assert nodes.count("_EagerWindowAttentionBackward") == 4
     assert "_GatherFromTableBackward" not in nodes and "IndexBackward0" not in nodes
 

@@ -20,7 +20,7 @@ from .dispatch import KERNEL_DTYPES, direct_launches, dispatch_free, register_op
 from .kernels import config
 from .kernels.launch import (attention_backward, attention_forward, maps_windows, mask_regions_shapes,
                              mask_regions_used, reads_table, softmax_stats_shape)
-from .position_bias import TableBias, TableGather
+from .position_bias import TableBias, TableGather, check_sigmoid_scale
 from .reference import window_attention_reference
 from .window_grid import WindowGrid
 
@@ -259,6 +259,7 @@ def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=No
             _fail(ValueError, "bias.index", f"of shape (N, N) = {(n, n)}", f"shape {tuple(index.shape)}")
         if index.device != qkv.device:
             _fail(ValueError, "bias.index", f"on qkv's device {qkv.device}", index.device)
+        check_sigmoid_scale(bias.sigmoid_scale, "window_attention")
     elif bias is not None:
         _check_tensor("bias", bias, (3, 4), qkv, param_dtypes)
         if tuple(bias.shape[-3:]) != (num_heads, n, n) or (bias.dim() == 4 and bias.shape[0] != 1):

@@ -80,25 +80,23 @@ def _traced_table_rows(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor
 
 
 class _GatherFromTable(torch.autograd.Function):
-    """The eager path: the operators' kernels without their dispatch, the pairs sorted once."""
+    """The eager path: the operators' kernels without their dispatch, the pairs sorted once
+    (``TableGather``, as the op's eager path reads a ``TableBias``)."""
 
     @staticmethod
-    def forward(ctx, table: torch.Tensor, index: torch.Tensor, rows: TableRows, sigmoid_scale: float
-                ) -> torch.Tensor:
-        ctx.rows, ctx.num_rows, ctx.table_dtype, ctx.sigmoid_scale = rows, table.shape[0], table.dtype, sigmoid_scale
-        if sigmoid_scale:
+    def forward(ctx, table: torch.Tensor, table_gather: "TableGather") -> torch.Tensor:
+        ctx.table_gather, ctx.table_dtype = table_gather, table.dtype
+        if table_gather.sigmoid_scale:
             ctx.save_for_backward(table)
         with direct_launches():
-            return relative_bias_gather(table, index, sigmoid_scale)
+            return table_gather.gather(table)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        table = ctx.saved_tensors[0] if ctx.sigmoid_scale else None
+        table = ctx.saved_tensors[0] if ctx.table_gather.sigmoid_scale else None
         with direct_launches():
-            dtable = relative_bias_table_grad(grad, ctx.rows.order, ctx.rows.offsets, ctx.num_rows, ctx.table_dtype,
-                                              table=table, sigmoid_scale=ctx.sigmoid_scale)
-        return dtable, None, None, None
+            return ctx.table_gather.table_grad(grad, ctx.table_dtype, table), None
 
 
 # ----------------------------------------------------------------- registered operators
@@ -146,6 +144,13 @@ gather_position_bias_op.register_autograd(_gather_backward, setup_context=_gathe
 
 
 # ----------------------------------------------------------------------- public function
+def check_sigmoid_scale(sigmoid_scale: Optional[float], caller: str) -> None:
+    """A ``sigmoid_scale`` is None or a finite nonzero real (not a bool)."""
+    if sigmoid_scale is not None and (isinstance(sigmoid_scale, bool) or not isinstance(sigmoid_scale, Real)
+                                      or not math.isfinite(sigmoid_scale) or sigmoid_scale == 0):
+        raise ValueError(f"{caller}: `sigmoid_scale` must be None or a finite nonzero float, got {sigmoid_scale!r}")
+
+
 def _check_table_index(table: torch.Tensor, index: torch.Tensor, sigmoid_scale: Optional[float]) -> None:
     if not isinstance(index, torch.Tensor) or index.dim() != 2 or index.shape[0] != index.shape[1]:
         raise ValueError(f"gather_position_bias: `index` must be of shape (N, N), got "
@@ -153,10 +158,7 @@ def _check_table_index(table: torch.Tensor, index: torch.Tensor, sigmoid_scale: 
     if not isinstance(table, torch.Tensor) or table.dim() != 2:
         raise ValueError(f"gather_position_bias: `table` must be of shape (rows, heads), got "
                          f"{tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__}")
-    if sigmoid_scale is not None and (isinstance(sigmoid_scale, bool) or not isinstance(sigmoid_scale, Real)
-                                      or not math.isfinite(sigmoid_scale) or sigmoid_scale == 0):
-        raise ValueError(f"gather_position_bias: `sigmoid_scale` must be None or a finite nonzero float, "
-                         f"got {sigmoid_scale!r}")
+    check_sigmoid_scale(sigmoid_scale, "gather_position_bias")
 
 
 def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_index: bool = False,
@@ -182,7 +184,8 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
         grad = table.requires_grad and torch.is_grad_enabled()
         if grad:
             if dispatch_free(table):
-                return _GatherFromTable.apply(table, index, TableRows.of(index, table.shape[0]), scale)
+                return _GatherFromTable.apply(table, TableGather(index, TableRows.of(index, table.shape[0]),
+                                                                 table.shape[0], scale, False))
             if constant_index and torch.compiler.is_compiling():
                 order, offsets = _traced_table_rows(index, table.shape[0])
             else:
@@ -251,8 +254,8 @@ class TableGather:
 
     @staticmethod
     def of(bias: TableBias, in_kernels: bool) -> "TableGather":
+        """Of a ``TableBias`` that ``window_attention`` has validated."""
         table, index, scale = bias.table, bias.index, bias.sigmoid_scale
-        _check_table_index(table, index, scale)
         return TableGather(index, TableRows.of(index, table.shape[0]), table.shape[0],
                            float(scale) if scale is not None else 0.0, in_kernels)
 
