@@ -42,6 +42,22 @@ def host_us_per_call(fn, calls: int, warmup: int = 5) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def timm_meta_mlp(step):
+    """``step`` with the SwinV2-CR adapter computing its bias with timm's meta_mlp layers
+    (``module._relative_positional_encodings()``), as before ``position_mlp_table`` took
+    it: the variant ``flashwin-timm-meta-mlp`` of profile_step.py."""
+    from timm_flashwin.adapters import swinv2_cr
+
+    def run():
+        fusable = swinv2_cr.fusable_meta_mlp
+        swinv2_cr.fusable_meta_mlp = lambda mlp: False
+        try:
+            step()
+        finally:
+            swinv2_cr.fusable_meta_mlp = fusable
+    return run
+
+
 def gathered_bias(step):
     """``step`` with the V1 and SwinV2 adapters handing the op their bias gathered
     beforehand (``TableBias.dense()``: a gather of its own, autograd node and kernel launch,

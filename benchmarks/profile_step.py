@@ -23,7 +23,9 @@ is the patched model with timm's roll, partition, merge and roll-back copies aro
 modules (``patch_model(..., feature_map=False)``), to measure what reading the windows in
 place saves; ``flashwin-gathered-bias`` is the patched model with its V1 and SwinV2 position
 biases gathered before the op (``common.gathered_bias``), to measure what reading them from
-their tables within the op saves. Two variants bound
+their tables within the op saves; ``flashwin-timm-meta-mlp`` is the patched model with
+SwinV2-CR's bias computed by timm's meta_mlp layers (``common.timm_meta_mlp``), to measure
+what ``position_mlp_table`` saves there. Two variants bound
 what any implementation can give: ``attention-free`` (every attention module computes
 proj(qkv(x)[..., :C]), nothing between the projections) and ``window-free`` (the same on the
 unpartitioned feature map, without timm's shift, partition and merge around it).
@@ -43,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
-from common import cuda_kernel_times, gathered_bias, write_json  # noqa: E402
+from common import cuda_kernel_times, gathered_bias, timm_meta_mlp, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
@@ -160,7 +162,7 @@ def main() -> None:
                         help="torch._inductor.config options for the run (Python literals)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"],
-                        choices=["timm", "flashwin", "flashwin-partitioned", "flashwin-gathered-bias",
+                        choices=["timm", "flashwin", "flashwin-partitioned", "flashwin-gathered-bias", "flashwin-timm-meta-mlp",
                                  "flashwin-static", "flashwin-triton-launch", "attention-free", "window-free"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -196,6 +198,8 @@ def main() -> None:
             steps[variant] = _through_triton(steps[variant])
         elif variant == "flashwin-gathered-bias":
             steps[variant] = gathered_bias(steps[variant])
+        elif variant == "flashwin-timm-meta-mlp":
+            steps[variant] = timm_meta_mlp(steps[variant])
         # compiled (forward and backward) in the first steps, with the variant's options
         with inductor_config.patch(VARIANT_INDUCTOR_OPTIONS.get(variant, {})):
             for _ in range(5):

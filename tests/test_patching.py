@@ -288,6 +288,28 @@ def test_training_gathers_the_position_bias_within_the_op(name, kwargs):
     assert "_GatherFromTableBackward" not in nodes and "IndexBackward0" not in nodes
 
 
+def test_training_computes_the_meta_mlp_bias_in_one_node():
+    """SwinV2-CR modules compute their meta_mlp bias with ``position_mlp_table`` in eager
+    training: one autograd node per attention for it, none of timm's linear layers, ReLU or
+    dropout; in eval mode the same values (no dropout) as timm's method."""
+    kwargs = dict(img_size=(56, 56), window_size=7, depths=(2, 2), embed_dim=48, num_heads=(3, 6))
+    model = create("swinv2_cr_tiny_224", **kwargs)
+    ours = patch_model(copy.deepcopy(model)).train()
+    nodes = autograd_nodes(ours(images(1, (56, 56))))
+    timm_nodes = autograd_nodes(model.train()(images(1, (56, 56))))
+    assert nodes.count("_PositionMLPBackward") == 4
+    # meta_mlp's two linear layers in each of the 4 modules; its ReLU and dropout are the only ones
+    assert nodes.count("AddmmBackward0") == timm_nodes.count("AddmmBackward0") - 8
+    assert timm_nodes.count("ReluBackward0") == 4 and "ReluBackward0" not in nodes
+    assert not {"NativeDropoutBackward0", "MulBackward0"} & set(nodes)
+    from timm_flashwin.adapters.swinv2_cr import SwinV2CRAdapter
+    with torch.no_grad():
+        expected = model.stages[0].blocks[0].attn.eval()._relative_positional_encodings()[0]
+        got = SwinV2CRAdapter().position_bias(ours.stages[0].blocks[0].attn.eval())
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_padded_maps_and_dynamic_masks(train, monkeypatch):
     """dynamic_img_size: every block builds its mask per call (timm's dynamic_mask). At 84

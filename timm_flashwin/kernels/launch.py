@@ -722,41 +722,72 @@ _MLP_ROWS_PER_PROGRAM = 256
 _MLP_MIN_HEADS_BLOCK = 16
 
 
-def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """relu(coords @ w1^T + b1) @ w2^T, (T, H) fp32, from coords (T, 2), w1 (K, 2), b1 (K,)
-    and w2 (H, K) of any float dtypes and strides."""
+def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                       b2: Optional[torch.Tensor] = None, dropout_mask: Optional[torch.Tensor] = None,
+                       dropout_p: float = 0.0, heads_first: bool = False) -> torch.Tensor:
+    """dropout(relu(coords @ w1^T + b1)) @ w2^T + b2, fp32, from coords (T, 2), w1 (K, 2), b1
+    (K,), w2 (H, K) and b2 (H,) or None, of any float dtypes and strides; the dropout where
+    ``dropout_mask`` (T, K) is given: the hidden units where it is nonzero, times 1 / (1 -
+    dropout_p). (T, H), or (H, T) where ``heads_first``."""
     num_rows, heads, hidden = coords.shape[0], w2.shape[0], w1.shape[0]
-    out = coords.new_empty((num_rows, heads), dtype=torch.float32)
+    out = coords.new_empty((heads, num_rows) if heads_first else (num_rows, heads), dtype=torch.float32)
+    out_strides = out.stride()[::-1] if heads_first else out.stride()
     block_t, block_k, warps = _MLP_FORWARD
     block_h = _heads_block(heads, _MLP_MIN_HEADS_BLOCK)
     launcher(position_mlp_fwd_kernel)[(-(-num_rows // block_t),)](
-        coords, w1, b1, w2, out, num_rows, hidden, *coords.stride(), *w1.stride(), *w2.stride(), *out.stride(),
-        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=block_h, **compiler_options(warps),
+        coords, w1, b1, w2, b2 if b2 is not None else w2, _keep(dropout_mask, w2), out, num_rows, hidden,
+        _keep_scale(dropout_p), *coords.stride(), *w1.stride(), *w2.stride(), *_keep_strides(dropout_mask),
+        *out_strides,
+        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=block_h, HAS_B2=b2 is not None,
+        DROPOUT=dropout_mask is not None, **compiler_options(warps),
     )
     return out
 
 
 def position_mlp_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
-                       w2: torch.Tensor) -> torch.Tensor:
+                       w2: torch.Tensor, b2: Optional[torch.Tensor] = None, dropout_mask: Optional[torch.Tensor] = None,
+                       dropout_p: float = 0.0) -> torch.Tensor:
     """The gradients of ``position_mlp_table``'s weights given the gradient (T, H) of its
-    output, in one fp32 vector (3 K + H K,): dw1 (K, 2), db1 (K,), dw2 (H, K) one after the
-    other, row-major (``split_position_mlp_grads``)."""
+    output (any strides: the transpose of a heads-first table's), in one fp32 vector (3 K +
+    H K (+ H),): dw1 (K, 2), db1 (K,), dw2 (H, K) and, where there is a b2, db2 (H,), one
+    after the other, row-major (``split_position_mlp_grads``)."""
     num_rows, heads, hidden = coords.shape[0], w2.shape[0], w1.shape[0]
     block_t, block_k, warps = _MLP_BACKWARD
     block_h = _heads_block(heads, _MLP_MIN_HEADS_BLOCK)
     row_blocks = -(-num_rows // block_t)
     groups = -(-row_blocks // max(1, _MLP_ROWS_PER_PROGRAM // block_t))
     per_program = -(-row_blocks // groups)
-    partials = coords.new_empty((groups, (3 + heads) * hidden), dtype=torch.float32)
+    partials = coords.new_empty((groups, (3 + heads) * hidden + (heads if b2 is not None else 0)), dtype=torch.float32)
     launcher(position_mlp_bwd_kernel)[(groups, -(-hidden // block_k))](
-        grad, coords, w1, b1, w2, partials, num_rows, hidden, per_program, *grad.stride(), *coords.stride(),
-        *w1.stride(), *w2.stride(), partials.stride(0),
-        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=block_h, **compiler_options(warps),
+        grad, coords, w1, b1, w2, _keep(dropout_mask, w2), partials, num_rows, hidden, per_program,
+        _keep_scale(dropout_p), *grad.stride(), *coords.stride(), *w1.stride(), *w2.stride(),
+        *_keep_strides(dropout_mask), partials.stride(0),
+        H=heads, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_H=block_h, HAS_B2=b2 is not None,
+        DROPOUT=dropout_mask is not None, **compiler_options(warps),
     )
     return partials.view(-1) if groups == 1 else partials.sum(0)
 
 
-def split_position_mlp_grads(sums: torch.Tensor, hidden: int, heads: int
-                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dw1 (K, 2), db1 (K,), dw2 (H, K)), views of ``position_mlp_grads``'s vector."""
-    return sums[:2 * hidden].view(hidden, 2), sums[2 * hidden:3 * hidden], sums[3 * hidden:].view(heads, hidden)
+def _keep(dropout_mask: Optional[torch.Tensor], placeholder: torch.Tensor) -> torch.Tensor:
+    """The dropout mask as the kernels read it (a bool mask as bytes), or a tensor they do
+    not read."""
+    if dropout_mask is None:
+        return placeholder
+    return dropout_mask.view(torch.uint8) if dropout_mask.dtype == torch.bool else dropout_mask
+
+
+def _keep_strides(dropout_mask: Optional[torch.Tensor]) -> Tuple[int, int]:
+    return dropout_mask.stride() if dropout_mask is not None else (0, 0)
+
+
+def _keep_scale(dropout_p: float) -> float:
+    return 1.0 / (1.0 - dropout_p)
+
+
+def split_position_mlp_grads(sums: torch.Tensor, hidden: int, heads: int, has_b2: bool = False
+                             ) -> Tuple[torch.Tensor, ...]:
+    """(dw1 (K, 2), db1 (K,), dw2 (H, K)) and, ``has_b2``, db2 (H,): views of
+    ``position_mlp_grads``'s vector."""
+    dw1, db1 = sums[:2 * hidden].view(hidden, 2), sums[2 * hidden:3 * hidden]
+    dw2 = sums[3 * hidden:(3 + heads) * hidden].view(heads, hidden)
+    return (dw1, db1, dw2, sums[(3 + heads) * hidden:]) if has_b2 else (dw1, db1, dw2)
