@@ -60,8 +60,10 @@ def main() -> None:
     qkv = torch.randn(num_windows, n, 3 * heads * head_dim, requires_grad=True)
     bias = torch.randn(heads, n, n, requires_grad=True)
     mask = torch.zeros(num_windows, n, n)
-    inputs = (qkv, heads, bias, mask, None, head_dim ** -0.5, False, 0.0, None)
-    paths = {"operator": op.window_attention_fwd, "eager autograd.Function": op._EagerWindowAttention.apply}
+    inputs = (qkv, heads, bias, mask, None, head_dim ** -0.5, False, 0.0, None, True)
+    # the eager Function also takes the feature-map grid and the table gather (None: partitioned windows, dense bias)
+    paths = {"operator": op.window_attention_fwd,
+             "eager autograd.Function": lambda *args: op._EagerWindowAttention.apply(*args, None, None)}
     rows = []
     for name, forward in paths.items():
         def infer():
