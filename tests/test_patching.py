@@ -310,6 +310,26 @@ def test_training_computes_the_meta_mlp_bias_in_one_node():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_meta_mlp_training_after_an_inference_mode_call():
+    """A SwinV2-CR model in training mode called under torch.inference_mode first (its
+    dropout mask's ones then made there), then trained: its meta_mlp gradients are timm's,
+    drawn from the same seed."""
+    model = create("swinv2_cr_tiny_224", img_size=(56, 56), window_size=7, depths=(2, 2), embed_dim=48,
+                   num_heads=(3, 6))
+    ours = patch_model(copy.deepcopy(model)).train()
+    x = images(1, (56, 56))
+    with torch.inference_mode():
+        ours(x)
+    grad = torch.randn(1, model.num_classes, generator=torch.Generator().manual_seed(1))
+    for net in (ours, model.train()):
+        torch.manual_seed(1)
+        (net(x) * grad).sum().backward()
+    for name in ("fc1.weight", "fc1.bias", "fc2.weight"):
+        ours_grad = ours.stages[0].blocks[0].attn.meta_mlp.get_parameter(name).grad
+        timm_grad = model.stages[0].blocks[0].attn.meta_mlp.get_parameter(name).grad
+        assert relative_error(ours_grad, timm_grad) < 1e-4, name
+
+
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_padded_maps_and_dynamic_masks(train, monkeypatch):
     """dynamic_img_size: every block builds its mask per call (timm's dynamic_mask). At 84
