@@ -607,6 +607,28 @@ def test_compiles_whole_model_without_graph_break():
 
 
 
+def test_compiled_cr_training_computes_the_meta_mlp_bias_with_the_operators():
+    """Under torch.compile(fullgraph=True), a SwinV2-CR training step computes each module's
+    meta_mlp bias with the registered position-MLP operator (one graph, no break), its
+    dropout drawn in the graph (aot_eager keeps PyTorch's random numbers): the output and
+    every gradient of the eager patched model."""
+    model = patch_model(create("swinv2_cr_tiny_224", img_size=(56, 56), window_size=7, depths=(2, 2),
+                               embed_dim=48, num_heads=(3, 6))).train().to(KERNEL_DEVICE)
+    x = images(device=KERNEL_DEVICE)
+    grad = torch.randn(2, model.num_classes, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    torch._dynamo.reset()
+    graphs, results = [], []
+    for net in (torch.compile(model, fullgraph=True, backend=recording_backend(graphs)), model):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        out = net(x)
+        (out * grad).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert len(graphs) == 1 and sum("timm_flashwin.position_mlp_table" in t for t in graphs[0]) == 4
+    (compiled_out, compiled_grads), (eager_out, eager_grads) = results
+    torch.testing.assert_close(compiled_out, eager_out, rtol=1e-5, atol=1e-5)
+    assert all(relative_error(compiled_grads[n], g) < 1e-5 for n, g in eager_grads.items())
+
 def test_why_not_wrapt():
     """Why patching swaps classes instead of wrapping timm's forward with wrapt (as first
     designed): a module whose class forward is a wrapt wrapper, called from its parent,

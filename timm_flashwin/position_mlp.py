@@ -189,9 +189,13 @@ def meta_mlp_dropout_mask(mlp: nn.Module, coords: torch.Tensor) -> Optional[torc
         return None
     device_type = coords.device.type
     autocast = device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
-    dtype = torch.get_autocast_dtype(device_type) if autocast else torch.result_type(coords, mlp.fc1.weight)
-    key = (coords.shape[0], mlp.fc1.out_features, dtype, coords.device)
+    # timm's fc1 output: the autocast dtype, else its weight's (F.linear takes coordinates of that dtype)
+    dtype = torch.get_autocast_dtype(device_type) if autocast else mlp.fc1.weight.dtype
+    shape = (coords.shape[0], mlp.fc1.out_features)
+    if torch.compiler.is_compiling():  # in the graph: inductor fuses the ones into the dropout
+        return F.dropout(torch.ones(shape, dtype=dtype, device=coords.device), drop.p, training=True)
+    key = (*shape, dtype, coords.device)
     ones = _ONES.get(key)
     if ones is None:
-        ones = _ONES[key] = torch.ones(key[:2], dtype=dtype, device=coords.device)
+        ones = _ONES[key] = torch.ones(shape, dtype=dtype, device=coords.device)
     return F.dropout(ones, drop.p, training=True)

@@ -2,12 +2,13 @@
 
 Cosine attention with logit_scale of shape (H,); the bias is timm's
 ``_relative_positional_encodings()``: meta_mlp on the log-spaced offsets of the window's
-token pairs, dense (H, N, N). In eager mode, where the kernels take the tensors and
-meta_mlp is timm's own (``fusable_meta_mlp``), it is computed by ``position_mlp_table`` in
-one kernel (and one backward), written heads-first, the (H, N, N) bias itself; elsewhere
-(torch.compile, which fuses timm's layers itself; CPU) by timm's method. meta_mlp has
-dropout (0.125) that is active in training mode: both draw its mask from the RNG exactly as
-timm's forward does (``meta_mlp_dropout_mask``).
+token pairs, dense (H, N, N). Where the kernels take the tensors and meta_mlp is timm's own
+(``fusable_meta_mlp``), it is computed by ``position_mlp_table`` in one kernel (and one
+backward), written heads-first, the (H, N, N) bias itself (under torch.compile through its
+registered operators); elsewhere (CPU, float64) by timm's method. meta_mlp has dropout
+(0.125) that is active in training mode: both draw its mask from the RNG exactly as timm's
+forward does (``meta_mlp_dropout_mask``; under torch.compile, inductor draws its own random
+numbers for either, unless ``torch._inductor.config.fallback_random``).
 """
 import math
 from typing import Dict, Type
@@ -15,7 +16,7 @@ from typing import Dict, Type
 import torch
 from torch import nn
 
-from ..dispatch import dispatch_free, uses_kernels
+from ..dispatch import uses_kernels
 from ..position_mlp import fusable_meta_mlp, meta_mlp_dropout_mask, position_mlp_table
 from .base import WindowAttentionAdapter, inference_cache
 
@@ -42,7 +43,7 @@ class SwinV2CRAdapter(WindowAttentionAdapter):
     def position_bias(self, module: nn.Module) -> torch.Tensor:
         def compute() -> torch.Tensor:
             mlp, coords = module.meta_mlp, module.relative_coordinates_log
-            if not (uses_kernels(coords) and dispatch_free(coords) and fusable_meta_mlp(mlp)):
+            if not (uses_kernels(coords) and fusable_meta_mlp(mlp)):
                 return module._relative_positional_encodings()
             n = coords.shape[0]
             mask = meta_mlp_dropout_mask(mlp, coords)
