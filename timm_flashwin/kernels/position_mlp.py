@@ -37,7 +37,8 @@ def hidden_dropout_factor(keep_ptr, rows, ks, num_rows, hidden, stride_keep_t, s
     mask is nonzero, else 0 (a NaN activation times 0 stays NaN, as in PyTorch's dropout)."""
     keep = tl.load(keep_ptr + rows[:, None] * stride_keep_t + ks[None, :] * stride_keep_k,
                    mask=(rows[:, None] < num_rows) & (ks[None, :] < hidden), other=0)
-    return tl.where(keep != 0, keep_scale, 0.0)
+    # fp32 whatever type keep_scale arrives in (inductor passes a user kernel's floats as fp64)
+    return tl.where(keep != 0, keep_scale, 0.0).to(tl.float32)
 
 
 @triton.jit
