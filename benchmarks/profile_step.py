@@ -162,8 +162,9 @@ def main() -> None:
                         help="torch._inductor.config options for the run (Python literals)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"],
-                        choices=["timm", "flashwin", "flashwin-partitioned", "flashwin-gathered-bias", "flashwin-timm-meta-mlp",
-                                 "flashwin-static", "flashwin-triton-launch", "attention-free", "window-free"])
+                        choices=["timm", "flashwin", "flashwin-partitioned", "flashwin-gathered-bias",
+                                 "flashwin-timm-meta-mlp", "flashwin-static", "flashwin-triton-launch", "attention-free",
+                                 "window-free"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch._inductor.config as inductor_config
