@@ -712,12 +712,17 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
 #: kernel on windows 8 and 24 with 3 and 32 heads (benchmarks/bench_position_mlp.py --sweep,
 #: GPU us): the forward within 1.05x of the best but on window 24 with 3 heads (1.49x,
 #: 22 us), 12 us on window 8 (21 us at (32, 64, 4)); the backward within 1.14x, 14 us on
-#: window 8 (23 to 35 us at (32, 64, 4)). The interpreter: fewer, larger programs.
-_MLP_FORWARD = (64, 128, 4) if config.INTERPRET else (16, 128, 2)
-_MLP_BACKWARD = (64, 128, 4) if config.INTERPRET else (16, 32, 4)
+#: window 8 (23 to 35 us at (32, 64, 4)). The interpreter: fewer, larger programs (it runs
+#: them one after the other, paying Python per operation: 256 rows took SwinV2-CR's 2401-row
+#: table forward and backward from 0.50 / 0.63 s at 64 rows to 0.15 / 0.26 s on a 2-core
+#: CPU), still several hidden-unit blocks per program (K = 384, 512).
+_MLP_FORWARD = (256, 128, 4) if config.INTERPRET else (16, 128, 2)
+_MLP_BACKWARD = (256, 128, 4) if config.INTERPRET else (16, 32, 4)
 #: rows that one backward program sums before it writes its partial sums: tables of up to
-#: this many rows (windows up to 8x8) take one launch and no reduction
-_MLP_ROWS_PER_PROGRAM = 256
+#: this many rows (windows up to 8x8) take one launch and no reduction. The interpreter's
+#: programs sum two of their blocks, so that tables of over 512 rows still test both the
+#: loop over a group's blocks and the sum of several groups' partial sums.
+_MLP_ROWS_PER_PROGRAM = 512 if config.INTERPRET else 256
 #: the kernels' heads block is at least this: tl.dot takes dims of 16 and more
 _MLP_MIN_HEADS_BLOCK = 16
 
