@@ -1,8 +1,25 @@
 """What the benchmark scripts share."""
 import json
 import os
+import subprocess
 import time
 from collections import defaultdict
+
+
+def code_version() -> str:
+    """The commit whose code a benchmark ran, "+changes" appended where tracked files differ
+    from it, so that every result file says what it measured; "unknown" outside a git
+    checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+changes" if changed else "")
 
 
 def write_json(path, data) -> None:
