@@ -11,6 +11,14 @@ logit scale stay float32 parameters), it times:
 * compile  torch.compile of the eager math (inductor rewrites it into SDPA itself)
 * flex     FlexAttention (compiled) with a score_mod adding bias and mask
 * ours     timm_flashwin.window_attention
+* fwa      Flash Window Attention (Swin V1 windows; ``flash_swin_attn``), V1 cases only,
+           without the mask: it takes none (``--no-mask`` compares all of them so)
+* fwa2     Flash Window Attention V2 (SwinV2's scaled cosine attention;
+           ``flash_win_attn_v2``), cosine cases only
+
+The last two are the published Triton kernels, not part of this repository: ``--published
+DIR`` names the folder that holds their packages (or install them); an implementation that
+cannot be imported or cannot run a case is reported as an error row.
 
 The bias comes, as in timm's V1 and SwinV2 modules, from a relative-position table
 ((2W-1)^2, H) that every call gathers by timm's relative_position_index (part of each
@@ -19,9 +27,12 @@ math and ours (as timm_flashwin's adapters do) gather a dense (H, N, N) bias as 
 does, and FlexAttention's score_mod indexes the table itself.
 
 forward, forward+backward (median of CUDA-graph replays, so that host launch overhead
-counts for no implementation; gradients to qkv, bias and logit scale) and the peak memory of forward+backward above the inputs. The byte floor
-is q, k, v read once and o written once (forward; backward adds reading q, k, v, dO and
-writing dq, dk, dv) at the copy bandwidth measured in the same run.
+counts for no implementation; gradients to qkv, bias and logit scale) and the peak memory
+of forward+backward above the inputs; with ``--accuracy``, each implementation's relative
+errors ||x - ref|| / ||ref|| against timm's math in float64 on the same rounded inputs, for
+the output and every gradient. The byte floor is q, k, v read once and o written once
+(forward; backward adds reading q, k, v, dO and writing dq, dk, dv) at the copy bandwidth
+measured in the same run.
 """
 from __future__ import annotations
 
@@ -36,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import write_json  # noqa: E402
+from common import code_version, write_json  # noqa: E402
 from timm_flashwin import window_attention  # noqa: E402
 from timm_flashwin.position_bias import gather_position_bias  # noqa: E402
 from timm_flashwin.reference import LOGIT_SCALE_MAX  # noqa: E402
@@ -52,6 +63,8 @@ SHAPES = {
     "w24_s1_b16": (256, 4, 576, 32, 16),
 }
 IMPLS = ["eager", "sdpa", "compile", "flex", "ours"]
+PUBLISHED = {"fwa": "v1", "fwa2": "cosine"}  # the published kernels, and the one kind each computes
+PUBLISHED_NO_MASK = {"fwa"}  # those that take no mask: their cases, and their reference, have none
 
 
 def timm_mask(num_windows: int, n: int, device) -> torch.Tensor:
@@ -71,7 +84,7 @@ def timm_mask(num_windows: int, n: int, device) -> torch.Tensor:
     return torch.where(diff != 0, -100.0, 0.0)
 
 
-def make_inputs(shape, cosine: bool, device="cuda"):
+def make_inputs(shape, cosine: bool, device="cuda", masked: bool = True):
     windows, heads, n, head_dim, num_windows = shape
     g = torch.Generator(device=device).manual_seed(0)
     qkv = torch.randn(windows, n, 3 * heads * head_dim, device=device, dtype=torch.bfloat16,
@@ -79,7 +92,7 @@ def make_inputs(shape, cosine: bool, device="cuda"):
     win = math.isqrt(n)
     bias = torch.randn((2 * win - 1) ** 2, heads, device=device, generator=g).requires_grad_()  # the table
     logit_scale = torch.log(torch.full((heads,), 20.0, device=device)).requires_grad_() if cosine else None
-    mask = timm_mask(num_windows, n, device)
+    mask = timm_mask(num_windows, n, device) if masked else None
     grad = torch.randn(windows, n, heads * head_dim, device=device, dtype=torch.bfloat16, generator=g)
     return dict(qkv=qkv, bias=bias, logit_scale=logit_scale, mask=mask, heads=heads, head_dim=head_dim,
                 scale=head_dim ** -0.5, grad=grad)
@@ -122,8 +135,9 @@ def eager_math(qkv, table, mask, logit_scale, heads, scale):
     else:
         attn = (q * scale) @ k.transpose(-2, -1)
     attn = attn + bias.unsqueeze(0)
-    nw = mask.shape[0]
-    attn = attn.view(-1, nw, heads, n, n) + mask.unsqueeze(1).unsqueeze(0)
+    if mask is not None:
+        nw = mask.shape[0]
+        attn = attn.view(-1, nw, heads, n, n) + mask.unsqueeze(1).unsqueeze(0)
     attn = attn.view(-1, heads, n, n).softmax(-1)
     return (attn @ v).transpose(1, 2).reshape(windows, n, -1)
 
@@ -138,9 +152,12 @@ def sdpa_math(qkv, table, mask, logit_scale, heads, scale):
         q = F.normalize(q, dim=-1) * s
         k = F.normalize(k, dim=-1)
         scale = 1.0
-    nw = mask.shape[0]
-    attn_mask = bias.unsqueeze(0) + mask.view(1, nw, 1, n, n).expand(windows // nw, -1, heads, -1, -1).reshape(
-        -1, heads, n, n)
+    if mask is None:
+        attn_mask = bias.unsqueeze(0)
+    else:
+        nw = mask.shape[0]
+        attn_mask = bias.unsqueeze(0) + mask.view(1, nw, 1, n, n).expand(windows // nw, -1, heads, -1, -1).reshape(
+            -1, heads, n, n)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     return out.transpose(1, 2).reshape(windows, n, -1)
 
@@ -155,8 +172,10 @@ def flex_math(qkv, table, mask, logit_scale, heads, scale):
         _flex = torch.compile(flex_attention, dynamic=False)
     windows, n, _ = qkv.shape
     q, k, v = _split(qkv, heads)
-    nw = mask.shape[0]
     win = math.isqrt(n)
+    if mask is None:  # a zero tile: score_mod indexes it as it would the mask
+        mask = torch.zeros(1, n, n, device=qkv.device)
+    nw = mask.shape[0]
 
     def bias(h, qi, ki):  # timm's relative_position_index, computed from the token coordinates
         return table[(qi // win - ki // win + win - 1) * (2 * win - 1) + (qi % win - ki % win + win - 1), h]
@@ -181,6 +200,38 @@ def ours(qkv, table, mask, logit_scale, heads, scale):
     return window_attention(qkv, heads, bias=bias, mask=mask, **kwargs)
 
 
+def fwa_math(qkv, table, mask, logit_scale, heads, scale):
+    """Flash Window Attention (``flash_swin_attn_func(q, k, v, bias, scale_qk)``), as its
+    README and benchmarks call it: contiguous (B_, H, N, D) q, k, v (its kernel assumes
+    that layout), the (H, N, N) bias, and q scaled beforehand with scale_qk = 1 (its
+    backward does not multiply dq by scale_qk). It takes no mask. Its backward also reads
+    the output's gradient as if contiguous, which the gradient of timm's transpose and
+    reshape is not: handed on as it comes, every gradient came out wrong (H100: relative
+    errors of 1.3 to 1.6), so a hook makes it contiguous first (a copy, in its time)."""
+    if mask is not None:
+        raise ValueError("flash_swin_attn takes no mask: run its cases without one")
+    from flash_swin_attn import flash_swin_attn_func
+    windows, n, _ = qkv.shape
+    q, k, v = _split(qkv, heads)
+    out = flash_swin_attn_func((q * scale).contiguous(), k.contiguous(), v.contiguous(), dense_bias(table, n), 1.0)
+    if out.requires_grad:
+        out.register_hook(lambda grad: grad.contiguous())
+    return out.transpose(1, 2).reshape(windows, n, -1)
+
+
+def fwa2_math(qkv, table, mask, logit_scale, heads, scale):
+    """Flash Window Attention V2 (``flash_win_attn_v2(q, k, v, logit_scale, bias, mask)``):
+    (B_, H, N, D) views of qkv (it needs only unit strides in D), the log logit scale as
+    (H, 1, 1) and the (H, N, N) bias, both in the inputs' dtype (it asserts that), and the
+    (nW, N, N) mask."""
+    from flash_win_attn_v2 import flash_win_attn_v2
+    windows, n, _ = qkv.shape
+    q, k, v = _split(qkv, heads)
+    out = flash_win_attn_v2(q, k, v, logit_scale.reshape(heads, 1, 1).to(q.dtype), dense_bias(table, n).to(q.dtype),
+                            mask)
+    return out.transpose(1, 2).reshape(windows, n, -1)
+
+
 _compiled: Dict[str, Callable] = {}
 
 
@@ -193,6 +244,10 @@ def implementation(name: str) -> Callable:
         return flex_math
     if name == "ours":
         return ours
+    if name == "fwa":
+        return fwa_math
+    if name == "fwa2":
+        return fwa2_math
     if name == "compile":
         if "compile" not in _compiled:
             _compiled["compile"] = torch.compile(eager_math, dynamic=False)
@@ -242,13 +297,42 @@ def timed_passes(fn: Callable, inp: Dict) -> Tuple[Callable, Callable]:
     return forward, forward_backward
 
 
-def bench_one(impl: str, shape, cosine: bool, passes: List[str]) -> Dict:
-    inp = make_inputs(shape, cosine)
+GRADIENT_NAMES = ("dqkv", "dtable", "dlogit_scale")  # leaves_of's order
+
+
+def relative_errors(fn: Callable, inp: Dict) -> Dict[str, float]:
+    """||x - ref|| / ||ref|| of fn's output and of every gradient (bf16 autocast, as timed)
+    against timm's math (``eager_math``) in float64 on the same rounded inputs."""
+    leaves = leaves_of(inp)
+    for t in leaves:
+        t.grad = None
+    with torch.autocast(inp["qkv"].device.type, dtype=torch.bfloat16):
+        out = fn(inp["qkv"], inp["bias"], inp["mask"], inp["logit_scale"], inp["heads"], inp["scale"])
+    out.backward(inp["grad"])
+    got = [out.detach()] + [t.grad for t in leaves]
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    qkv, table = ref_leaves[:2]
+    logit_scale = ref_leaves[2] if len(ref_leaves) > 2 else None
+    mask = inp["mask"].double() if inp["mask"] is not None else None
+    ref_out = eager_math(qkv, table, mask, logit_scale, inp["heads"], inp["scale"])
+    ref_out.backward(inp["grad"].double())
+    refs = [ref_out.detach()] + [t.grad for t in ref_leaves]
+    for t in leaves:
+        t.grad = None
+    return {f"err_{name}": ((x.double() - r).norm() / r.norm()).item()
+            for name, x, r in zip(("out",) + GRADIENT_NAMES, got, refs)}
+
+
+def bench_one(impl: str, shape, cosine: bool, passes: List[str], masked: bool = True,
+              accuracy: bool = False) -> Dict:
+    inp = make_inputs(shape, cosine, masked=masked)
     leaves = leaves_of(inp)
     forward, forward_backward = timed_passes(implementation(impl), inp)
     result: Dict = {}
 
     try:
+        if accuracy:
+            result.update(relative_errors(implementation(impl), inp))
         t0 = time.perf_counter()
         forward()
         forward_backward()
@@ -275,17 +359,25 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"], choices=["v1", "cosine"])
-    parser.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS)
+    parser.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS + list(PUBLISHED),
+                        help="default: all but the published kernels (fwa, fwa2)")
     parser.add_argument("--passes", nargs="*", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    parser.add_argument("--accuracy", action="store_true",
+                        help="also each implementation's relative errors against float64 (output, every gradient)")
+    parser.add_argument("--no-mask", action="store_true", help="every case without the shift mask")
+    parser.add_argument("--published", default=os.path.join(os.path.dirname(__file__), "published"),
+                        help="a folder holding the published kernels' packages (flash_swin_attn, flash_win_attn_v2)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if os.path.isdir(args.published):
+        sys.path.insert(0, os.path.abspath(args.published))
 
     bandwidth = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  copy {bandwidth / 1e12:.2f} TB/s",
           flush=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, copy_bandwidth_Bps=bandwidth,
-                date=time.strftime("%Y-%m-%d"))
+                date=time.strftime("%Y-%m-%d"), masked=not args.no_mask, code=code_version())
     rows = []
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
@@ -295,10 +387,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         floor_fwdbwd_us = (4 + 7) * unit / bandwidth * 1e6
         for kind in args.kinds:
             for impl in args.impls:
+                if PUBLISHED.get(impl, kind) != kind:
+                    continue
+                masked = not args.no_mask and impl not in PUBLISHED_NO_MASK
                 torch._dynamo.reset()
-                res = bench_one(impl, shape, kind == "cosine", args.passes)
+                res = bench_one(impl, shape, kind == "cosine", args.passes, masked, args.accuracy)
                 row = dict(shape=shape_name, B_=windows, H=heads, N=n, D=head_dim, kind=kind, impl=impl,
-                           floor_fwd_us=floor_fwd_us, floor_fwdbwd_us=floor_fwdbwd_us, **res)
+                           masked=masked, floor_fwd_us=floor_fwd_us, floor_fwdbwd_us=floor_fwdbwd_us, **res)
                 rows.append(row)
                 text = "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                  for k, v in res.items())
@@ -312,17 +407,25 @@ def print_table(rows: List[Dict]) -> None:
     by_case: Dict = {}
     for r in rows:
         by_case.setdefault((r["shape"], r["kind"]), {})[r["impl"]] = r
-    print(f"\n{'case':20s} {'floor':>7s} " + " ".join(f"{i:>15s}" for i in IMPLS) + "   (fwd us / fwd+bwd us)")
+    names = [i for i in IMPLS + list(PUBLISHED) if any(i in impls for impls in by_case.values())]
+    print(f"\n{'case':20s} {'floor':>7s} " + " ".join(f"{i:>15s}" for i in names) + "   (fwd us / fwd+bwd us)")
     for (shape, kind), impls in by_case.items():
         first = next(iter(impls.values()))
         cells = []
-        for i in IMPLS:
+        for i in names:
             r = impls.get(i)
             if r is None or "error" in r:
                 cells.append(f"{'-' if r is None else 'err':>15s}")
             else:
                 cells.append(f"{r.get('fwd_us', float('nan')):7.0f}/{r.get('fwdbwd_us', float('nan')):<7.0f}")
         print(f"{shape + ' ' + kind:20s} {first['floor_fwd_us']:7.0f} " + " ".join(cells))
+    accurate = [r for r in rows if "err_out" in r]
+    if accurate:
+        print(f"\n{'case':20s} {'impl':8s} {'mask':5s} " + " ".join(f"{n:>12s}" for n in ("out",) + GRADIENT_NAMES)
+              + "   (||x - ref|| / ||ref||, float64 reference)")
+        for r in accurate:
+            errs = " ".join(f"{r.get('err_' + n, float('nan')):12.2e}" for n in ("out",) + GRADIENT_NAMES)
+            print(f"{r['shape'] + ' ' + r['kind']:20s} {r['impl']:8s} {'yes' if r['masked'] else 'no':5s} {errs}")
 
 
 if __name__ == "__main__":
