@@ -23,7 +23,7 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import cuda_kernel_times, gathered_bias, host_us_per_call, write_json  # noqa: E402
+from common import code_version, cuda_kernel_times, gathered_bias, host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 
 #: (model, stage, block, batch)
@@ -86,7 +86,7 @@ def main() -> None:
             row = dict(model=name, stage=stage, block=index, batch=batch, map=[height, width], channels=channels,
                        window=list(block.window_size), shift=list(block.shift_size), variant=variant,
                        fwd_gpu_us=fwd_gpu, fwd_wall_us=fwd_wall, fwd_bwd_gpu_us=fb_gpu, fwd_bwd_wall_us=fb_wall,
-                       device=torch.cuda.get_device_name(), torch=torch.__version__)
+                       device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version())
             rows.append(row)
             print(f"{name} stage {stage} ({height}x{width}x{channels}, shift {tuple(block.shift_size)}) "
                   f"{variant:22s} fwd {fwd_gpu:7.1f} us GPU {fwd_wall:7.1f} wall | f+b {fb_gpu:7.1f} GPU "

@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import host_us_per_call, write_json  # noqa: E402
+from common import code_version, host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.patching import _attention_modules  # noqa: E402
 from timm_flashwin.verify import build_model  # noqa: E402
@@ -94,7 +94,8 @@ def main() -> None:
             print(f"{name:36s} {row['mode']:18s} timm {row['timm_us']:7.1f} us  patched {row['flashwin_us']:7.1f} us"
                   f"  ({windows} windows)", flush=True)
             if args.out:
-                write_json(args.out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows))
+                write_json(args.out, dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                          code=code_version(), rows=rows))
     if args.profile:
         os.makedirs(os.path.dirname(os.path.abspath(args.profile)), exist_ok=True)
         with open(args.profile, "w") as f:

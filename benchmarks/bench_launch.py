@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import host_us_per_call, write_json  # noqa: E402
+from common import code_version, host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import window_attention  # noqa: E402
 from timm_flashwin.kernels import fast_launch  # noqa: E402
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "code": code_version(),
                "triton": __import__("triton").__version__, "kernel launch, us": kernel_launch_times(args.calls)}
     for name, value in results["kernel launch, us"].items():
         print(f"{name:40s} {value:8.1f}")

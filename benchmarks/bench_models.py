@@ -14,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import write_json  # noqa: E402
+from common import code_version, write_json  # noqa: E402
 from timm_flashwin.bench import benchmark_model, recompute_qkv_option  # noqa: E402
 
 MODELS = {  # name: (inference batch, training batch)
@@ -46,7 +46,7 @@ def main() -> None:
             r = benchmark_model(name, batch=batch, dtype="bfloat16", train=mode == "train", compile=args.compile,
                                 compile_mode=args.compile_mode, warmup=args.warmup, repeats=args.repeats,
                                 recompute_qkv=recompute_qkv_option(args.recompute_qkv))
-            results.append(r.to_dict())
+            results.append(dict(r.to_dict(), code=code_version()))
             runs = "  ".join(f"{x.variant}: {x.images_per_s:8.1f} img/s {x.peak_mib:7.0f} MiB (first {x.first_iter_s:.1f}s)"
                              for x in r.runs)
             print(f"{name:36s} {mode:5s} b{batch:<4d} {runs}  speedup {r.speedup():.2f}x", flush=True)

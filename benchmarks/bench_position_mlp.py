@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import cuda_kernel_times, write_json  # noqa: E402
+from common import code_version, cuda_kernel_times, write_json  # noqa: E402
 from timm_flashwin.kernels import launch  # noqa: E402
 from timm_flashwin.position_mlp import position_mlp_table  # noqa: E402
 
@@ -75,7 +75,7 @@ def main() -> None:
     for window, heads in SHAPES:
         coords, params, grad = inputs(window, heads)
         row = dict(window=window, heads=heads, rows=coords.shape[0], hidden=HIDDEN,
-                   device=torch.cuda.get_device_name(), torch=torch.__version__)
+                   device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version())
         for name, fn in (("pytorch", timm_layers), ("compiled", compiled), ("ours", position_mlp_table)):
             forward, forward_backward = passes(fn, coords, params, grad)
             row[name] = dict(forward_us=gpu_us(forward), forward_backward_us=gpu_us(forward_backward))

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_op import SHAPES, implementation, leaves_of, make_inputs, timed_passes  # noqa: E402
-from common import cuda_kernel_times, write_json  # noqa: E402
+from common import code_version, cuda_kernel_times, write_json  # noqa: E402
 
 
 def profile_case(shape_name: str, kind: str, impl: str, steps: int, forward_only: bool = False, ncu: bool = False):
@@ -85,7 +85,7 @@ def main() -> None:
             print(f"  {r['us']:8.1f} us {r['calls']:4.0f}x  {r['kernel'][:100]}")
         results.append(dict(shape=shape_name, kind=kind, impl=args.impl, forward_only=args.forward,
                             kernel_us=total, kernels=rows,
-                            device=torch.cuda.get_device_name(), torch=torch.__version__))
+                            device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version()))
         if args.out:
             write_json(args.out, results)
 

@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
-from common import cuda_kernel_times, gathered_bias, timm_meta_mlp, write_json  # noqa: E402
+from common import code_version, cuda_kernel_times, gathered_bias, timm_meta_mlp, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
@@ -219,7 +219,7 @@ def main() -> None:
                    inductor=args.inductor, variant=variant, batch=batch, wall_ms=wall, enqueue_ms=enqueue,
                    wall_ms_rounds=timings[variant][0], enqueue_ms_rounds=timings[variant][1],
                    gpu_kernel_ms=gpu_ms, launches_per_step=launches, host_ops=host_ops, gpu_kernels=gpu_kernels,
-                   device=torch.cuda.get_device_name(), torch=torch.__version__)
+                   device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version())
         rows.append(row)
         print(f"{args.model} {args.mode} compile={args.compile} {variant}: wall {wall:.1f} ms, enqueue {enqueue:.1f} ms,"
               f" GPU kernels {gpu_ms:.1f} ms, {launches:.0f} launches per step", flush=True)
