@@ -47,6 +47,29 @@ def test_matches_float64_reference(cosine, masked, n, head_dim, dtype):
 
 
 
+# Output gradients in the layouts autograd hands back: a sum's (every stride 0), the
+# gradient of a transpose, a broadcast over tokens. (A published window-attention kernel
+# read its output's gradient as if contiguous and returned uncorrelated gradients for
+# the transposed one: benchmarks/RESULTS.md, twenty-seventh session.)
+GRADIENT_LAYOUTS = {
+    "sum": lambda grad: grad.sum().expand_as(grad),
+    "transposed": lambda grad: grad.transpose(0, 1).contiguous().transpose(0, 1),
+    "broadcast_tokens": lambda grad: grad[:, :1].expand_as(grad),
+}
+
+
+@pytest.mark.parametrize("layout", list(GRADIENT_LAYOUTS))
+@pytest.mark.parametrize("n", [16, 144], ids=["one_tile", "multi_block"])
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_output_gradient_of_any_layout(cosine, n, layout):
+    case = make_case(4, 2, 2, n, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    grad_out = GRADIENT_LAYOUTS[layout](case.grad_out)
+    assert not grad_out.is_contiguous()
+    case = replace(case, grad_out=grad_out)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
+                             TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("dq_atomic", [True, False], ids=["dq-atomic-adds", "dq-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
