@@ -395,8 +395,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 row = dict(shape=shape_name, B_=windows, H=heads, N=n, D=head_dim, kind=kind, impl=impl,
                            masked=masked, floor_fwd_us=floor_fwd_us, floor_fwdbwd_us=floor_fwdbwd_us, **res)
                 rows.append(row)
-                text = "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                 for k, v in res.items())
+                text = "  ".join(f"{k}={v:.2e}" if k.startswith("err_") else f"{k}={v:.1f}" if isinstance(v, float)
+                                 else f"{k}={v}" for k, v in res.items())
                 print(f"{shape_name:11s} {kind:6s} {impl:8s} {text}", flush=True)
                 if args.out:
                     write_json(args.out, dict(meta=meta, rows=rows))
