@@ -282,17 +282,20 @@ def leaves_of(inp: Dict) -> List[torch.Tensor]:
 
 def timed_passes(fn: Callable, inp: Dict) -> Tuple[Callable, Callable]:
     """(forward, forward_backward) of one implementation on one case, as they are timed:
-    the forward under no_grad, both under bf16 autocast (parameters stay float32)."""
+    the forward under no_grad, both under bf16 autocast (parameters stay float32); each
+    returns the output."""
     args = (inp["qkv"], inp["bias"], inp["mask"], inp["logit_scale"], inp["heads"], inp["scale"])
+    device = inp["qkv"].device.type
 
     def forward():
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
             return fn(*args)
 
     def forward_backward():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out = fn(*args)
         out.backward(inp["grad"])
+        return out
 
     return forward, forward_backward
 
@@ -306,9 +309,7 @@ def relative_errors(fn: Callable, inp: Dict) -> Dict[str, float]:
     leaves = leaves_of(inp)
     for t in leaves:
         t.grad = None
-    with torch.autocast(inp["qkv"].device.type, dtype=torch.bfloat16):
-        out = fn(inp["qkv"], inp["bias"], inp["mask"], inp["logit_scale"], inp["heads"], inp["scale"])
-    out.backward(inp["grad"])
+    out = timed_passes(fn, inp)[1]()
     got = [out.detach()] + [t.grad for t in leaves]
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     qkv, table = ref_leaves[:2]
