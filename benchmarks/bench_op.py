@@ -173,22 +173,20 @@ def flex_math(qkv, table, mask, logit_scale, heads, scale):
     windows, n, _ = qkv.shape
     q, k, v = _split(qkv, heads)
     win = math.isqrt(n)
-    if mask is None:  # a zero tile: score_mod indexes it as it would the mask
-        mask = torch.zeros(1, n, n, device=qkv.device)
-    nw = mask.shape[0]
 
-    def bias(h, qi, ki):  # timm's relative_position_index, computed from the token coordinates
-        return table[(qi // win - ki // win + win - 1) * (2 * win - 1) + (qi % win - ki % win + win - 1), h]
+    def bias_mask(b, h, qi, ki):  # timm's relative_position_index, computed from the token coordinates
+        bias = table[(qi // win - ki // win + win - 1) * (2 * win - 1) + (qi % win - ki % win + win - 1), h]
+        return bias if mask is None else bias + mask[b % mask.shape[0], qi, ki]
 
     if logit_scale is not None:
         s = torch.clamp(logit_scale, max=LOGIT_SCALE_MAX).exp()
         q, k, scale = F.normalize(q, dim=-1), F.normalize(k, dim=-1), 1.0
 
         def score_mod(score, b, h, qi, ki):
-            return score * s[h] + bias(h, qi, ki) + mask[b % nw, qi, ki]
+            return score * s[h] + bias_mask(b, h, qi, ki)
     else:
         def score_mod(score, b, h, qi, ki):
-            return score + bias(h, qi, ki) + mask[b % nw, qi, ki]
+            return score + bias_mask(b, h, qi, ki)
     out = _flex(q, k, v, score_mod=score_mod, scale=scale)
     return out.transpose(1, 2).reshape(windows, n, -1)
 
