@@ -1,4 +1,5 @@
 """What the benchmark scripts share."""
+import functools
 import json
 import os
 import subprocess
@@ -6,10 +7,12 @@ import time
 from collections import defaultdict
 
 
+@functools.lru_cache(maxsize=None)
 def code_version() -> str:
     """The commit whose code a benchmark ran, "+changes" appended where tracked files differ
     from it, so that every result file says what it measured; "unknown" outside a git
-    checkout."""
+    checkout. Asked once per process (the scripts call it per row): the code a run imported
+    at its start is the code it measured."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args: str) -> str:
