@@ -32,6 +32,26 @@ def test_kernels_are_what_runs():
     assert uses_kernels(case.qkv)
 
 
+@triton.jit
+def _to_bfloat16_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n).to(tl.bfloat16), mask=offsets < n)
+
+
+def test_kernels_round_to_bfloat16_as_torch_does():
+    """float32 -> bfloat16 in a kernel (the kernels' P before the P V product, every bf16
+    output and gradient they store) rounds as torch does: to nearest, ties to even, with
+    NaN, infinities, overflow, subnormals and signed zeros. On the GPU that is cvt.rn; under
+    the interpreter it is conftest's patch (triton's interpreter truncates: 0.99999994 gave
+    0.99609375)."""
+    values = torch.tensor([0.99999994, 1.00390625, 1.01171875, -0.99999994, 1.0 + 2.0 ** -9, 3.4e38, -3.4e38,
+                           float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0, 7.0e-3, -123.456])
+    x = values.to(KERNEL_DEVICE)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    _to_bfloat16_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    assert torch.equal(out.cpu().view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("n", TOKENS)
