@@ -448,15 +448,13 @@ def test_streaming_kernels_read_a_float16_bias(dtype, n, monkeypatch):
     assert_matches_reference(results, exact_bias, TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="float16"),
-                                   pytest.param(torch.bfloat16, id="bfloat16", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 def test_float16_bias_copy_moves_the_logit_scale_gradient_as_its_rounding_does(dtype):
     """Cosine attention streaming key blocks with 16-bit inputs reads a float16 copy of the
     bias. Against the exact bias, the output and the qkv and bias gradients stay within the
     dtype's tolerance; the logit-scale gradient, a sum whose terms cancel, moves by as much
     as the rounding of the bias moves it in float64 (a few 1e-2 where it is small), and
-    against the rounded bias (the other tests' reference) it is within tolerance. bfloat16
-    on a GPU only: the interpreter rounds to bfloat16 by truncation."""
+    against the rounded bias (the other tests' reference) it is within tolerance."""
     case = make_case(4, 2, 2, 144, 16, cosine=True, masked=True, dtype=dtype, device=KERNEL_DEVICE, seed=144)
     results = forward_backward(window_attention, case)
     exact = forward_backward(window_attention_reference, case, torch.float64)
