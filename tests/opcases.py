@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
@@ -120,6 +121,17 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
+def _log_error(name: str, tol: float, err: float) -> None:
+    """With FLASHWIN_ERRLOG=PATH set, append (test, tensor, bound, error) as a tab-separated
+    line to PATH.<pid> (one file per pytest-xdist worker): the measured errors that
+    README's accuracy section quotes the largest of."""
+    path = os.environ.get("FLASHWIN_ERRLOG")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(f"{path}.{os.getpid()}", "a") as log:
+            log.write(f"{test}\t{name}\t{tol:g}\t{err:.3e}\n")
+
+
 def assert_matches_reference(results, reference, tol: float, names=("out", "d_qkv", "d_bias", "d_logit_scale")):
     """Every result within ``tol`` relative error of the reference; on failure the
     element-wise report of torch.testing.assert_close says where."""
@@ -128,6 +140,7 @@ def assert_matches_reference(results, reference, tol: float, names=("out", "d_qk
         assert actual is not None, f"{name}: no gradient"
         assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
         err = relative_error(actual, expected)
+        _log_error(name, tol, err)
         if not err <= tol:  # also catches NaN
             torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=0,
                                        msg=lambda m: f"{name}: relative error {err:.2e} > {tol:.0e}\n{m}")
