@@ -104,7 +104,9 @@ def launch_options(tiles: config.LaunchConfig, dropout: bool) -> dict:
 
 
 def _fp32_dot(dtype: torch.dtype) -> bool:
-    # float32 inputs get exact fp32 products (no tf32); the interpreter's bf16 dot is inexact.
+    # float32 inputs get exact fp32 products (no tf32). Triton's interpreter (3.6 to 3.9) holds
+    # bf16 as uint16 and its tl.dot multiplies those bit patterns as integers: products there
+    # are taken in fp32.
     return dtype == torch.float32 or config.INTERPRET
 
 

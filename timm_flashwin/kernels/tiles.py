@@ -37,7 +37,8 @@ def mma(a, b, acc, FP32_DOT: tl.constexpr):
     """acc + a @ b with fp32 accumulation, bf16/fp16 operands on the tensor cores.
 
     FP32_DOT computes in full fp32 ("ieee") instead: for float32 inputs (no tf32
-    rounding) and under the interpreter, whose bf16 dot is not exact.
+    rounding) and under the interpreter, whose bf16 dot is wrong (it multiplies the uint16
+    bit patterns it holds bf16 in, triton 3.6 to 3.9).
     """
     if FP32_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
