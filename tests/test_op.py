@@ -285,12 +285,14 @@ def test_mask_structure_is_kept_on_the_mask_until_it_changes(monkeypatch):
 
 
 def _record_launches(monkeypatch, flags=("FROM_REGIONS",)) -> list:
-    """(kernel name, *the values of ``flags``) of every kernel launch from here on."""
+    """(kernel name, *the values of ``flags``) of every kernel launch from here on, recorded
+    where launch.py launches them (``launch.launcher``): the GPU's direct launches, which
+    skip ``wrap_triton``, as well as the interpreter's and traced ones."""
     from timm_flashwin.kernels import launch
-    launches, wrap = [], launch.wrap_triton
+    launches, real_launcher = [], launch.launcher
 
     def recording(kernel):
-        launcher = wrap(kernel)
+        launcher = real_launcher(kernel)
 
         class Recorded:
             def __getitem__(self, grid):
@@ -300,7 +302,7 @@ def _record_launches(monkeypatch, flags=("FROM_REGIONS",)) -> list:
                 return run
         return Recorded()
 
-    monkeypatch.setattr(launch, "wrap_triton", recording)
+    monkeypatch.setattr(launch, "launcher", recording)
     return launches
 
 
