@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from opcases import TOLERANCE, assert_matches_reference, bias_as_read, forward_backward, make_case
+from opcases import TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from timm_flashwin import window_attention, window_attention_reference
 from timm_flashwin.kernels.dropout import dropout_factors
 from timm_flashwin.op import draw_dropout_seed
@@ -51,9 +51,7 @@ def test_kernel_dropout_matches_reference_with_the_same_mask(cosine, n, dtype):
     dropped = (factor == 0).float().mean().item()
     assert 0.2 < dropped < 0.4
     torch.testing.assert_close(factor.unique(), torch.tensor([0.0, 1 / (1 - p)], device=factor.device))
-    reference = forward_backward(
-        lambda *a, **k: window_attention_reference(*a, dropout_factor=factor, **k), bias_as_read(case), torch.float64)
-    assert_matches_reference(ours, reference, TOLERANCE[dtype])
+    assert_matches_reference(ours, reference_forward_backward(case, dropout_factor=factor), TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("n", [49, 144])

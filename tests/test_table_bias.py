@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from opcases import TOLERANCE, assert_matches_reference, make_case
+from opcases import TOLERANCE, Reference, assert_matches_reference, gradient_conditions, make_case
 from test_position_bias import relative_position_index
 from timm_flashwin import TableBias, WindowGrid, window_attention
 from timm_flashwin.position_bias import TableGather, gather_position_bias
@@ -58,7 +58,11 @@ def _run(case, table, index, sigmoid_scale, *, as_table: bool, grid=None, dtype=
     results = [out.detach(), qkv.grad]
     if on_map:
         results = [grid.partition(r) for r in results]
-    return results + [table.grad] + ([logit_scale.grad] if logit_scale is not None else [])
+    results += [table.grad] + ([logit_scale.grad] if logit_scale is not None else [])
+    if not reference:
+        return results
+    return Reference(results, gradient_conditions(replace(case, qkv=qkv, bias=bias.detach(), mask=case.mask.double(),
+                                                          logit_scale=logit_scale, grad_out=grad_out)))
 
 
 # V1 (the bias gathered as it is) and SwinV2 (cosine, 16 * sigmoid of it), as timm pairs them

@@ -8,8 +8,8 @@ import torch
 from timm.models.swin_transformer import window_partition
 
 from conftest import KERNEL_DEVICE
-from opcases import (LOGIT_SCALES, TOLERANCE, Case, assert_matches_reference, bias_as_read, forward_backward,
-                     shift_mask)
+from opcases import (LOGIT_SCALES, TOLERANCE, Case, Reference, assert_matches_reference, bias_as_read,
+                     forward_backward, gradient_conditions, shift_mask)
 from timm_flashwin import window_attention
 from timm_flashwin.kernels.launch import maps_windows
 from timm_flashwin.reference import window_attention_reference
@@ -73,13 +73,19 @@ def _reference_on_windows(grid: WindowGrid):
     return lambda qkv, heads, **kwargs: grid.merge(window_attention_reference(grid.partition(qkv), heads, **kwargs))
 
 
+def _reference(grid: WindowGrid, case: Case) -> Reference:
+    """The float64 reference on the map's windows, with the gradients' conditions."""
+    windows = replace(case, qkv=grid.partition(case.qkv), grad_out=grid.partition(case.grad_out))
+    return Reference(forward_backward(_reference_on_windows(grid), case, torch.float64), gradient_conditions(windows))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
 @pytest.mark.parametrize("grid", GRIDS, ids=_grid_id)
 def test_feature_map_layout_matches_float64_reference(grid, cosine, masked, dtype, monkeypatch):
     case = _map_case(grid, heads=2, head_dim=8, cosine=cosine, masked=masked, dtype=dtype, seed=1)
-    reference = forward_backward(_reference_on_windows(grid), case, torch.float64)
+    reference = _reference(grid, case)
     refuse = lambda self, x: pytest.fail("the op partitioned the map")  # noqa: E731
     monkeypatch.setattr(WindowGrid, "partition", refuse)
     assert_matches_reference(forward_backward(_on_the_map(grid), case), reference, TOLERANCE[dtype])
@@ -109,7 +115,7 @@ def test_windows_whose_backward_streams_blocks_are_partitioned_in_training_only(
     case = _map_case(grid, heads=1, head_dim=8, cosine=True, masked=True, dtype=torch.float32, batch=1)
     assert maps_windows(144, 8, torch.float32, True, backward=False)
     assert not maps_windows(144, 8, torch.float32, True, backward=True)
-    reference = forward_backward(_reference_on_windows(grid), case, torch.float64)
+    reference = _reference(grid, case)
     assert_matches_reference(forward_backward(_on_the_map(grid), case), reference, TOLERANCE[torch.float32])
     monkeypatch.setattr(WindowGrid, "partition", lambda self, x: pytest.fail("partitioned without a gradient"))
     with torch.no_grad():
@@ -154,8 +160,7 @@ def test_gpu_feature_map_layout_at_model_shapes(grid, cosine, dtype, determinist
         assert torch.equal(ours, theirs)
     # the bias as the kernels read it (a float16 copy where they stream key blocks), for the window's N
     windows = replace(case, qkv=grid.partition(case.qkv), grad_out=grid.partition(case.grad_out))
-    reference = forward_backward(_reference_on_windows(grid), replace(case, bias=bias_as_read(windows).bias),
-                                 torch.float64)
+    reference = _reference(grid, replace(case, bias=bias_as_read(windows).bias))
     assert_matches_reference(on_map, reference, TOLERANCE[dtype])
 
 
