@@ -5,7 +5,10 @@
     timm_flashwin.patch_model(model)           # in place, one line
     with timm_flashwin.patched(other_model):   # temporary
         ...
+    timm_flashwin.patch_timm()                 # every model timm.create_model returns, patched
 """
+from .factory import CreatedModel, patch_timm, patched_timm, unpatch_timm
+from .local_attention import block_sliding_window_attention, sliding_window_attention
 from .op import window_attention
 from .position_bias import TableBias
 from .patching import (ModuleStatus, PatchError, PatchReport, is_patched, patch_model, patch_report, patched,
@@ -16,16 +19,22 @@ from .window_grid import WindowGrid
 __version__ = "0.1.0"
 
 __all__ = [
+    "CreatedModel",
     "ModuleStatus",
     "PatchError",
     "PatchReport",
     "TableBias",
     "WindowGrid",
+    "block_sliding_window_attention",
     "is_patched",
     "patch_model",
     "patch_report",
+    "patch_timm",
     "patched",
+    "sliding_window_attention",
+    "patched_timm",
     "unpatch_model",
+    "unpatch_timm",
     "window_attention",
     "window_attention_reference",
     "__version__",
