@@ -1,7 +1,8 @@
-"""timm-flashwin: verify, list and bench from the command line (also python -m timm_flashwin).
+"""timm-flashwin: verify, list, bench and run from the command line (also python -m timm_flashwin).
 
-The logic lives in the library (verify.py, discovery.py, bench.py); this file parses
-arguments and prints. Exit codes: 0 success, 1 a mismatch (verify), 2 a usage problem.
+The logic lives in the library (verify.py, discovery.py, bench.py, runner.py); this file parses
+arguments and prints. Exit codes: 0 success, 1 a mismatch (verify), 2 a usage problem; run
+exits as the script does.
 """
 from __future__ import annotations
 
@@ -62,6 +63,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=10)
     b.add_argument("--repeats", type=int, default=30)
     b.add_argument("--json", action="store_true")
+
+    r = sub.add_parser("run", help="run a Python script or module (-m) as python would, every model timm's "
+                                   "factory returns patched",
+                       usage="timm-flashwin run [options] (SCRIPT | -m MODULE) [ARGS ...]")
+    r.add_argument("--report", action="store_true", help="print each created model's patch report at exit (stderr)")
+    r.add_argument("--no-feature-map", action="store_true", help="patch_model(feature_map=False)")
+    r.add_argument("--recompute-qkv", action="store_true", help="patch_model(recompute_qkv=True)")
+    r.add_argument("--strict", action="store_true", help="patch_model(strict=True): a Swin model with a module "
+                                                         "the op cannot serve raises PatchError in the script")
+    r.add_argument("target", nargs=argparse.REMAINDER, help="SCRIPT or -m MODULE, then its arguments "
+                                                            "(options of run go before it)")
     return parser
 
 
@@ -180,8 +192,22 @@ def _bench(args) -> int:
     return EXIT_OK
 
 
+def _run(parser: argparse.ArgumentParser, argv: List[str]) -> int:
+    from .runner import run, split_argv
+    own, target = split_argv(argv)
+    args = parser.parse_args(["run", *own])  # --help and unknown options exit here
+    if target is None:
+        parser.error("run: a script or -m MODULE is required")
+    return run(target, report=args.report, strict=args.strict, recompute_qkv=args.recompute_qkv,
+               feature_map=not args.no_feature_map)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    if argv[:1] == ["run"]:  # the script's arguments are not ours to parse
+        return _run(parser, argv[1:])
+    args = parser.parse_args(argv)
     from .verify import UsageError
     try:
         return {"verify": _verify, "list": _list, "bench": _bench}[args.command](args)
