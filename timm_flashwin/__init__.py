@@ -8,6 +8,7 @@
     timm_flashwin.patch_timm()                 # every model timm.create_model returns, patched
 """
 from .factory import CreatedModel, patch_timm, patched_timm, unpatch_timm
+from .local_attention import block_sliding_window_attention, sliding_window_attention
 from .op import window_attention
 from .position_bias import TableBias
 from .patching import (ModuleStatus, PatchError, PatchReport, is_patched, patch_model, patch_report, patched,
@@ -24,12 +25,14 @@ __all__ = [
     "PatchReport",
     "TableBias",
     "WindowGrid",
+    "block_sliding_window_attention",
     "is_patched",
     "patch_model",
     "patch_report",
     "patch_timm",
     "patched",
     "patched_timm",
+    "sliding_window_attention",
     "unpatch_model",
     "unpatch_timm",
     "window_attention",

@@ -1,0 +1,107 @@
+"""Compile the local-attention kernels for a Hopper GPU (sm_90) without one.
+
+What the interpreter cannot check: constexpr branches, loop-carried types, and whether a
+launch plan (kernels/local_launch.py) fits: registers, spills (the stack frame), shared
+memory (at most 227 KiB per program on an H100). Builds each kernel for the head dims and
+dtypes of the plans, with and without sink and dropout, as a launch on contiguous tensors
+specializes it, prints each one's resources, and exits non-zero where a build fails or its
+shared memory does not fit.
+
+    TRITON_INTERPRET=0 python tests/local_sm90_build.py [--quick]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_build import TARGET, TRITON_TYPES, resource_usage  # noqa: E402
+
+from timm_flashwin.dispatch import direct_launches  # noqa: E402
+from timm_flashwin.kernels import local_launch  # noqa: E402
+from timm_flashwin.kernels.launch import compiler_options  # noqa: E402
+from timm_flashwin.kernels.local_backward import (local_attention_bwd_delta_kernel,  # noqa: E402
+                                                  local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel)
+from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # noqa: E402
+
+#: H100: 227 KiB of shared memory per block
+SHARED_LIMIT = 232448
+#: (head_dim, dtype, sink, dropout)
+CASES = [
+    (64, torch.bfloat16, False, False),
+    (128, torch.bfloat16, False, False),
+    (128, torch.float16, True, True),
+    (256, torch.bfloat16, False, False),
+    (96, torch.bfloat16, True, False),
+    (8, torch.float16, False, False),
+    (64, torch.float32, False, False),
+    (128, torch.float32, True, False),
+    (256, torch.float32, False, False),
+]
+QUICK = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[6]]
+POINTERS_IN_DTYPE = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr", "dq_ptr", "dk_ptr", "dv_ptr"}
+
+
+def signature(kernel, dtype: torch.dtype, constexprs: dict):
+    """(types, constexprs, attrs) as a launch on contiguous (B, H, S, D) tensors specializes
+    them: the head dim's stride 1 a constant, pointers 16-byte aligned."""
+    types, constexprs = {}, dict(constexprs)
+    for name in kernel.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name.startswith("stride_") and name.endswith("d"):
+            types[name], constexprs[name] = "constexpr", 1
+        elif name == "seed_ptr":
+            types[name] = "*i64"
+        elif name == "counts_ptr":
+            types[name] = "*i32"
+        elif name.endswith("_ptr"):
+            types[name] = "*" + (TRITON_TYPES[dtype] if name in POINTERS_IN_DTYPE else "fp32")
+        elif name in ("qk_scale", "scale", "dropout_p"):
+            types[name] = "fp32"
+        else:
+            types[name] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if name.endswith("_ptr") or (name.startswith("stride_") and not name.endswith("d"))}
+    return types, constexprs, attrs
+
+
+def build(kernel, dtype: torch.dtype, constexprs: dict, warps: int, stages: int) -> bool:
+    types, constexprs, attrs = signature(kernel, dtype, constexprs)
+    source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs)
+    with direct_launches():
+        options = dict(compiler_options(warps), num_stages=stages)
+    compiled = triton.compile(source, target=TARGET, options=options)
+    shared = compiled.metadata.shared
+    fits = shared <= SHARED_LIMIT
+    print(f"  {kernel.fn.__name__:36s} {resource_usage(compiled.asm['cubin'])}, shared {shared} B"
+          f"{'' if fits else '  DOES NOT FIT'}", flush=True)
+    return fits
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
+        return 2
+    ok = True
+    for head_dim, dtype, sink, dropout in (QUICK if "--quick" in sys.argv else CASES):
+        print(f"D={head_dim} {TRITON_TYPES[dtype]}{' sink' if sink else ''}{' dropout' if dropout else ''}")
+        flags = dict(D=head_dim, BLOCK_D=local_launch.block_d(head_dim), HAS_SINK=sink, HAS_DROPOUT=dropout,
+                     PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
+        for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
+                             ("dq", local_attention_bwd_dq_kernel)):
+            tiles = local_launch.plan(kind, head_dim, dtype)
+            ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n),
+                        tiles.num_warps, tiles.num_stages)
+        rows = local_launch.plan("dq", head_dim, dtype)
+        ok &= build(local_attention_bwd_delta_kernel, dtype,
+                    dict(D=head_dim, BLOCK_M=rows.block_m, BLOCK_D=flags["BLOCK_D"]), 4, 1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

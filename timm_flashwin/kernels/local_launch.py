@@ -1,0 +1,165 @@
+"""Host side of the local-attention kernels: launch plans, output allocation, launches.
+
+Written with torch operations and ``launch.launcher`` launches only, so that
+``torch.library.triton_op`` traces them under torch.compile. The launch plan (tiles, warps,
+stages) is decided once per (pass, head_dim, dtype) and cached (``plan``): nothing of it
+depends on B, S, the pattern or the scale, which are run-time arguments of the kernels (a
+new sequence length or window never recompiles).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+
+from . import config
+from .launch import compiler_options, launcher
+from .local_backward import (local_attention_bwd_delta_kernel, local_attention_bwd_dkdv_kernel,
+                             local_attention_bwd_dq_kernel)
+from .local_forward import local_attention_fwd_kernel, local_dropout_factor_kernel
+
+LOG2E = 1.0 / math.log(2.0)
+
+#: (period, before, after, sink): ``local_reference.LocalPattern``'s numbers
+Pattern = Tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One kernel's launch: BLOCK_M query rows and BLOCK_N key rows per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+#: ("fwd" | "dkdv" | "dq", head_dim, dtype) -> Plan, consulted before the defaults
+#: (benchmarks/bench_local.py --tune fills it to compare plans)
+OVERRIDES: Dict[Tuple[str, int, torch.dtype], Plan] = {}
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two of at least 16 (tl.dot's smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def plan(kind: str, head_dim: int, dtype: torch.dtype) -> Plan:
+    found = OVERRIDES.get((kind, int(head_dim), dtype))
+    return found if found is not None else _default_plan(kind, block_d(int(head_dim)), dtype)
+
+
+#: (kind, padded head dim) -> (BLOCK_M, BLOCK_N, warps, stages) for 16-bit inputs on the GPU;
+#: kind "dkdv" holds BLOCK_N keys per program and steps over BLOCK_M queries
+_PLANS_16BIT = {
+    ("fwd", 64): (128, 128, 8, 3), ("fwd", 128): (128, 64, 8, 3), ("fwd", 256): (64, 32, 8, 2),
+    ("dq", 64): (128, 64, 8, 3), ("dq", 128): (128, 32, 8, 3), ("dq", 256): (64, 32, 8, 2),
+    ("dkdv", 64): (32, 128, 8, 3), ("dkdv", 128): (32, 64, 8, 2), ("dkdv", 256): (32, 32, 8, 2),
+}
+#: the same for float32 inputs (3xTF32 products, ``precision``)
+_PLANS_32BIT = {
+    ("fwd", 64): (64, 32, 8, 2), ("fwd", 128): (64, 32, 8, 2), ("fwd", 256): (32, 32, 8, 2),
+    ("dq", 64): (64, 32, 8, 2), ("dq", 128): (64, 32, 8, 2), ("dq", 256): (32, 32, 8, 2),
+    ("dkdv", 64): (32, 64, 8, 2), ("dkdv", 128): (16, 64, 8, 2), ("dkdv", 256): (16, 16, 4, 2),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _default_plan(kind: str, width: int, dtype: torch.dtype) -> Plan:
+    """Under the interpreter (CI): tiles of 16, so that small sequences still take the
+    multi-block paths (window edges, partial blocks, the sink's blocks) at low cost.
+
+    On the GPU: plans for sm_90 that build without spilled registers for 16-bit inputs and
+    fit its shared memory (tests/local_sm90_build.py prints both); float32 inputs spill a
+    few hundred bytes per thread in every plan tried. The forward and the dq kernel take
+    128 query rows per program up to head_dim 128 (two warpgroups' wgmma of 64 rows), the
+    dkdv kernel up to 128 keys. ``benchmarks/bench_local.py --tune`` times others
+    (``OVERRIDES``)."""
+    if config.INTERPRET:
+        return Plan(16, 16, 4, 1)
+    plans = _PLANS_32BIT if dtype == torch.float32 else _PLANS_16BIT
+    return Plan(*plans[kind, max(64, width)])
+
+
+def precision(dtype: torch.dtype) -> str:
+    """How the kernels multiply (``local_tiles.product``): exact fp32 under the interpreter
+    (its bf16 dot is wrong), 3xTF32 for float32 inputs on the GPU, else the inputs' dtype."""
+    if config.INTERPRET:
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else ""
+
+
+def _options(tiles: Plan) -> dict:
+    return dict(compiler_options(tiles.num_warps), num_stages=tiles.num_stages)
+
+
+def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float,
+                  dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+                  counts: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out (B, H, S, D) in q's dtype and layout (``torch.empty_like``), and lse (B, H, S)
+    fp32, from validated q (B, H, S, D), k and v (B, H_kv, S, D). ``seed``: a one-element
+    int64 tensor, with dropout_p > 0. ``counts``: tests only, an int32 (2,) tensor to which
+    the tiles visited without and with a mask are added."""
+    B, H, S, D = q.shape
+    tiles = plan("fwd", D, q.dtype)
+    out = torch.empty_like(q)
+    lse = q.new_empty((B, H, S), dtype=torch.float32)
+    grid = (triton.cdiv(S, tiles.block_m) * B * H,)
+    launcher(local_attention_fwd_kernel)[grid](
+        q, k, v, out, lse, seed if dropout_p > 0 else q, counts if counts is not None else lse,
+        scale * LOG2E, dropout_p, S, H, H // k.shape[1], *pattern,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        D=D, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d(D), HAS_SINK=pattern[3] > 0,
+        HAS_DROPOUT=dropout_p > 0, PRECISION=precision(q.dtype), COUNT_TILES=counts is not None, **_options(tiles),
+    )
+    return out, lse
+
+
+def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, pattern: Pattern, scale: float, dropout_p: float = 0.0,
+                   seed: Optional[torch.Tensor] = None, counts: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the layouts of q, k, v (``torch.empty_like``), from the forward's out
+    and lse and the same seed; dout any strides. ``counts``: tests only, (4,) int32: the
+    dkdv kernel's tiles without and with a mask, then the dq kernel's."""
+    B, H, S, D = q.shape
+    H_kv = k.shape[1]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = q.new_empty((B, H, S), dtype=torch.float32)
+    rows = plan("dq", D, q.dtype)
+    launcher(local_attention_bwd_delta_kernel)[(triton.cdiv(S, rows.block_m) * B * H,)](
+        out, dout, delta, S, H, *out.stride(), *dout.stride(),
+        D=D, BLOCK_M=rows.block_m, BLOCK_D=block_d(D), **compiler_options(4),
+    )
+    flags = dict(D=D, BLOCK_D=block_d(D), HAS_SINK=pattern[3] > 0, HAS_DROPOUT=dropout_p > 0,
+                 PRECISION=precision(q.dtype), COUNT_TILES=counts is not None)
+    seed_ptr = seed if dropout_p > 0 else q
+    cols = plan("dkdv", D, q.dtype)
+    launcher(local_attention_bwd_dkdv_kernel)[(triton.cdiv(S, cols.block_n) * B * H_kv,)](
+        q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts if counts is not None else delta,
+        scale * LOG2E, scale, dropout_p, S, H_kv, H // H_kv, *pattern,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+        BLOCK_M=cols.block_m, BLOCK_N=cols.block_n, **flags, **_options(cols),
+    )
+    launcher(local_attention_bwd_dq_kernel)[(triton.cdiv(S, rows.block_m) * B * H,)](
+        q, k, v, dout, lse, delta, dq, seed_ptr, counts[2:] if counts is not None else delta,
+        scale * LOG2E, scale, dropout_p, S, H, H // H_kv, *pattern,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+        BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, **flags, **_options(rows),
+    )
+    return dq, dk, dv
+
+
+def dropout_factors(seed: torch.Tensor, batch: int, heads: int, seq_len: int, dropout_p: float) -> torch.Tensor:
+    """Tests only: (B, H, S, S) fp32, keep / (1 - p) where the kernels keep a probability and
+    0 where they drop it, for the one-element int64 ``seed`` the op drew."""
+    out = torch.empty((batch, heads, seq_len, seq_len), dtype=torch.float32, device=seed.device)
+    block = 32
+    blocks = triton.cdiv(seq_len, block)
+    launcher(local_dropout_factor_kernel)[(batch * heads, blocks, blocks)](
+        seed, out, dropout_p, seq_len, BLOCK=block, **compiler_options())
+    return out

@@ -1,0 +1,218 @@
+"""Triton building blocks of the local-attention kernels (``local_forward``, ``local_backward``).
+
+The pattern (``local_reference.LocalPattern``): with base(i) = (i // period) * period,
+query i attends keys lo(i) <= j < hi(i), lo(i) = max(0, base(i) - before),
+hi(i) = min(S, base(i) + after), and the sink keys j < sink. lo and hi never decrease with
+i and hi(i) >= lo(i + 1), so the keys a block of queries [m0, m1] can see are one range
+[lo(m0), hi(m1)) (plus the sink), those all of them see [lo(m1), hi(m0)); the same holds
+the other way, for the queries that see a block of keys (``query_bounds``). The kernels
+visit the blocks of the first range only, the blocks of the second without any mask
+arithmetic (``block_schedule``).
+
+Logits are log2-domain (scale * log2(e) * q.k) so that the softmax uses exp2; the
+forward saves each row's log2-sum-exp for the backward.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def product(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b (acc None: 0) with fp32 accumulation. PRECISION "": the operands as they
+    are, on the tensor cores (16-bit inputs); else both in fp32 with ``input_precision=
+    PRECISION``: "ieee" exact fp32 products (the interpreter, whose bf16 dot is wrong: it
+    multiplies the bit patterns), "tf32x3" float32 inputs on the GPU (three tf32 products
+    per product, ~2^-21 relative, on the tensor cores: exact "ieee" products run on the
+    FMA units and spill their tiles, tests/local_sm90_build.py)."""
+    if PRECISION == "":
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def pattern_limits(S, before, after, sink):
+    """``before`` / ``after`` with -1 (unlimited) as S, and none of the three above S: every
+    bound below stays within [0, 2 S] (int32 for any S up to 2^30), and the sink's blocks
+    within the sequence's."""
+    before = tl.where(before < 0, S, tl.minimum(before, S))
+    after = tl.where(after < 0, S, tl.minimum(after, S))
+    return before, after, tl.minimum(sink, S)
+
+
+@triton.jit
+def key_bounds(i, S, period, before, after):
+    """[lo(i), hi(i)): the window keys of query i (a scalar or a vector of queries)."""
+    base = (i // period) * period
+    return tl.maximum(base - before, 0), tl.minimum(base + after, S)
+
+
+@triton.jit
+def query_bounds(j, S, period, before, after):
+    """[first, end): the queries whose window holds key j, i.e. hi(i) > j and lo(i) <= j."""
+    t = tl.maximum(j - after + 1, 0)
+    first = tl.minimum((t + period - 1) // period * period, S)
+    end = tl.minimum(((j + before) // period + 1) * period, S)
+    return first, end
+
+
+@triton.jit
+def visible(rows, cols, S, period, before, after, sink, HAS_SINK: tl.constexpr):
+    """Whether query ``rows`` attends key ``cols`` (broadcast against each other: rows[:, None]
+    and cols[None, :] for a (query, key) tile, the other way round for a transposed one).
+    Keys beyond S are never visible (hi <= S); queries beyond S may be, where the caller
+    does not neutralize them."""
+    lo, hi = key_bounds(rows, S, period, before, after)
+    seen = (cols >= lo) & (cols < hi)
+    if HAS_SINK:
+        seen = seen | (cols < sink)
+    return seen
+
+
+@triton.jit
+def block_schedule(u_lo, u_hi, f_lo, f_hi, prefix, BLOCK: tl.constexpr):
+    """Which blocks of BLOCK positions a program visits, and how.
+
+    [u_lo, u_hi): the positions some of its rows pair with, [f_lo, f_hi): those all of them
+    pair with (a subrange), and besides [0, prefix) (the sink keys), which all of them pair
+    with. Returns (n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
+    partial): n_full blocks without a mask, 0 ... n_prefix - 1 (whole in the prefix) then
+    f_start, f_start + 1, ... (whole in [f_lo, f_hi)); and n_edge blocks with a mask,
+    n_lead from e_start, n_tail from t_start, and last, where it is neither, the prefix's
+    partly covered block ``partial``. Every block that meets [0, prefix) or [u_lo, u_hi)
+    is visited once and no other (``full_block``, ``edge_block``)."""
+    n_prefix = prefix // BLOCK
+    prefix_end = (prefix + BLOCK - 1) // BLOCK
+    e_start = tl.maximum(u_lo // BLOCK, prefix_end)  # the window's blocks after the prefix's
+    b_end = tl.maximum((u_hi + BLOCK - 1) // BLOCK, e_start)
+    f_start = tl.maximum((f_lo + BLOCK - 1) // BLOCK, n_prefix)
+    f_end = f_hi // BLOCK
+    empty = f_end <= f_start
+    f_start = tl.where(empty, b_end, f_start)
+    f_end = tl.where(empty, b_end, f_end)
+    n_lead = tl.maximum(tl.minimum(f_start, b_end) - e_start, 0)
+    t_start = tl.maximum(f_end, e_start)
+    n_tail = b_end - t_start
+    partial = n_prefix
+    n_partial = (prefix_end > n_prefix) & ((partial < f_start) | (partial >= f_end))
+    return (n_prefix + f_end - f_start, n_prefix, f_start, n_lead + n_tail + n_partial.to(tl.int32), e_start,
+            n_lead, t_start, n_tail, partial)
+
+
+@triton.jit
+def full_block(t, n_prefix, f_start):
+    """The t-th block without a mask (``block_schedule``)."""
+    return tl.where(t < n_prefix, t, f_start + t - n_prefix)
+
+
+@triton.jit
+def edge_block(t, e_start, n_lead, t_start, n_tail, partial):
+    """The t-th block with a mask (``block_schedule``)."""
+    return tl.where(t < n_lead, e_start + t, tl.where(t < n_lead + n_tail, t_start + t - n_lead, partial))
+
+
+@triton.jit
+def program_block(S, H, BLOCK: tl.constexpr, REVERSED: tl.constexpr):
+    """(block, b, h) of this program: grid (cdiv(S, BLOCK) * B * H,), the blocks of one
+    (b, h) consecutive (they share most of their keys: L2 hits), REVERSED to start with the
+    last, which see the most keys under a causal pattern (shorter tail)."""
+    num = tl.cdiv(S, BLOCK)
+    pid = tl.program_id(0)
+    block = pid % num
+    if REVERSED:
+        block = num - 1 - block
+    bh = pid // num
+    b = bh // H
+    return block, b, bh - b * H
+
+
+@triton.jit
+def key_schedule(m0, S, period, before, after, sink, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``block_schedule`` of the key blocks the queries [m0, m0 + BLOCK_M) see."""
+    m_last = tl.minimum(m0 + BLOCK_M, S) - 1
+    u_lo, f_hi = key_bounds(m0, S, period, before, after)
+    f_lo, u_hi = key_bounds(m_last, S, period, before, after)
+    return block_schedule(u_lo, u_hi, f_lo, f_hi, sink, BLOCK_N)
+
+
+@triton.jit
+def query_schedule(n0, S, period, before, after, sink, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``block_schedule`` of the query blocks that see the keys [n0, n0 + BLOCK_N): every
+    query sees a sink key."""
+    n_last = tl.minimum(n0 + BLOCK_N, S) - 1
+    u_lo, _ = query_bounds(n0, S, period, before, after)
+    f_lo, u_hi = query_bounds(n_last, S, period, before, after)
+    # all of the block's keys before the sink's end are seen by every query: the window
+    # must hold the others
+    _, f_hi = query_bounds(tl.maximum(n0, tl.minimum(sink, n_last)), S, period, before, after)
+    u_lo = tl.where(n0 < sink, 0, u_lo)
+    u_hi = tl.where(n0 < sink, S, u_hi)
+    f_lo = tl.where(n_last < sink, 0, f_lo)
+    f_hi = tl.where(n_last < sink, S, f_hi)
+    return block_schedule(u_lo, u_hi, f_lo, f_hi, 0, BLOCK_M)
+
+
+@triton.jit
+def count_tiles(counts_ptr, n_full, n_edge, COUNT_TILES: tl.constexpr):
+    """Tests only (COUNT_TILES): add the program's tiles without and with a mask to
+    counts[0] and counts[1]."""
+    if COUNT_TILES:
+        tl.atomic_add(counts_ptr, n_full)
+        tl.atomic_add(counts_ptr + 1, n_edge)
+
+
+@triton.jit
+def load_rows(base, rows, dims, stride_s, stride_d, S, D: tl.constexpr, CHECK_ROWS: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """The (len(rows), BLOCK_D) tile of a (S, D) matrix at ``base`` (0 beyond either);
+    without CHECK_ROWS every row is known to be < S. ``rows`` are relative to ``base``'s
+    row 0, which the caller moves in int64 (``row_block``)."""
+    ptrs = base + rows[:, None] * stride_s + dims[None, :] * stride_d
+    if CHECK_ROWS and BLOCK_D != D:
+        return tl.load(ptrs, mask=(rows[:, None] < S) & (dims[None, :] < D), other=0.0)
+    elif CHECK_ROWS:
+        return tl.load(ptrs, mask=rows[:, None] < S, other=0.0)
+    elif BLOCK_D != D:
+        return tl.load(ptrs, mask=dims[None, :] < D, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def store_rows(base, tile, rows, dims, stride_s, stride_d, S, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    ptrs = base + rows[:, None] * stride_s + dims[None, :] * stride_d
+    if BLOCK_D != D:
+        tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < S) & (dims[None, :] < D))
+    else:
+        tl.store(ptrs, tile.to(base.dtype.element_ty), mask=rows[:, None] < S)
+
+
+@triton.jit
+def head_base(ptr, b, h, stride_b, stride_h):
+    """Row 0 of batch b, head h: the offsets in int64 (B * H * S * D may pass 2^31)."""
+    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def row_block(base, start, stride_s):
+    """Row ``start`` of a head (``head_base``), moved in int64: S * stride_s may pass 2^31."""
+    return base + start.to(tl.int64) * stride_s
+
+
+@triton.jit
+def dropout_keep(seed, row_ids, cols, dropout_p, TRANSPOSED: tl.constexpr):
+    """keep / (1 - p) (fp32) for the tile of queries ``row_ids`` (their (b * H + h) * S + i)
+    and keys ``cols``: (rows, cols), or (cols, rows) with TRANSPOSED. One Philox draw per
+    (b, h, i, j) with counters (j, (b * H + h) * S + i): every kernel, whatever its tiling
+    or orientation, regenerates the forward's mask. Multiplied by (not selected with), so a
+    NaN probability stays NaN where dropped."""
+    p = tl.cast(dropout_p, tl.float32)
+    if TRANSPOSED:
+        keys = cols[:, None] + 0 * row_ids[None, :]
+        queries = row_ids[None, :] + 0 * cols[:, None]
+    else:
+        keys = cols[None, :] + 0 * row_ids[:, None]
+        queries = row_ids[:, None] + 0 * cols[None, :]
+    bits, _, _, _ = tl.philox(seed, keys.to(tl.uint32), queries.to(tl.uint32), 0, 0)
+    keep = tl.uint_to_uniform_float(bits) >= p
+    return tl.where(keep, 1.0 / (1.0 - p), 0.0)

@@ -1,0 +1,135 @@
+"""The local-attention patterns written once in plain PyTorch: the oracle of the tests (run
+it in float64) and the path ``sliding_window_attention`` and ``block_sliding_window_attention``
+take where no Triton kernel runs (CPU tensors without ``TRITON_INTERPRET=1``, float64).
+
+A pattern is the set of (query i, key j) pairs that attend, stated here from the API's
+definitions and nothing else (the kernels compute the same set from per-row key ranges,
+``LocalPattern``; the tests check one against the other):
+
+* sliding window ``(left, right)``: ``i - left <= j <= i + right``, ``None`` unlimited
+  (FlashAttention-2's ``window_size``);
+* block sliding window: key block ``j // block_size`` within ``window_blocks`` blocks of the
+  query's, not after it (the 004 seed's ``triu(1) + tril(-ws)`` over blocks), or
+  ``j < sink_tokens``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+#: rows, cols (int64 tensors broadcastable to each other) -> bool tensor: whether query
+#: ``rows`` attends key ``cols``
+Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sliding_window_visible(left: Optional[int], right: Optional[int]) -> Visible:
+    """Query i attends key j when ``i - left <= j <= i + right``; ``None`` is unlimited."""
+    def visible(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        ok = torch.ones(torch.broadcast_shapes(rows.shape, cols.shape), dtype=torch.bool, device=rows.device)
+        if left is not None:
+            ok = ok & (cols >= rows - left)
+        if right is not None:
+            ok = ok & (cols <= rows + right)
+        return ok
+    return visible
+
+
+def block_window_visible(block_size: int, window_blocks: int, sink_tokens: int = 0) -> Visible:
+    """A query of block b attends every key of blocks b - window_blocks + 1 ... b and the
+    first ``sink_tokens`` keys."""
+    def visible(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        query_block, key_block = rows // block_size, cols // block_size
+        return ((key_block <= query_block) & (key_block > query_block - window_blocks)) | (cols < sink_tokens)
+    return visible
+
+
+@dataclass(frozen=True)
+class LocalPattern:
+    """Both patterns as the kernels compute them: with ``base(i) = (i // period) * period``,
+    query i attends the keys ``max(0, base(i) - before) <= j < min(S, base(i) + after)`` and
+    the keys ``j < sink``. ``before`` / ``after`` of -1 are unlimited.
+
+    Sliding window (left, right): period 1, before = left, after = right + 1.
+    Block window: period = block_size, before = (window_blocks - 1) * block_size,
+    after = block_size."""
+
+    period: int
+    before: int
+    after: int
+    sink: int = 0
+
+    @staticmethod
+    def sliding(left: Optional[int], right: Optional[int]) -> "LocalPattern":
+        return LocalPattern(1, -1 if left is None else left, -1 if right is None else right + 1)
+
+    @staticmethod
+    def blocks(block_size: int, window_blocks: int, sink_tokens: int = 0) -> "LocalPattern":
+        return LocalPattern(block_size, (window_blocks - 1) * block_size, block_size, sink_tokens)
+
+    def visible(self) -> Visible:
+        def visible(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            base = rows // self.period * self.period
+            ok = torch.ones(torch.broadcast_shapes(rows.shape, cols.shape), dtype=torch.bool, device=rows.device)
+            if self.before >= 0:
+                ok = ok & (cols >= base - self.before)
+            if self.after >= 0:
+                ok = ok & (cols < base + self.after)
+            return ok | (cols < self.sink)
+        return visible
+
+
+def local_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: Visible,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    dropout_factor: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
+) -> torch.Tensor:
+    """``softmax(scale * q k^T restricted to visible pairs) v``, differentiable.
+
+    Args:
+        q: (B, H, S, D); k, v: (B, H_kv, S, D) with H % H_kv == 0 (query head h reads
+            key/value head h // (H // H_kv)).
+        visible: the pattern (``sliding_window_visible``, ``block_window_visible``).
+        scale: default D ** -0.5.
+        dropout_p: ``F.dropout`` on the probabilities, when no ``dropout_factor`` is given.
+        dropout_factor: (B, H, S, S) keep / (1 - p) to multiply the probabilities by (the
+            kernels' own mask, ``kernels.local_launch.dropout_factors``).
+        chunk: compute this many query rows at a time, each over the keys its rows can see
+            only (memory O(S * window) rather than O(S^2): long sequences on a GPU).
+
+    Returns:
+        (B, H, S, D) in q's dtype; 16-bit inputs are computed in float32. A row that sees
+        no key (only possible with an empty pattern) is 0.
+    """
+    dtype = q.dtype
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    B, H, S, D = q.shape
+    group = H // k.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    q, k, v = (t.to(compute) for t in (q, k, v))
+    k, v = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
+    chunk = S if chunk is None else chunk
+    cols = torch.arange(S, device=q.device)
+    outs = []
+    for start in range(0, S, chunk):
+        rows = torch.arange(start, min(start + chunk, S), device=q.device)
+        mask = visible(rows[:, None], cols[None, :])
+        seen = mask.any(0).nonzero()
+        lo, hi = (int(seen.min()), int(seen.max()) + 1) if seen.numel() else (0, 1)
+        mask = mask[:, lo:hi]
+        scores = (q[:, :, rows] * scale) @ k[:, :, lo:hi].transpose(-2, -1)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        probs = torch.where(mask.any(-1, keepdim=True), probs, torch.zeros_like(probs))
+        if dropout_factor is not None:
+            probs = probs * dropout_factor[:, :, rows, lo:hi].to(compute)
+        elif dropout_p > 0:
+            probs = F.dropout(probs, dropout_p, training=True)
+        outs.append(probs @ v[:, :, lo:hi])
+    return torch.cat(outs, dim=2).to(dtype)
