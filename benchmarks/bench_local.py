@@ -1,0 +1,346 @@
+"""Local attention side by side: sliding windows and block sliding windows.
+
+    python benchmarks/bench_local.py --quick --out $OUT/local_quick.json     # < 3 min on an H100
+    python benchmarks/bench_local.py --out $OUT/local.json                    # < 8 min
+    python benchmarks/bench_local.py --tune seed004_w16:16384 --out $OUT/tune.json
+
+For each case (a pattern, B, H, H_kv, D) and sequence length S, bf16, it times:
+
+* ours         timm_flashwin.sliding_window_attention / block_sliding_window_attention
+* flex         FlexAttention (torch.compile'd) with the same pattern as a BlockMask
+               (create_block_mask of the same mask_mod, built once per case, not timed)
+* sdpa_mask    F.scaled_dot_product_attention with the pattern as a dense (S, S) bool mask,
+               where that mask is at most --max-mask-mib
+* sdpa_causal  F.scaled_dot_product_attention(is_causal=True): PyTorch's dense causal
+               (flash) kernel, a reference point of what a tuned dense kernel does with S
+
+The cases: the 004 seed's (B=1, H=12, D=64, frames of 256 tokens, windows of 16 and 4
+frames, S = 4096 ... 65536), the 003 seed's (a sliding window of 500 tokens, and causal),
+head_dim 128 (a window of 512 either side, and global attention: the TFLOP/s of the one
+against the other), grouped-query attention.
+
+Forward and forward+backward (median of CUDA-event timings, triton.testing.do_bench), in
+TFLOP/s counted on the visible (query, key) pairs of the pattern only (4 D flops per pair
+forward, 2.5x that backward, FlashAttention's convention; sdpa_causal counts the causal
+pairs it computes), and the forward+backward's peak memory above the inputs. Before timing,
+each implementation's output on the case is compared with ours (relative error): they
+compute the same thing. With matplotlib installed, PNG plots of time against S, one per
+case, next to --out. ``--tune CASE:S`` times launch plans of our kernels
+(``kernels.local_launch.OVERRIDES``) instead and prints the fastest of each.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import code_version, write_json  # noqa: E402
+from timm_flashwin import block_sliding_window_attention, sliding_window_attention  # noqa: E402
+from timm_flashwin.local_reference import LocalPattern  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    pattern: LocalPattern
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    lengths: Tuple[int, ...]
+    quick: Tuple[int, ...] = ()
+
+
+SEED004 = (4096, 8192, 16384, 32768, 65536)
+CASES: Dict[str, Case] = {
+    "seed004_w16": Case(LocalPattern.blocks(256, 16), 1, 12, 12, 64, SEED004, (4096, 65536)),
+    "seed004_w4": Case(LocalPattern.blocks(256, 4), 1, 12, 12, 64, SEED004, (16384,)),
+    "seed003_window500": Case(LocalPattern.sliding(250, 249), 2, 16, 16, 64, (2048, 4096, 8192, 16384), (8192,)),
+    "seed003_causal": Case(LocalPattern.sliding(None, 0), 2, 16, 16, 64, (2048, 4096, 8192, 16384), (8192,)),
+    "window512_d128": Case(LocalPattern.sliding(512, 512), 1, 16, 16, 128, (8192, 16384, 32768), (16384,)),
+    "global_d128": Case(LocalPattern.sliding(None, None), 1, 16, 16, 128, (8192, 16384, 32768), (16384,)),
+    "gqa_causal1024_d128": Case(LocalPattern.sliding(1024, 0), 1, 32, 8, 128, (8192, 16384, 32768)),
+    "gqa_frames1560_sink_d128": Case(LocalPattern.blocks(1560, 3, 64), 1, 32, 8, 128, (12480, 31200), (12480,)),
+}
+IMPLS = ["ours", "flex", "sdpa_mask", "sdpa_causal"]
+
+
+def visible_pairs(pattern: LocalPattern, seq_len: int) -> int:
+    """The (query, key) pairs the pattern lets attend, from its per-row key ranges."""
+    rows = torch.arange(seq_len, dtype=torch.int64)
+    base = rows // pattern.period * pattern.period
+    lo = (base - pattern.before).clamp(min=0) if pattern.before >= 0 else torch.zeros_like(rows)
+    hi = (base + pattern.after).clamp(max=seq_len) if pattern.after >= 0 else torch.full_like(rows, seq_len)
+    sink = min(pattern.sink, seq_len)
+    window = (hi - lo).clamp(min=0)
+    in_both = (torch.minimum(hi, torch.tensor(sink)) - lo).clamp(min=0)
+    return int((window + sink - in_both).sum())
+
+
+def ours(pattern: LocalPattern) -> Callable:
+    if pattern.period == 1:  # a sliding window
+        window = (None if pattern.before < 0 else pattern.before, None if pattern.after < 0 else pattern.after - 1)
+        return lambda q, k, v: sliding_window_attention(q, k, v, window=window)
+    return lambda q, k, v: block_sliding_window_attention(
+        q, k, v, block_size=pattern.period, window_blocks=pattern.before // pattern.period + 1,
+        sink_tokens=pattern.sink)
+
+
+def mask_mod(pattern: LocalPattern) -> Callable:
+    """FlexAttention's mask_mod of the pattern (``LocalPattern.visible`` written per pair)."""
+    def visible(b, h, q_idx, kv_idx):
+        base = q_idx // pattern.period * pattern.period
+        ok = (kv_idx >= 0) & (q_idx >= 0)
+        if pattern.before >= 0:
+            ok = ok & (kv_idx >= base - pattern.before)
+        if pattern.after >= 0:
+            ok = ok & (kv_idx < base + pattern.after)
+        return ok | (kv_idx < pattern.sink)
+    return visible
+
+
+_flex_compiled = None
+
+
+def flex(pattern: LocalPattern, seq_len: int, device) -> Callable:
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = create_block_mask(mask_mod(pattern), None, None, seq_len, seq_len, device=device)
+    return lambda q, k, v: _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def sdpa_mask(pattern: LocalPattern, seq_len: int, device) -> Callable:
+    rows = torch.arange(seq_len, device=device)
+    mask = pattern.visible()(rows[:, None], rows[None, :])
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def implementation(name: str, pattern: LocalPattern, seq_len: int, device, max_mask_mib: float) -> Optional[Callable]:
+    if name == "ours":
+        return ours(pattern)
+    if name == "flex":
+        return flex(pattern, seq_len, device)
+    if name == "sdpa_mask":
+        return sdpa_mask(pattern, seq_len, device) if seq_len * seq_len / 2 ** 20 <= max_mask_mib else None
+    return sdpa_causal
+
+
+def make_inputs(case: Case, seq_len: int, device="cuda", dtype=torch.bfloat16):
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = lambda heads: (case.batch, heads, seq_len, case.head_dim)  # noqa: E731
+    q = torch.randn(shape(case.heads), device=device, dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(shape(case.kv_heads), device=device, dtype=dtype, generator=g).requires_grad_()
+            for _ in range(2))
+    return q, k, v, torch.randn_like(q)
+
+
+def _time_ms(fn: Callable, grad_to_none=None, rep: int = 100) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=10, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def bench_one(fn: Callable, inputs, rep: int) -> Dict:
+    q, k, v, do = inputs
+    leaves = [q, k, v]
+
+    def forward():
+        with torch.no_grad():
+            return fn(q, k, v)
+
+    def forward_backward():
+        fn(q, k, v).backward(do)
+
+    result: Dict = {}
+    t0 = time.perf_counter()
+    forward_backward()
+    torch.cuda.synchronize()
+    result["first_call_s"] = time.perf_counter() - t0
+    result["fwd_ms"] = _time_ms(forward, rep=rep)
+    result["fwdbwd_ms"] = _time_ms(forward_backward, leaves, rep=rep)
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    forward_backward()
+    torch.cuda.synchronize()
+    result["fwdbwd_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    for t in leaves:
+        t.grad = None
+    return result
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def run_case(name: str, case: Case, lengths, impls: List[str], rep: int, max_mask_mib: float, rows: List[Dict],
+             save: Callable) -> None:
+    for seq_len in lengths:
+        inputs = make_inputs(case, seq_len)
+        pairs = case.batch * case.heads * visible_pairs(case.pattern, seq_len)
+        causal_pairs = case.batch * case.heads * seq_len * (seq_len + 1) // 2
+        with torch.no_grad():
+            mine = ours(case.pattern)(*inputs[:3])
+        for impl in impls:
+            torch._dynamo.reset()
+            row = dict(case=name, impl=impl, S=seq_len, B=case.batch, H=case.heads, H_kv=case.kv_heads,
+                       D=case.head_dim, visible_pairs=pairs, pattern=case.pattern.__dict__)
+            try:
+                fn = implementation(impl, case.pattern, seq_len, inputs[0].device, max_mask_mib)
+                if fn is None:
+                    continue
+                if impl != "sdpa_causal":
+                    with torch.no_grad():
+                        row["rel_err_vs_ours"] = relative_error(fn(*inputs[:3]), mine)
+                row.update(bench_one(fn, inputs, rep))
+                counted = causal_pairs if impl == "sdpa_causal" else pairs
+                flops = 4 * counted * case.head_dim
+                row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+                row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
+            except Exception as exc:  # an implementation that cannot run a case is a row, not the end
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            rows.append(row)
+            print(_line(row), flush=True)
+            save()
+        del inputs, mine
+        torch.cuda.empty_cache()
+
+
+def _line(r: Dict) -> str:
+    if "error" in r:
+        return f"{r['case']:26s} S={r['S']:<6d} {r['impl']:12s} error: {r['error']}"
+    err = f"  err {r['rel_err_vs_ours']:.1e}" if "rel_err_vs_ours" in r else ""
+    return (f"{r['case']:26s} S={r['S']:<6d} {r['impl']:12s} fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TF/s"
+            f"  f+b {r['fwdbwd_ms']:8.3f} ms {r['fwdbwd_tflops']:6.1f} TF/s  peak {r['fwdbwd_peak_mib']:8.1f} MiB"
+            f"{err}")
+
+
+def summary(rows: List[Dict]) -> List[str]:
+    """The issue's targets, measured: our speedup over FlexAttention per case and S, the
+    window's TFLOP/s against global attention's, the forward's TFLOP/s at head_dim 128."""
+    lines, by = [], {(r["case"], r["S"], r["impl"]): r for r in rows if "error" not in r}
+    for (case, seq_len, impl), r in by.items():
+        f = by.get((case, seq_len, "flex"))
+        if impl == "ours" and f:
+            lines.append(f"{case:26s} S={seq_len:<6d} ours vs flex: fwd {f['fwd_ms'] / r['fwd_ms']:.2f}x, "
+                         f"f+b {f['fwdbwd_ms'] / r['fwdbwd_ms']:.2f}x")
+    for (case, seq_len, impl), r in by.items():
+        g = by.get(("global_d128", seq_len, "ours"))
+        if case == "window512_d128" and impl == "ours" and g:
+            lines.append(f"window 512 / global TFLOP/s at S={seq_len}: fwd {r['fwd_tflops'] / g['fwd_tflops']:.2f}, "
+                         f"f+b {r['fwdbwd_tflops'] / g['fwdbwd_tflops']:.2f}")
+    return lines
+
+
+def plot(rows: List[Dict], out: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return
+    for case in dict.fromkeys(r["case"] for r in rows):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, key, title in zip(axes, ("fwd_ms", "fwdbwd_ms"), ("forward", "forward + backward")):
+            for impl in IMPLS:
+                points = sorted((r["S"], r[key]) for r in rows if r["case"] == case and r["impl"] == impl and key in r)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("S")
+            ax.set_ylabel("ms")
+            ax.set_title(f"{case}: {title}")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = f"{os.path.splitext(out)[0]}_{case}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        print(path)
+
+
+def tune(spec: str, rep: int) -> List[Dict]:
+    """Time launch plans of each of our kernels on one case (forward plans by the forward,
+    backward ones by forward+backward), the others at their defaults."""
+    from timm_flashwin.kernels import local_launch
+    name, seq_len = spec.split(":")
+    case, seq_len = CASES[name], int(seq_len)
+    inputs = make_inputs(case, seq_len)
+    fn = ours(case.pattern)
+    candidates = {
+        "fwd": [(m, n, w, s) for m, n in ((64, 64), (128, 64), (128, 128), (64, 128)) for w, s in
+                ((4, 3), (8, 2), (8, 3), (8, 4))],
+        "dq": [(m, n, w, s) for m, n in ((64, 64), (128, 32), (128, 64), (64, 32)) for w, s in
+               ((4, 3), (8, 2), (8, 3))],
+        "dkdv": [(m, n, w, s) for m, n in ((16, 128), (32, 64), (32, 128), (64, 64), (64, 128)) for w, s in
+                 ((4, 3), (8, 2), (8, 3))],
+    }
+    rows = []
+    for kind, plans in candidates.items():
+        key = (kind, case.head_dim, torch.bfloat16)
+        default = local_launch.plan(kind, case.head_dim, torch.bfloat16)
+        for tiles in [default] + [local_launch.Plan(*p) for p in plans]:
+            local_launch.OVERRIDES[key] = tiles
+            try:
+                result = bench_one(fn, inputs, rep)
+                ms = result["fwd_ms"] if kind == "fwd" else result["fwdbwd_ms"]
+            except Exception as exc:  # a plan that does not fit (shared memory) is reported
+                ms, result = float("nan"), dict(error=f"{type(exc).__name__}")
+            rows.append(dict(case=name, S=seq_len, kind=kind, plan=tiles.__dict__, ms=ms, default=tiles == default,
+                             **{k: v for k, v in result.items() if k == "error"}))
+            print(f"{kind:5s} {tiles} {ms:8.3f} ms{' (default)' if tiles == default else ''}", flush=True)
+        local_launch.OVERRIDES.pop(key)
+        timed = [r for r in rows if r["kind"] == kind and r["ms"] == r["ms"]]
+        best = min(timed, key=lambda r: r["ms"])
+        print(f"fastest {kind}: {best['plan']} {best['ms']:.3f} ms", flush=True)
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS)
+    parser.add_argument("--quick", action="store_true", help="a few lengths per case (< 3 minutes on an H100)")
+    parser.add_argument("--max-mask-mib", type=float, default=256.0,
+                        help="the largest dense bool mask sdpa_mask builds (S * S bytes)")
+    parser.add_argument("--tune", metavar="CASE:S", default=None, help="time launch plans of our kernels instead")
+    parser.add_argument("--out", default=None, help="write the results as JSON here (and the plots next to it)")
+    args = parser.parse_args(argv)
+    rep = 30 if args.quick else 100
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), code=code_version(),
+                quick=args.quick)
+    print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['code']}", flush=True)
+    if args.tune:
+        rows = tune(args.tune, rep)
+        if args.out:
+            write_json(args.out, dict(meta=meta, tune=rows))
+        return
+    rows: List[Dict] = []
+    save = (lambda: write_json(args.out, dict(meta=meta, rows=rows, summary=summary(rows)))) if args.out else \
+        (lambda: None)
+    for name in args.cases:
+        case = CASES[name]
+        lengths = case.quick if args.quick else case.lengths
+        run_case(name, case, lengths, args.impls, rep, args.max_mask_mib, rows, save)
+    print("\n" + "\n".join(summary(rows)))
+    if args.out:
+        plot(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
