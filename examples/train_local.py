@@ -1,0 +1,140 @@
+"""A small autoregressive frame model trained with the local-attention operators; its
+losses match the same model computing attention with the PyTorch reference.
+
+    python examples/train_local.py [--steps 20] [--frames 16] [--frame-tokens 64]
+    TRITON_INTERPRET=1 python examples/train_local.py --steps 4 --frames 5 --frame-tokens 12 --local 20 \
+        --dim 32 --layers 1   # the kernels on a CPU, under Triton's interpreter (slow: small sizes)
+
+A "video" is a sequence of frames of ``--frame-tokens`` tokens each (a 1-D signal per token,
+embedded); the model predicts every token of frame t + 1 from frames up to t. Each layer
+attends with ``block_sliding_window_attention`` (a frame sees itself and the
+``--window - 1`` frames before it, plus the first ``--sinks`` tokens of the video), then
+with ``sliding_window_attention`` over a causal local window of tokens (``--local``),
+grouped-query heads in both. Two copies start from the same weights and see the same
+batches; one takes our operators, the other ``local_attention_reference`` (dense masks,
+PyTorch's autograd). On a GPU in bfloat16 autocast, else float32.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+
+import torch
+from torch import nn
+
+import timm_flashwin
+from timm_flashwin.local_reference import block_window_visible, local_attention_reference, sliding_window_visible
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, pattern: dict, fused: bool):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.proj = nn.Linear(dim, dim)
+        self.pattern, self.fused = pattern, fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)  # (B, H, S, D), strided views
+        k, v = self.kv(x).view(B, S, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        p = self.pattern
+        if self.fused and "block_size" in p:
+            out = timm_flashwin.block_sliding_window_attention(q, k, v, **p)
+        elif self.fused:
+            out = timm_flashwin.sliding_window_attention(q, k, v, window=p["window"], causal=True)
+        elif "block_size" in p:
+            out = local_attention_reference(q, k, v, block_window_visible(**p))
+        else:
+            out = local_attention_reference(q, k, v, sliding_window_visible(p["window"][0], 0))
+        return self.proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class FrameModel(nn.Module):
+    def __init__(self, args, fused: bool):
+        super().__init__()
+        dim = args.dim
+        self.embed = nn.Linear(1, dim)
+        self.position = nn.Parameter(torch.randn(args.frames * args.frame_tokens, dim) * 0.02)
+        frames = dict(block_size=args.frame_tokens, window_blocks=args.window, sink_tokens=args.sinks)
+        tokens = dict(window=(args.local, 0))
+        self.layers = nn.ModuleList()
+        for pattern in (frames, tokens) * args.layers:
+            self.layers.append(nn.ModuleDict(dict(
+                norm=nn.LayerNorm(dim), attn=Attention(dim, args.heads, args.kv_heads, pattern, fused),
+                norm2=nn.LayerNorm(dim), mlp=nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)))))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, video: torch.Tensor) -> torch.Tensor:
+        """video (B, S, 1) -> the prediction of every token one frame later (B, S, 1)."""
+        x = self.embed(video) + self.position[:video.shape[1]]
+        for layer in self.layers:
+            x = x + layer["attn"](layer["norm"](x))
+            x = x + layer["mlp"](layer["norm2"](x))
+        return self.head(x)
+
+
+def videos(batch: int, args, generator: torch.Generator) -> torch.Tensor:
+    """Frames of waves drifting from frame to frame: (B, frames * frame_tokens, 1)."""
+    t = torch.arange(args.frames)[:, None]
+    n = torch.arange(args.frame_tokens)[None, :]
+    freq = torch.rand(batch, 1, 1, generator=generator) * 3 + 1
+    phase = torch.rand(batch, 1, 1, generator=generator) * 2 * math.pi
+    wave = torch.sin(freq * (n / args.frame_tokens * 2 * math.pi + 0.3 * t) + phase)
+    return (wave + 0.05 * torch.randn(wave.shape, generator=generator)).reshape(batch, -1, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--frames", type=int, default=16)
+    parser.add_argument("--frame-tokens", type=int, default=64)
+    parser.add_argument("--window", type=int, default=4, help="frames a frame sees, its own included")
+    parser.add_argument("--sinks", type=int, default=8)
+    parser.add_argument("--local", type=int, default=96, help="earlier tokens of the causal token window")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    amp = device == "cuda"
+    torch.manual_seed(0)
+    reference = FrameModel(args, fused=False).to(device)
+    fused = copy.deepcopy(reference)
+    for module in fused.modules():
+        if isinstance(module, Attention):
+            module.fused = True
+    gen = torch.Generator().manual_seed(0)
+    data = [videos(args.batch, args, gen) for _ in range(4)]
+    step_tokens = args.frame_tokens
+    losses = {}
+    for name, model in (("reference", reference), ("flashwin", fused)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses[name] = []
+        for step in range(args.steps):
+            video = data[step % len(data)].to(device)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
+                prediction = model(video[:, :-step_tokens])
+            loss = nn.functional.mse_loss(prediction.float(), video[:, step_tokens:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+    tolerance = 2e-2 if amp else 1e-4
+    print(f"{'step':>4s} {'reference':>12s} {'flashwin':>12s} {'rel. diff':>10s}")
+    for step, (a, b) in enumerate(zip(losses["reference"], losses["flashwin"])):
+        print(f"{step:4d} {a:12.6f} {b:12.6f} {abs(a - b) / abs(a):10.2e}")
+    worst = max(abs(a - b) / abs(a) for a, b in zip(losses["reference"], losses["flashwin"]))
+    assert worst <= tolerance, f"losses differ by {worst:.2e} (> {tolerance:.0e})"
+    assert losses["flashwin"][-1] < losses["flashwin"][0], "the loss did not go down"
+    print(f"losses match (largest relative difference {worst:.2e} <= {tolerance:.0e}); "
+          f"loss {losses['flashwin'][0]:.4f} -> {losses['flashwin'][-1]:.4f}")
+
+
+if __name__ == "__main__":
+    main()
