@@ -93,16 +93,9 @@ def ours(pattern: LocalPattern) -> Callable:
 
 
 def mask_mod(pattern: LocalPattern) -> Callable:
-    """FlexAttention's mask_mod of the pattern (``LocalPattern.visible`` written per pair)."""
-    def visible(b, h, q_idx, kv_idx):
-        base = q_idx // pattern.period * pattern.period
-        ok = (kv_idx >= 0) & (q_idx >= 0)
-        if pattern.before >= 0:
-            ok = ok & (kv_idx >= base - pattern.before)
-        if pattern.after >= 0:
-            ok = ok & (kv_idx < base + pattern.after)
-        return ok | (kv_idx < pattern.sink)
-    return visible
+    """FlexAttention's mask_mod of the pattern."""
+    visible = pattern.visible()
+    return lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx)
 
 
 _flex_compiled = None

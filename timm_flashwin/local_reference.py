@@ -28,7 +28,7 @@ Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def sliding_window_visible(left: Optional[int], right: Optional[int]) -> Visible:
     """Query i attends key j when ``i - left <= j <= i + right``; ``None`` is unlimited."""
     def visible(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        ok = torch.ones(torch.broadcast_shapes(rows.shape, cols.shape), dtype=torch.bool, device=rows.device)
+        ok = (rows >= 0) & (cols >= 0)
         if left is not None:
             ok = ok & (cols >= rows - left)
         if right is not None:
@@ -70,9 +70,10 @@ class LocalPattern:
         return LocalPattern(block_size, (window_blocks - 1) * block_size, block_size, sink_tokens)
 
     def visible(self) -> Visible:
+        """The pattern pair by pair, elementwise only (FlexAttention's mask_mod takes it)."""
         def visible(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
             base = rows // self.period * self.period
-            ok = torch.ones(torch.broadcast_shapes(rows.shape, cols.shape), dtype=torch.bool, device=rows.device)
+            ok = (rows >= 0) & (cols >= 0)
             if self.before >= 0:
                 ok = ok & (cols >= base - self.before)
             if self.after >= 0:

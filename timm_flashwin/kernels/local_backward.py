@@ -17,8 +17,9 @@ kernels regenerate from the forward's seed). Rows that see no key have lse = +in
 import triton
 import triton.language as tl
 
-from .local_tiles import (count_tiles, dropout_keep, edge_block, full_block, head_base, key_schedule, load_rows,
-                          pattern_limits, product, program_block, query_schedule, row_block, store_rows, visible)
+from .local_tiles import (count_tiles, dropout_keep, edge_block, full_block, head_base, load_block, load_rows,
+                          logits, pattern_limits, product, program_block, query_block_program, query_schedule,
+                          row_block, store_block)
 
 
 @triton.jit
@@ -41,10 +42,8 @@ def local_attention_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, S, H,
     m0 = m_block * BLOCK_M
     offs = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    o = load_rows(row_block(head_base(out_ptr, b, h, stride_ob, stride_oh), m0, stride_os), offs, dims,
-                  stride_os, stride_od, S - m0, D, True, BLOCK_D)
-    do = load_rows(row_block(head_base(dout_ptr, b, h, stride_gb, stride_gh), m0, stride_gs), offs, dims,
-                   stride_gs, stride_gd, S - m0, D, True, BLOCK_D)
+    o = load_block(out_ptr, b, h, m0, stride_ob, stride_oh, stride_os, stride_od, offs, dims, S, D, BLOCK_D)
+    do = load_block(dout_ptr, b, h, m0, stride_gb, stride_gh, stride_gs, stride_gd, offs, dims, S, D, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     rows = m0 + offs
     tl.store(delta_ptr + (b * H + h).to(tl.int64) * S + rows, delta, mask=rows < S)
@@ -63,10 +62,8 @@ def dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_
     q = load_rows(row_block(q_head, m0, stride_qs), offs, dims, stride_qs, stride_qd, S - m0, D, MASKED, BLOCK_D)
     do = load_rows(row_block(do_head, m0, stride_gs), offs, dims, stride_gs, stride_gd, S - m0, D, MASKED, BLOCK_D)
     lse, delta = load_row_stats(lse_head, delta_head, rows, S, MASKED)
-    s = product(k, tl.trans(q), None, PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where(visible(rows[None, :], cols[:, None], S, period, before, after, sink, HAS_SINK), s,
-                     float("-inf"))
+    s = logits(k, q, rows[None, :], cols[:, None], qk_scale, S, period, before, after, sink, MASKED, HAS_SINK,
+               PRECISION)
     p = tl.math.exp2(s - lse[None, :])
     dp = product(v, tl.trans(do), None, PRECISION)
     if HAS_DROPOUT:
@@ -105,10 +102,8 @@ def local_attention_bwd_dkdv_kernel(
     offs = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     cols = n0 + offs
-    k = load_rows(row_block(head_base(k_ptr, b, kvh, stride_kb, stride_kh), n0, stride_ks), offs, dims,
-                  stride_ks, stride_kd, S - n0, D, True, BLOCK_D)
-    v = load_rows(row_block(head_base(v_ptr, b, kvh, stride_vb, stride_vh), n0, stride_vs), offs, dims,
-                  stride_vs, stride_vd, S - n0, D, True, BLOCK_D)
+    k = load_block(k_ptr, b, kvh, n0, stride_kb, stride_kh, stride_ks, stride_kd, offs, dims, S, D, BLOCK_D)
+    v = load_block(v_ptr, b, kvh, n0, stride_vb, stride_vh, stride_vs, stride_vd, offs, dims, S, D, BLOCK_D)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -130,10 +125,9 @@ def local_attention_bwd_dkdv_kernel(
             dk, dv = dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_base, seed,
                                qk_scale, dropout_p, S, period, before, after, sink, stride_qs, stride_qd,
                                stride_gs, stride_gd, D, BLOCK_M, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION)
-    store_rows(row_block(head_base(dk_ptr, b, kvh, stride_dkb, stride_dkh), n0, stride_dks), dk * scale, offs, dims,
-               stride_dks, stride_dkd, S - n0, D, BLOCK_D)
-    store_rows(row_block(head_base(dv_ptr, b, kvh, stride_dvb, stride_dvh), n0, stride_dvs), dv, offs, dims,
-               stride_dvs, stride_dvd, S - n0, D, BLOCK_D)
+    store_block(dk_ptr, dk * scale, b, kvh, n0, stride_dkb, stride_dkh, stride_dks, stride_dkd, offs, dims, S, D,
+                BLOCK_D)
+    store_block(dv_ptr, dv, b, kvh, n0, stride_dvb, stride_dvh, stride_dvs, stride_dvd, offs, dims, S, D, BLOCK_D)
 
 
 @triton.jit
@@ -147,10 +141,8 @@ def dq_step(dq, q, do, lse, delta, k_head, v_head, n0, rows, row_ids, seed, qk_s
     cols = n0 + offs
     k = load_rows(row_block(k_head, n0, stride_ks), offs, dims, stride_ks, stride_kd, S - n0, D, MASKED, BLOCK_D)
     v = load_rows(row_block(v_head, n0, stride_vs), offs, dims, stride_vs, stride_vd, S - n0, D, MASKED, BLOCK_D)
-    s = product(q, tl.trans(k), None, PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where(visible(rows[:, None], cols[None, :], S, period, before, after, sink, HAS_SINK), s,
-                     float("-inf"))
+    s = logits(q, k, rows[:, None], cols[None, :], qk_scale, S, period, before, after, sink, MASKED, HAS_SINK,
+               PRECISION)
     p = tl.math.exp2(s - lse[:, None])
     dp = product(do, tl.trans(v), None, PRECISION)
     if HAS_DROPOUT:
@@ -172,20 +164,13 @@ def local_attention_bwd_dq_kernel(
     HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, COUNT_TILES: tl.constexpr,
 ):
     """Grid: (cdiv(S, BLOCK_M) * B * H,). dq like q (any strides)."""
-    m_block, b, h = program_block(S, H, BLOCK_M, True)
-    before, after, sink = pattern_limits(S, before, after, sink)
-    m0 = m_block * BLOCK_M
-    n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = key_schedule(
-        m0, S, period, before, after, sink, BLOCK_M, BLOCK_N)
-    count_tiles(counts_ptr, n_full, n_edge, COUNT_TILES)
-
+    b, h, m0, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = \
+        query_block_program(counts_ptr, S, H, period, before, after, sink, BLOCK_M, BLOCK_N, COUNT_TILES)
     offs = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     rows = m0 + offs
-    q = load_rows(row_block(head_base(q_ptr, b, h, stride_qb, stride_qh), m0, stride_qs), offs, dims,
-                  stride_qs, stride_qd, S - m0, D, True, BLOCK_D)
-    do = load_rows(row_block(head_base(dout_ptr, b, h, stride_gb, stride_gh), m0, stride_gs), offs, dims,
-                   stride_gs, stride_gd, S - m0, D, True, BLOCK_D)
+    q = load_block(q_ptr, b, h, m0, stride_qb, stride_qh, stride_qs, stride_qd, offs, dims, S, D, BLOCK_D)
+    do = load_block(dout_ptr, b, h, m0, stride_gb, stride_gh, stride_gs, stride_gd, offs, dims, S, D, BLOCK_D)
     id_base = (b * H + h).to(tl.int64) * S
     lse, delta = load_row_stats(lse_ptr + id_base, delta_ptr + id_base, rows, S, True)
     k_head = head_base(k_ptr, b, h // group, stride_kb, stride_kh)
@@ -203,5 +188,5 @@ def local_attention_bwd_dq_kernel(
         dq = dq_step(dq, q, do, lse, delta, k_head, v_head, n0, rows, row_ids, seed, qk_scale, dropout_p,
                      S, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
                      D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION)
-    store_rows(row_block(head_base(dq_ptr, b, h, stride_dqb, stride_dqh), m0, stride_dqs), dq * scale, offs, dims,
-               stride_dqs, stride_dqd, S - m0, D, BLOCK_D)
+    store_block(dq_ptr, dq * scale, b, h, m0, stride_dqb, stride_dqh, stride_dqs, stride_dqd, offs, dims, S, D,
+                BLOCK_D)

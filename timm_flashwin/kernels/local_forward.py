@@ -12,8 +12,8 @@ F.scaled_dot_product_attention applies it.
 import triton
 import triton.language as tl
 
-from .local_tiles import (count_tiles, dropout_keep, edge_block, full_block, head_base, key_schedule, load_rows,
-                          pattern_limits, product, program_block, row_block, store_rows, visible)
+from .local_tiles import (dropout_keep, edge_block, full_block, head_base, load_block, load_rows, logits, product,
+                          query_block_program, row_block, store_block)
 
 #: the running maximum's start: finite, so that a row none of whose keys a block shows
 #: gets exp2(-inf - m) = 0 and a factor exp2(m - m) = 1, never NaN
@@ -31,10 +31,8 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_s
     dims = tl.arange(0, BLOCK_D)
     cols = n0 + offs
     k = load_rows(row_block(k_head, n0, stride_ks), offs, dims, stride_ks, stride_kd, S - n0, D, MASKED, BLOCK_D)
-    s = product(q, tl.trans(k), None, PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where(visible(rows[:, None], cols[None, :], S, period, before, after, sink, HAS_SINK), s,
-                     float("-inf"))
+    s = logits(q, k, rows[:, None], cols[None, :], qk_scale, S, period, before, after, sink, MASKED, HAS_SINK,
+               PRECISION)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -61,18 +59,12 @@ def local_attention_fwd_kernel(
     like q, any strides; lse (B, H, S) fp32, contiguous: each row's log2-sum-exp of its
     log2-domain logits (qk_scale = scale * log2(e)), +inf for a row that sees no key (its
     output is 0). ``before`` / ``after``: -1 for unlimited (``local_tiles``)."""
-    m_block, b, h = program_block(S, H, BLOCK_M, True)
-    before, after, sink = pattern_limits(S, before, after, sink)
-    m0 = m_block * BLOCK_M
-    n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = key_schedule(
-        m0, S, period, before, after, sink, BLOCK_M, BLOCK_N)
-    count_tiles(counts_ptr, n_full, n_edge, COUNT_TILES)
-
+    b, h, m0, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = \
+        query_block_program(counts_ptr, S, H, period, before, after, sink, BLOCK_M, BLOCK_N, COUNT_TILES)
     offs = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     rows = m0 + offs
-    q = load_rows(row_block(head_base(q_ptr, b, h, stride_qb, stride_qh), m0, stride_qs), offs, dims,
-                  stride_qs, stride_qd, S - m0, D, True, BLOCK_D)
+    q = load_block(q_ptr, b, h, m0, stride_qb, stride_qh, stride_qs, stride_qd, offs, dims, S, D, BLOCK_D)
     k_head = head_base(k_ptr, b, h // group, stride_kb, stride_kh)
     v_head = head_base(v_ptr, b, h // group, stride_vb, stride_vh)
     row_ids = (b * H + h).to(tl.int64) * S + rows
@@ -95,8 +87,7 @@ def local_attention_fwd_kernel(
     seen = l_i > 0.0
     l_i = tl.where(seen, l_i, 1.0)
     out = acc / l_i[:, None]
-    store_rows(row_block(head_base(out_ptr, b, h, stride_ob, stride_oh), m0, stride_os), out, offs, dims,
-               stride_os, stride_od, S - m0, D, BLOCK_D)
+    store_block(out_ptr, out, b, h, m0, stride_ob, stride_oh, stride_os, stride_od, offs, dims, S, D, BLOCK_D)
     lse = tl.where(seen, m_i + tl.math.log2(l_i), float("inf"))
     tl.store(lse_ptr + (b * H + h).to(tl.int64) * S + rows, lse, mask=rows < S)
 

@@ -153,6 +153,32 @@ def query_schedule(n0, S, period, before, after, sink, BLOCK_N: tl.constexpr, BL
 
 
 @triton.jit
+def query_block_program(counts_ptr, S, H, period, before, after, sink, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, COUNT_TILES: tl.constexpr):
+    """The start of a program over a block of queries (the forward, the dq kernel): its
+    batch b, head h, first query m0, the pattern's limits (``pattern_limits``) and the key
+    blocks it visits (``key_schedule``'s nine numbers)."""
+    m_block, b, h = program_block(S, H, BLOCK_M, True)
+    before, after, sink = pattern_limits(S, before, after, sink)
+    m0 = m_block * BLOCK_M
+    n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = key_schedule(
+        m0, S, period, before, after, sink, BLOCK_M, BLOCK_N)
+    count_tiles(counts_ptr, n_full, n_edge, COUNT_TILES)
+    return b, h, m0, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial
+
+
+@triton.jit
+def logits(a, b, rows, cols, qk_scale, S, period, before, after, sink, MASKED: tl.constexpr,
+           HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b^T times qk_scale (log2-domain logits, fp32), -inf where MASKED and query ``rows``
+    does not attend key ``cols`` (broadcast as ``visible`` takes them)."""
+    s = product(a, tl.trans(b), None, PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), s, float("-inf"))
+    return s
+
+
+@triton.jit
 def count_tiles(counts_ptr, n_full, n_edge, COUNT_TILES: tl.constexpr):
     """Tests only (COUNT_TILES): add the program's tiles without and with a mask to
     counts[0] and counts[1]."""
@@ -185,6 +211,22 @@ def store_rows(base, tile, rows, dims, stride_s, stride_d, S, D: tl.constexpr, B
         tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < S) & (dims[None, :] < D))
     else:
         tl.store(ptrs, tile.to(base.dtype.element_ty), mask=rows[:, None] < S)
+
+
+@triton.jit
+def load_block(ptr, b, h, start, stride_b, stride_h, stride_s, stride_d, offs, dims, S, D: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Rows start + offs of head h of batch b of a (B, H, S, D) tensor (0 beyond S or D)."""
+    return load_rows(row_block(head_base(ptr, b, h, stride_b, stride_h), start, stride_s), offs, dims, stride_s,
+                     stride_d, S - start, D, True, BLOCK_D)
+
+
+@triton.jit
+def store_block(ptr, tile, b, h, start, stride_b, stride_h, stride_s, stride_d, offs, dims, S, D: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """``tile`` into rows start + offs (those < S) of head h of batch b (``load_block``)."""
+    store_rows(row_block(head_base(ptr, b, h, stride_b, stride_h), start, stride_s), tile, offs, dims, stride_s,
+               stride_d, S - start, D, BLOCK_D)
 
 
 @triton.jit
