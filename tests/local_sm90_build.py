@@ -7,7 +7,7 @@ dtypes of the plans, with and without sink and dropout, as a launch on contiguou
 specializes it, prints each one's resources, and exits non-zero where a build fails or its
 shared memory does not fit.
 
-    TRITON_INTERPRET=0 python tests/local_sm90_build.py [--quick]
+    TRITON_INTERPRET=0 python tests/local_sm90_build.py [--quick | --smoke]
 """
 from __future__ import annotations
 
@@ -30,29 +30,37 @@ from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # no
 
 #: H100: 227 KiB of shared memory per block
 SHARED_LIMIT = 232448
-#: (head_dim, dtype, sink, dropout)
+#: integer arguments a launch specializes to the constant 1 where they are 1 (Triton does so
+#: for any integer): a sliding window's period; and all of them, S = 1 with one head
+SLIDING = ("period",)
+ALL_ONE = ("S", "H", "H_kv", "period")
+#: (head_dim, dtype, sink, dropout, the integer arguments that are 1)
 CASES = [
-    (64, torch.bfloat16, False, False),
-    (128, torch.bfloat16, False, False),
-    (128, torch.float16, True, True),
-    (256, torch.bfloat16, False, False),
-    (96, torch.bfloat16, True, False),
-    (8, torch.float16, False, False),
-    (64, torch.float32, False, False),
-    (128, torch.float32, True, False),
-    (256, torch.float32, False, False),
+    (64, torch.bfloat16, False, False, SLIDING),
+    (128, torch.bfloat16, False, False, ()),
+    (128, torch.float16, True, True, ()),
+    (256, torch.bfloat16, False, False, SLIDING),
+    (96, torch.bfloat16, True, False, ()),
+    (8, torch.float16, False, False, ALL_ONE),
+    (64, torch.float32, False, False, ()),
+    (128, torch.float32, True, False, SLIDING),
+    (256, torch.float32, False, False, ()),
 ]
-QUICK = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[6]]
+QUICK = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[5], CASES[6]]
+#: the one case of the test suite (tests/test_local_attention.py): every constexpr branch
+SMOKE = [(128, torch.float16, True, True, SLIDING)]
 POINTERS_IN_DTYPE = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr", "dq_ptr", "dk_ptr", "dv_ptr"}
 
 
-def signature(kernel, dtype: torch.dtype, constexprs: dict):
+def signature(kernel, dtype: torch.dtype, constexprs: dict, ones=()):
     """(types, constexprs, attrs) as a launch on contiguous (B, H, S, D) tensors specializes
-    them: the head dim's stride 1 a constant, pointers 16-byte aligned."""
+    them: the head dim's stride 1 a constant, pointers 16-byte aligned, ``ones`` constants."""
     types, constexprs = {}, dict(constexprs)
     for name in kernel.arg_names:
         if name in constexprs:
             types[name] = "constexpr"
+        elif name in ones:
+            types[name], constexprs[name] = "constexpr", 1
         elif name.startswith("stride_") and name.endswith("d"):
             types[name], constexprs[name] = "constexpr", 1
         elif name == "seed_ptr":
@@ -65,13 +73,14 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict):
             types[name] = "fp32"
         else:
             types[name] = "i32"
+    aligned_rows = constexprs["D"] % 16 == 0  # rows of D elements: strides that are multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if name.endswith("_ptr") or (name.startswith("stride_") and not name.endswith("d"))}
+             if types[name] != "constexpr" and (name.endswith("_ptr") or (name.startswith("stride_") and aligned_rows))}
     return types, constexprs, attrs
 
 
-def build(kernel, dtype: torch.dtype, constexprs: dict, warps: int, stages: int) -> bool:
-    types, constexprs, attrs = signature(kernel, dtype, constexprs)
+def build(kernel, dtype: torch.dtype, constexprs: dict, warps: int, stages: int, ones=()) -> bool:
+    types, constexprs, attrs = signature(kernel, dtype, constexprs, ones)
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs)
     with direct_launches():
         options = dict(compiler_options(warps), num_stages=stages)
@@ -88,18 +97,20 @@ def main() -> int:
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
     ok = True
-    for head_dim, dtype, sink, dropout in (QUICK if "--quick" in sys.argv else CASES):
-        print(f"D={head_dim} {TRITON_TYPES[dtype]}{' sink' if sink else ''}{' dropout' if dropout else ''}")
+    cases = QUICK if "--quick" in sys.argv else SMOKE if "--smoke" in sys.argv else CASES
+    for head_dim, dtype, sink, dropout, ones in cases:
+        print(f"D={head_dim} {TRITON_TYPES[dtype]}{' sink' if sink else ''}{' dropout' if dropout else ''}"
+              f"{' ' + '=1, '.join(ones) + '=1' if ones else ''}")
         flags = dict(D=head_dim, BLOCK_D=local_launch.block_d(head_dim), HAS_SINK=sink, HAS_DROPOUT=dropout,
                      PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
         for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
                              ("dq", local_attention_bwd_dq_kernel)):
             tiles = local_launch.plan(kind, head_dim, dtype)
             ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n),
-                        tiles.num_warps, tiles.num_stages)
+                        tiles.num_warps, tiles.num_stages, ones)
         rows = local_launch.plan("dq", head_dim, dtype)
         ok &= build(local_attention_bwd_delta_kernel, dtype,
-                    dict(D=head_dim, BLOCK_M=rows.block_m, BLOCK_D=flags["BLOCK_D"]), 4, 1)
+                    dict(D=head_dim, BLOCK_M=rows.block_m, BLOCK_D=flags["BLOCK_D"]), 4, 1, ones)
     return 0 if ok else 1
 
 

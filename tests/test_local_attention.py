@@ -6,8 +6,14 @@ bad input. Tests marked cuda: long sequences, head_dim 256, every dtype at scale
 torch.compile with inductor, memory."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import triton
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import TOLERANCE, assert_matches_reference, relative_error
@@ -327,6 +333,21 @@ def test_inputs_on_two_devices_are_refused():
     q, k, v, _ = make_inputs(1, 2, 2, 8, 16, device="cpu")
     with pytest.raises(ValueError, match="`k`"):
         sliding_window_attention(q, k.cuda(), v)
+
+
+# ----------------------------------------------------------------------- the sm_90 build
+@pytest.mark.skipif(not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
+                    reason="this triton build has no NVIDIA backend")
+def test_kernels_compile_for_sm90():
+    """What the interpreter cannot see (constexpr branches, loop-carried types, the plan's
+    shared memory): the four kernels with sink, dropout and a sliding window's period built
+    for sm_90 (tests/local_sm90_build.py --smoke; the whole set without --smoke)."""
+    script = Path(__file__).with_name("local_sm90_build.py")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("registers") == 4, result.stdout
 
 
 # ----------------------------------------------------------------------- on a GPU
