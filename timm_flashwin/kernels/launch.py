@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import config, fast_launch
+from .plan import backward_plan, forward_plan
 from .backward import (
     window_attention_bwd_dbias_kernel,
     window_attention_bwd_delta_kernel,
@@ -380,50 +381,33 @@ def attention_forward(
     b = image * nW + w as in the partitioned layout. ``table_index``: ``bias`` is a table (T, H)
     and this (N, N) int32 contiguous index says which of its rows each token pair reads,
     ``table_sigmoid`` the sigmoid scale (0: none), read in the kernel (``reads_table``)."""
-    num_windows, n, channels = _windows_tokens_channels(qkv, grid)
-    head_dim = channels // (3 * num_heads)
-    tiles = config.forward_config(n, head_dim, qkv.dtype, cosine, dropout_p > 0,
-                                  reads_mask_apart(mask, qkv.dtype, num_heads, n))
     table = table_index is not None
-    if table and n > tiles.block_n:
-        raise ValueError(f"window_attention: the bias is read from its table in windows of one tile, N = {n} is "
-                         f"more (reads_table)")
+    traced = _traced_launch()
+    plan = forward_plan(qkv, num_heads, bias is not None, mask, cosine, dropout_p > 0, save_stats, grid, table,
+                        table_sigmoid, traced)
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
-    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads)
-    if used:
+    if plan.regions_used:
         regions, mask_info = _mask_structure_kept(mask)
     else:
         regions = qkv.new_empty((0,), dtype=torch.int32)
         mask_info = qkv.new_empty((0,), dtype=torch.float32)
-    mask_regions = used and n > tiles.block_n  # this kernel streams key blocks
-    out = qkv.new_empty((*qkv.shape[:2], num_heads * head_dim))
-    stats = qkv.new_empty(softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats),
-                          dtype=torch.float32)
-    periods = mask.shape[0] if mask is not None else 1
-    per_period = num_windows // periods
-    m_blocks = -(-n // tiles.block_m)
-    chunks, per_chunk = config.split_windows(
-        per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
+    out = qkv.new_empty(plan.out_shape)
+    stats = qkv.new_empty(plan.stats_shape, dtype=torch.float32)
     # the kernel reads its bias tile once per program where a window is one key block, else streams it
-    read_bias, read_mask, bias_log2e = (streamed_bias(bias, mask, qkv.dtype, num_heads) if n > tiles.block_n
-                                        else (bias, mask, False))
+    read_bias, read_mask, _ = (streamed_bias(bias, mask, qkv.dtype, num_heads) if plan.streams
+                               else (bias, mask, False))
+    _check_flags(plan, read_bias, read_mask)
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv, table)
+    mask_regions = plan.mask_regions
     for from_regions in _mask_kinds(mask_regions, mask):
-        launcher(window_attention_fwd_kernel)[(m_blocks * num_heads * periods * chunks,)](
+        launcher(window_attention_fwd_kernel)[plan.programs](
             qkv, out, stats, bias_ptr, table_index if table else qkv, mask_ptr, regions if mask_regions else qkv,
             mask_info if mask_regions else qkv,
             logit_scale if logit_scale is not None else qkv,
             seed if dropout_p > 0 else qkv,
             scale, dropout_p,
             *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
-            periods, per_period, per_chunk, *_grid_args(grid),
-            H=num_heads, N=n, D=head_dim,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
-            HAS_BIAS=read_bias is not None, HAS_MASK=read_mask is not None, COSINE=cosine,
-            FP32_DOT=_fp32_dot(qkv.dtype), STORE_STATS=stats.numel() > 0, HAS_DROPOUT=dropout_p > 0,
-            MASK_REGIONS=mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=bias_log2e,
-            ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, **_layout_flags(grid),
-            BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid), **launch_options(tiles, dropout_p > 0),
+            plan.periods, plan.per_period, plan.per_chunk, *plan.grid_args, **plan.kwargs[from_regions],
         )
     return out, stats, regions, mask_info
 
@@ -514,52 +498,36 @@ def attention_backward(
     windows of one tile, views of one tensor).
     ``grid``: as the forward's, where ``maps_windows`` allows it; ``table_index`` and
     ``table_sigmoid``: as the forward's (the bias gradient is still the dense one)."""
-    num_windows, n, channels = _windows_tokens_channels(qkv, grid)
-    head_dim = channels // (3 * num_heads)
-    tiles = config.backward_config(n, head_dim, qkv.dtype, cosine)
-    if grid is not None and not tiles.single_tile(n):
-        raise ValueError(f"window_attention backward: the feature-map layout needs windows of one tile, N = {n} "
-                         f"is more (maps_windows)")
     table = table_index is not None
-    if table and not tiles.single_tile(n):
-        raise ValueError(f"window_attention backward: the bias is read from its table in windows of one tile, "
-                         f"N = {n} is more (reads_table)")
+    plan = backward_plan(qkv, num_heads, bias is not None, mask, cosine, bias_grad, scale_grad, dropout_p > 0, grid,
+                         table, table_sigmoid, _traced_launch())
+    n, head_dim, launches = plan.n, plan.head_dim, plan.launches
     # region ids computed by the forward, for the kernels that stream key blocks
-    mask_regions = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads) and not tiles.single_tile(n)
+    mask_regions = plan.mask_regions
     if not mask_regions:
         regions, mask_info = qkv, qkv
     dqkv = qkv.new_empty(qkv.shape)
-    periods = mask.shape[0] if mask is not None else 1
-    per_period = num_windows // periods
     # the one-tile kernel reads its bias tile once per program; the others stream it
-    if tiles.single_tile(n):
-        read_bias, read_mask, bias_log2e = bias, mask, False
+    if plan.single_tile:
+        read_bias, read_mask = bias, mask
     else:
-        read_bias, read_mask, bias_log2e = streamed_bias(bias, mask, qkv.dtype, num_heads)
+        read_bias, read_mask, _ = streamed_bias(bias, mask, qkv.dtype, num_heads)
+    _check_flags(plan, read_bias, read_mask)
     bias_ptr, mask_ptr, bias_strides, mask_strides = _bias_mask_args(read_bias, read_mask, qkv, table)
-    scale_grad = scale_grad and cosine
+    scale_grad = plan.scale_grad
     logit_scale_ptr = logit_scale if logit_scale is not None else qkv
     seed_ptr = seed if dropout_p > 0 else qkv
-    flags = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=read_bias is not None, HAS_MASK=read_mask is not None,
-                 COSINE=cosine, FP32_DOT=_fp32_dot(qkv.dtype), HAS_DROPOUT=dropout_p > 0)
     strides = (*qkv.stride(), *dout.stride(), *dqkv.stride(), *bias_strides, *mask_strides)
+    windows = (plan.periods, plan.per_period)
 
-    if tiles.single_tile(n):
-        chunks, per_chunk = config.split_windows(per_period, num_heads * periods,
-                                                 config.target_programs(qkv.device, tiles.programs_per_sm))
-        groups = chunks * periods
-        # each program group's partial gradients of the bias (H*N*N) and the logit scale (H), side
-        # by side in one row of one buffer: one reduction sums both (a launch fewer per layer
-        # with cosine attention)
-        bias_size, scale_size = num_heads * n * n if bias_grad else 0, num_heads if scale_grad else 0
-        partials = qkv.new_empty((groups, bias_size + scale_size), dtype=torch.float32)
-        launcher(window_attention_bwd_fused_kernel)[(groups * num_heads,)](
+    if plan.single_tile:
+        partials = qkv.new_empty(plan.partials_shape, dtype=torch.float32)
+        bias_size = plan.bias_size
+        programs, kwargs = launches[("fused", False)]
+        launcher(window_attention_bwd_fused_kernel)[programs](
             qkv, dout, bias_ptr, table_index if table else qkv, mask_ptr, logit_scale_ptr, seed_ptr,
             dqkv, partials, partials[:, bias_size:] if scale_grad else partials, scale, dropout_p, *strides,
-            partials.stride(0), periods, per_period, per_chunk, *_grid_args(grid),
-            BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
-            **_layout_flags(grid), BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid),
-            **launch_options(tiles, dropout_p > 0), **flags,
+            partials.stride(0), *windows, plan.per_chunk["fused"], *plan.grid_args, **kwargs,
         )
         sums = partials.sum(0) if bias_grad or scale_grad else partials.new_empty((0,))
         empty = sums.new_empty((0,))
@@ -569,17 +537,10 @@ def attention_backward(
     if stats.dim() != 4:  # (0,): not (2 or 3, B_, H, N); a static check, no guard when traced
         raise RuntimeError("window_attention backward: the forward saved no softmax statistics (it ran where "
                            "nothing required a gradient), and windows of this size need them")
-    m_blocks = -(-n // tiles.block_m)
-    n_blocks = -(-n // tiles.block_n)
-    blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d)
-    flags.update(MASK_REGIONS=mask_regions, BIAS_LOG2E=bias_log2e)
-    launch = launch_options(tiles, dropout_p > 0)
-    rows = num_windows * num_heads * n
-    dq_atomic = dq_by_atomic_adds(tiles)
+    dq_atomic, slots = plan.dq_atomic, plan.slots
     # dQ summed over key blocks by the dkdv kernel's atomic adds (zeroed by the delta kernel)
-    dq_acc = qkv.new_empty((rows, head_dim) if dq_atomic else (0,), dtype=torch.float32)
-    delta = qkv.new_empty((num_windows, num_heads, n), dtype=torch.float32)
-    slots = min(dbias_slots(tiles), num_windows) if bias_grad else 0
+    dq_acc = qkv.new_empty(plan.dq_acc_shape, dtype=torch.float32)
+    delta = qkv.new_empty(plan.delta_shape, dtype=torch.float32)
     # the bias gradient's sums that atomic adds go into, zeroed by the delta kernel: the dkdv
     # kernel's slots, or the dbias kernel's one (H, N, N) sum (``dbias_sum_by_atomic_adds``).
     # The backward then launches none of the four fill kernels it did (the other three were
@@ -587,73 +548,60 @@ def attention_backward(
     # op._setup_context): H200, f+b us (3 alternated rounds), window 16 V1 409.8 -> 403.3,
     # cosine 520.5 -> 511.4; window 12 357.6 -> 351.0, 462.5 -> 455.7; window 24 1147.3 ->
     # 1138.9, 1487.1 -> 1476.6.
-    atomic_sum = bias_grad and not slots and dbias_sum_by_atomic_adds()
-    sums = slots or int(atomic_sum)
-    dbias_sums = qkv.new_empty((sums, num_heads, n, n) if sums else (0,), dtype=torch.float32)
+    dbias_sums = qkv.new_empty(plan.dbias_sums_shape, dtype=torch.float32)
     # d(head scale): added up per head by the dkdv kernel with atomic dQ (zeroed by the delta
     # kernel), else partials per (window, head, query block) from the dq kernel
-    dscale_shape = (0,) if not scale_grad else (num_heads,) if dq_atomic else (num_windows, num_heads, m_blocks)
-    dscale = qkv.new_empty(dscale_shape, dtype=torch.float32)
-    delta_programs = num_windows * num_heads * m_blocks
-    launcher(window_attention_bwd_delta_kernel)[(delta_programs,)](
-        out, dout, delta, dq_acc, dbias_sums, dbias_sums.numel(), -(-dbias_sums.numel() // delta_programs), dscale,
-        *out.stride(), *dout.stride(), H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m,
-        BLOCK_D=tiles.block_d, DQ_ATOMIC=dq_atomic, ZERO_SUMS=sums > 0, ZERO_SCALE_SUMS=scale_grad and dq_atomic,
-        **compiler_options(),
+    dscale = qkv.new_empty(plan.dscale_shape, dtype=torch.float32)
+    programs, kwargs = launches[("delta", False)]
+    launcher(window_attention_bwd_delta_kernel)[programs](
+        out, dout, delta, dq_acc, dbias_sums, dbias_sums.numel(), -(-dbias_sums.numel() // programs[0]), dscale,
+        *out.stride(), *dout.stride(), **kwargs,
     )
-    # the dkdv kernel's programs: (key block, head, mask window, run of windows); one window
-    # per program without the flat loop
-    if tiles.flat_loop:
-        chunks, per_chunk = config.split_windows(per_period, n_blocks * num_heads * periods,
-                                                 config.target_programs(qkv.device, tiles.programs_per_sm))
-    else:
-        chunks, per_chunk = per_period, 1
     for from_regions in _mask_kinds(mask_regions, mask):
-        launcher(window_attention_bwd_dkdv_kernel)[(n_blocks * num_heads * periods * chunks,)](
+        programs, kwargs = launches[("dkdv", from_regions)]
+        launcher(window_attention_bwd_dkdv_kernel)[programs](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
             dq_acc, dscale, dbias_sums, scale, dropout_p, stats.stride(0), max(slots, 1), *strides,
-            periods, per_period, per_chunk,
-            DQ_ATOMIC=dq_atomic, SCALE_GRAD=scale_grad and dq_atomic, DBIAS_ATOMIC=slots > 0,
-            FROM_REGIONS=from_regions, ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop,
-            **blocks, **flags, **launch,
+            *windows, plan.per_chunk["dkdv"], **kwargs,
         )
     if dq_atomic:
-        launcher(window_attention_bwd_dq_finish_kernel)[(num_windows * num_heads * m_blocks,)](
-            qkv, logit_scale_ptr, dq_acc, dqkv, scale, *qkv.stride(), *dqkv.stride(),
-            H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d, COSINE=cosine,
-            **compiler_options(),
+        programs, kwargs = launches[("dq_finish", False)]
+        launcher(window_attention_bwd_dq_finish_kernel)[programs](
+            qkv, logit_scale_ptr, dq_acc, dqkv, scale, *qkv.stride(), *dqkv.stride(), **kwargs,
         )
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
         for from_regions in _mask_kinds(mask_regions, mask):
-            launcher(window_attention_bwd_dq_kernel)[(num_windows * num_heads * m_blocks,)](
+            programs, kwargs = launches[("dq", from_regions)]
+            launcher(window_attention_bwd_dq_kernel)[programs](
                 qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
-                dscale, scale, dropout_p, periods, stats.stride(0), *strides, SCALE_GRAD=scale_grad,
-                FROM_REGIONS=from_regions, **blocks, **flags, **launch,
+                dscale, scale, dropout_p, plan.periods, stats.stride(0), *strides, **kwargs,
             )
     if slots:
         # one slot is the sum itself (a reduce kernel over it took 5 us on window 16, H200)
         dbias = dbias_sums[0] if slots == 1 else dbias_sums.sum(0)
     elif bias_grad:
-        dbias_tiles = config.dbias_config(n, head_dim, qkv.dtype, cosine)
-        tiles_m, tiles_n = -(-n // dbias_tiles.block_m), -(-n // dbias_tiles.block_n)
-        chunks, per_chunk = config.split_windows(
-            per_period, num_heads * periods * tiles_m * tiles_n,
-            config.target_programs(qkv.device, dbias_tiles.programs_per_sm))
-        groups = chunks * periods
-        # partials per program group, summed afterwards, where no atomic adds are allowed
-        dbias = dbias_sums if atomic_sum else qkv.new_empty((groups, num_heads, n, n), dtype=torch.float32)
-        launcher(window_attention_bwd_dbias_kernel)[(groups * num_heads * tiles_m * tiles_n,)](
+        atomic_sum = plan.atomic_sum
+        dbias = dbias_sums if atomic_sum else qkv.new_empty(plan.dbias_partials_shape, dtype=torch.float32)
+        programs, kwargs = launches[("dbias", False)]
+        launcher(window_attention_bwd_dbias_kernel)[programs](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dbias,
             scale, dropout_p, stats.stride(0), *qkv.stride(), *dout.stride(), *bias_strides, *mask_strides,
-            periods, per_period, per_chunk, BLOCK_M=dbias_tiles.block_m, BLOCK_N=dbias_tiles.block_n,
-            BLOCK_D=dbias_tiles.block_d, ATOMIC_SUM=atomic_sum, **flags,
-            **launch_options(dbias_tiles, dropout_p > 0),
+            *windows, plan.per_chunk["dbias"], **kwargs,
         )
         dbias = dbias[0] if atomic_sum else dbias.sum(0)
     else:
         dbias = qkv.new_empty((0,), dtype=torch.float32)
     return dqkv, dbias, dscale.sum((0, 2)) if scale_grad and not dq_atomic else dscale
+
+
+def _check_flags(plan, read_bias: Optional[torch.Tensor], read_mask: Optional[torch.Tensor]) -> None:
+    """The plan's HAS_BIAS and HAS_MASK are what the launch reads: the plan decided them
+    from the signature by ``streamed_bias``'s rules, the launch from the tensors."""
+    if (read_bias is not None) != plan.flags.has_bias or (read_mask is not None) != plan.flags.has_mask:
+        raise RuntimeError(f"window_attention: launch plan reads bias {plan.flags.has_bias}, mask "
+                           f"{plan.flags.has_mask}; the launch has bias {read_bias is not None}, mask "
+                           f"{read_mask is not None}")
 
 
 def _heads_block(heads: int, at_least: int = 2) -> int:
