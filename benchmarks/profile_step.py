@@ -90,6 +90,53 @@ def _profile(step, steps: int, top: int):
     return launches, gpu_ms, host_ops, gpu_kernels
 
 
+#: CUDA runtime and ATen calls at which the host may wait for the GPU: a step that makes one
+#: cannot run ahead of the GPU, and its host and GPU times add up instead of overlapping
+SYNC_POINTS = ("cudaMemcpyAsync", "cudaMemcpy", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+               "cudaEventSynchronize", "aten::_local_scalar_dense", "aten::nonzero")
+
+
+def _sync_points(step, steps: int = 2, frames: int = 6):
+    """[(name, calls per step, host us per step, Python stack)] of the calls in
+    ``SYNC_POINTS`` over ``steps`` steps, grouped by where in Python they were made."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    found = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.name in SYNC_POINTS:
+            where = event
+            while where is not None and not where.stack:
+                where = where.cpu_parent
+            stack = tuple(where.stack[:frames]) if where is not None else ()
+            found[(event.name, stack)][0] += 1
+            found[(event.name, stack)][1] += event.cpu_time_total
+    return [dict(name=name, calls_per_step=c / steps, host_us_per_step=t / steps, stack=list(stack))
+            for (name, stack), (c, t) in sorted(found.items(), key=lambda kv: -kv[1][1])]
+
+
+def _python_profile(step, steps: int, top: int):
+    """The ``top`` Python functions by own time over ``steps`` steps (cProfile), as text."""
+    import cProfile
+    import io
+    import pstats
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 VARIANT_INDUCTOR_OPTIONS = {"flashwin-static": dict(static_launch_user_defined_triton_kernels=True)}
 
 
@@ -165,6 +212,11 @@ def main() -> None:
                         choices=["timm", "flashwin", "flashwin-partitioned", "flashwin-gathered-bias",
                                  "flashwin-timm-meta-mlp", "flashwin-static", "flashwin-triton-launch", "attention-free",
                                  "window-free"])
+    parser.add_argument("--batch", type=int, default=None, help="default: bench_models.py's for the mode")
+    parser.add_argument("--syncs", action="store_true",
+                        help="also list the calls at which the host may wait for the GPU, with their Python stacks")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print the N Python functions with the most own time over 10 steps (cProfile)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch._inductor.config as inductor_config
@@ -174,7 +226,7 @@ def main() -> None:
             parser.error(f"--inductor {option}: torch._inductor.config has no option {name!r}")
         setattr(inductor_config, name, ast.literal_eval(value))
     train = args.mode == "train"
-    batch = MODELS[args.model][train]
+    batch = args.batch or MODELS[args.model][train]
     base = build_model(args.model)
     size = base.pretrained_cfg["input_size"][1:]
     images = torch.randn(batch, 3, *size, device="cuda")
@@ -220,6 +272,10 @@ def main() -> None:
                    wall_ms_rounds=timings[variant][0], enqueue_ms_rounds=timings[variant][1],
                    gpu_kernel_ms=gpu_ms, launches_per_step=launches, host_ops=host_ops, gpu_kernels=gpu_kernels,
                    device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version())
+        if args.syncs:
+            row["sync_points"] = _sync_points(step)
+        if args.cprofile:
+            row["cprofile"] = _python_profile(step, 10, args.cprofile)
         rows.append(row)
         print(f"{args.model} {args.mode} compile={args.compile} {variant}: wall {wall:.1f} ms, enqueue {enqueue:.1f} ms,"
               f" GPU kernels {gpu_ms:.1f} ms, {launches:.0f} launches per step", flush=True)
@@ -227,6 +283,12 @@ def main() -> None:
             print(f"    host {op['self_cpu_us_per_step']:9.0f} us {op['calls_per_step']:6.0f}x  {op['name'][:90]}")
         for k in gpu_kernels[:8]:
             print(f"    gpu  {k['us_per_step']:9.0f} us {k['calls_per_step']:6.0f}x  {k['name'][:90]}")
+        for sync in row.get("sync_points", []):
+            print(f"    sync {sync['host_us_per_step']:9.0f} us {sync['calls_per_step']:6.0f}x  {sync['name']}")
+            for frame in sync["stack"]:
+                print(f"           {frame[:110]}")
+        if args.cprofile:
+            print(row["cprofile"])
         if args.out:
             write_json(args.out, rows)
 

@@ -1,0 +1,155 @@
+"""The op in a plain loop against its CUDA-graph replay: how much of a call the host adds.
+
+    python benchmarks/bench_op_loop.py --out results/op_loop.json
+
+For bench_op.py's shapes, V1 (the bias a ``TableBias``, as the V1 adapter hands it) and
+cosine (a ``TableBias`` with SwinV2's sigmoid), timm's shift mask: forward + backward
+(``torch.autograd.grad`` to qkv, the table and the logit scale: no accumulation into leaf
+gradients, which a model's step does not have for qkv) per call
+
+* ``graph us``: CUDA-graph replays of one call (the GPU's time alone);
+* ``loop us``: calls back to back in a Python loop, synchronized once at the end (what a
+  training step pays per call where the host is the bound);
+* ``host us``: one call's host time with the GPU idle when it starts.
+
+``loop / graph`` near 1 means the GPU sets the pace; above, the host does. Alternating
+rounds of each case's three measurements, median. GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_op import SHAPES, timm_mask  # noqa: E402
+from common import code_version, write_json  # noqa: E402
+from timm_flashwin import TableBias, window_attention  # noqa: E402
+
+
+def relative_position_index(window: int) -> torch.Tensor:
+    coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
+    return rel[..., 0] * (2 * window - 1) + rel[..., 1]
+
+
+def make_call(shape, kind: str):
+    """One forward + backward of the op on ``shape`` (bench_op's (B_, H, N, D, nW))."""
+    num_windows, heads, n, head_dim, periods = shape
+    window = int(round(n ** 0.5))
+    device = "cuda"
+    qkv = torch.randn(num_windows, n, 3 * heads * head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    table = torch.randn((2 * window - 1) ** 2, heads, device=device, requires_grad=True)
+    index = relative_position_index(window).to(device)
+    mask = timm_mask(periods, n, device)
+    grad_out = torch.randn(num_windows, n, heads * head_dim, device=device, dtype=torch.bfloat16)
+    if kind == "v1":
+        bias, score, leaves = TableBias(table, index, constant_index=True), dict(scale=head_dim ** -0.5), (qkv, table)
+    else:
+        logit_scale = torch.full((heads, 1, 1), 2.0, device=device, requires_grad=True)
+        bias = TableBias(table, index, 16.0, constant_index=True)
+        score, leaves = dict(logit_scale=logit_scale), (qkv, table, logit_scale)
+
+    def call():
+        out = window_attention(qkv, heads, bias=bias, mask=mask, **score)
+        torch.autograd.grad(out, leaves, grad_out)
+    return call
+
+
+def graph_us(call, replays: int = 50) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / replays * 1e6
+
+
+def loop_us(call, calls: int = 100) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def host_us(call, calls: int = 20) -> float:
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        time.sleep(0.001)
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def python_profile(call, calls: int, top: int) -> str:
+    """cProfile of ``calls`` back-to-back calls: the ``top`` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="*", default=[s for s in SHAPES if s != "w12_s1_b32"], choices=list(SHAPES))
+    parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"], choices=["v1", "cosine"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print the N Python functions with the most own time over 200 calls of each case")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = []
+    print(f"{'shape':12s} {'kind':7s} {'graph us':>9s} {'loop us':>9s} {'host us':>9s} {'loop/graph':>10s}", flush=True)
+    for name in args.shapes:
+        for kind in args.kinds:
+            call = make_call(SHAPES[name], kind)
+            for _ in range(5):
+                call()
+            measured = {"graph": [], "loop": [], "host": []}
+            for _ in range(args.rounds):
+                measured["graph"].append(graph_us(call))
+                measured["loop"].append(loop_us(call))
+                measured["host"].append(host_us(call))
+            row = dict(shape=name, kind=kind, **{f"{k}_us": statistics.median(v) for k, v in measured.items()},
+                       rounds=measured, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       code=code_version())
+            row["loop_over_graph"] = row["loop_us"] / row["graph_us"]
+            rows.append(row)
+            print(f"{name:12s} {kind:7s} {row['graph_us']:9.1f} {row['loop_us']:9.1f} {row['host_us']:9.1f} "
+                  f"{row['loop_over_graph']:10.2f}", flush=True)
+            if args.cprofile:
+                print(python_profile(call, 200, args.cprofile))
+            if args.out:
+                write_json(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
