@@ -2,8 +2,9 @@
 
 Inference runs the model with its weights in ``dtype`` (eval, no grad); training runs
 AMP steps (float32 weights, autocast to ``dtype``, cross-entropy on random labels,
-backward, AdamW step). Each timing is the median over ``repeats`` iterations after
-``warmup`` iterations, with CUDA events; peak memory is torch's max_memory_allocated
+backward, AdamW step). Each timing is the median per-iteration time of up to 5 blocks of
+back-to-back iterations (``repeats`` in all, synchronized at the end of each block, as a
+plain loop runs them) after ``warmup`` iterations; peak memory is torch's max_memory_allocated
 over the warmup and timed iterations (the first, compiling, iteration left out): with CUDA
 graphs (torch.compile's reduce-overhead) the warmup iterations record the graphs and
 allocate their memory, which replays then reuse without the allocator. GPU only.
@@ -81,16 +82,22 @@ def _measure(variant: str, step: Callable[[], None], warmup: int, repeats: int,
         if progress:
             progress(variant, i + 1, warmup + repeats)
     torch.cuda.synchronize()
+    # steps back to back, as a training loop runs them, synchronized only at the end of a
+    # block: a synchronization after every step would add the host's time to the GPU's
+    # wherever the host is the bound (the tiny models' training steps)
     times = []
-    for i in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    blocks = min(5, repeats)
+    done = warmup
+    for b in range(blocks):
+        steps = repeats // blocks + (b < repeats % blocks)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3 / steps)
+        done += steps
         if progress:
-            progress(variant, warmup + i + 1, warmup + repeats)
+            progress(variant, done, warmup + repeats)
     median = statistics.median(times)
     return BenchRun(variant, 0.0, median, torch.cuda.max_memory_allocated() / 2 ** 20, first)
 
