@@ -21,6 +21,7 @@ from .launch import compiler_options, launcher
 from .local_backward import (local_attention_bwd_delta_kernel, local_attention_bwd_dkdv_kernel,
                              local_attention_bwd_dq_kernel)
 from .local_forward import local_attention_fwd_kernel, local_dropout_factor_kernel
+from .local_tiles import IEEE, NATIVE, TF32X3
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -85,12 +86,12 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype) -> Plan:
     return Plan(*plans[kind, max(64, width)])
 
 
-def precision(dtype: torch.dtype) -> str:
+def precision(dtype: torch.dtype) -> int:
     """How the kernels multiply (``local_tiles.product``): exact fp32 under the interpreter
     (its bf16 dot is wrong), 3xTF32 for float32 inputs on the GPU, else the inputs' dtype."""
     if config.INTERPRET:
-        return "ieee"
-    return "tf32x3" if dtype == torch.float32 else ""
+        return IEEE
+    return TF32X3 if dtype == torch.float32 else NATIVE
 
 
 def _options(tiles: Plan) -> dict:

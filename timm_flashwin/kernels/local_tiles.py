@@ -16,18 +16,24 @@ import triton
 import triton.language as tl
 
 
+#: how ``product`` multiplies (an int: inductor passes constexprs of user kernels on as literals)
+NATIVE, IEEE, TF32X3 = 0, 1, 2
+
+
 @triton.jit
 def product(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b (acc None: 0) with fp32 accumulation. PRECISION "": the operands as they
-    are, on the tensor cores (16-bit inputs); else both in fp32 with ``input_precision=
-    PRECISION``: "ieee" exact fp32 products (the interpreter, whose bf16 dot is wrong: it
-    multiplies the bit patterns), "tf32x3" float32 inputs on the GPU (three tf32 products
-    per product, ~2^-21 relative, on the tensor cores: exact "ieee" products run on the
-    FMA units and spill their tiles, tests/local_sm90_build.py)."""
-    if PRECISION == "":
+    """acc + a @ b (acc None: 0) with fp32 accumulation. PRECISION 0 (NATIVE): the operands as
+    they are, on the tensor cores (16-bit inputs); else both in fp32: 1 (IEEE) exact fp32
+    products (the interpreter, whose bf16 dot is wrong: it multiplies the bit patterns),
+    2 (TF32X3) float32 inputs on the GPU (three tf32 products per product, ~2^-21 relative,
+    on the tensor cores: exact products run on the FMA units and spill their tiles,
+    tests/local_sm90_build.py)."""
+    if PRECISION == 0:
         return tl.dot(a, b, acc)
+    elif PRECISION == 1:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
 
 
 @triton.jit
