@@ -103,7 +103,7 @@ def local_attention_reference(
         dropout_factor: (B, H, S, S) keep / (1 - p) to multiply the probabilities by (the
             kernels' own mask, ``kernels.local_launch.dropout_factors``).
         chunk: compute this many query rows at a time, each over the keys its rows can see
-            only (memory O(S * window) rather than O(S^2): long sequences on a GPU).
+            only (memory O(S * (window + sink)) rather than O(S^2): long sequences on a GPU).
 
     Returns:
         (B, H, S, D) in q's dtype; 16-bit inputs are computed in float32. A row that sees
@@ -122,15 +122,14 @@ def local_attention_reference(
     for start in range(0, S, chunk):
         rows = torch.arange(start, min(start + chunk, S), device=q.device)
         mask = visible(rows[:, None], cols[None, :])
-        seen = mask.any(0).nonzero()
-        lo, hi = (int(seen.min()), int(seen.max()) + 1) if seen.numel() else (0, 1)
-        mask = mask[:, lo:hi]
-        scores = (q[:, :, rows] * scale) @ k[:, :, lo:hi].transpose(-2, -1)
+        used = cols if chunk == S else mask.any(0).nonzero().squeeze(1)  # the keys some row sees
+        mask = mask[:, used]
+        scores = (q[:, :, rows] * scale) @ k[:, :, used].transpose(-2, -1)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         probs = torch.where(mask.any(-1, keepdim=True), probs, torch.zeros_like(probs))
         if dropout_factor is not None:
-            probs = probs * dropout_factor[:, :, rows, lo:hi].to(compute)
+            probs = probs * dropout_factor[:, :, rows][..., used].to(compute)
         elif dropout_p > 0:
             probs = F.dropout(probs, dropout_p, training=True)
-        outs.append(probs @ v[:, :, lo:hi])
+        outs.append(probs @ v[:, :, used])
     return torch.cat(outs, dim=2).to(dtype)
