@@ -278,3 +278,13 @@ def test_installed_when_timm_is_imported_later(monkeypatch, tmp_path):
     finally:
         unpatch_timm()
         sys.modules.pop(name, None)
+
+
+def test_the_librarys_own_tools_build_timms_unpatched_models():
+    """verify compares a patched model with timm's: under patched_timm it must still get
+    timm's unpatched model (and list describes timm's models)."""
+    from timm_flashwin.verify import build_model
+    with patched_timm():
+        assert any(is_patched(m) for m in timm.create_model("swin_tiny_patch4_window7_224").modules())
+        model = build_model("swin_tiny_patch4_window7_224")
+        assert not any(is_patched(m) for m in model.modules())

@@ -9,6 +9,7 @@ from typing import List, Tuple
 import torch
 
 from .adapters import ADAPTERS
+from .factory import timm_create_model
 from .patching import _attention_modules
 
 
@@ -30,7 +31,7 @@ def describe(name: str) -> ModelInfo:
     """Build ``name`` on the meta device (no memory, no weights) and describe it."""
     import timm
     with torch.device("meta"):
-        model = timm.create_model(name)
+        model = timm_create_model()(name)
     families: List[str] = []
     stages: dict = {}
     count = 0

@@ -95,6 +95,17 @@ def _create_model(wrapped: Callable, instance: Any, args: tuple, kwargs: dict):
     return model
 
 
+def timm_create_model() -> Callable:
+    """timm's own ``create_model``, whether ``patch_timm`` is active or not: what the
+    library's own tools build with (``verify`` compares a patched model with timm's, so it
+    must get timm's unpatched model under ``patched_timm`` too)."""
+    current = getattr(sys.modules.get(_FACTORY_MODULE), _FACTORY_NAME, None)
+    if current is None:
+        import timm.models._factory as factory
+        current = factory.create_model
+    return _pair[0] if _pair is not None and current is _pair[1] else current
+
+
 # ------------------------------------------------------------- installing, restoring
 def _rebind(old: Any, new: Any) -> None:
     """Every module-level name bound to ``old`` (by identity) is bound to ``new``."""

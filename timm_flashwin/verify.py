@@ -50,6 +50,7 @@ from torch import nn
 
 from .adapters import ADAPTERS
 from .op import uses_kernels
+from .factory import timm_create_model
 from .patching import _attention_modules, patch_model, patch_report
 
 #: Default relative tolerances per dtype (the README states them), and absolute floors.
@@ -235,7 +236,7 @@ def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoin
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = timm.create_model(name, pretrained=pretrained, **kwargs)
+            model = timm_create_model()(name, pretrained=pretrained, **kwargs)
     except TypeError as exc:
         raise UsageError(f"{name}: cannot build with {kwargs}: {exc}") from None
     except (OSError, RuntimeError, ValueError) as exc:
