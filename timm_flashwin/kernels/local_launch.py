@@ -74,9 +74,11 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype) -> Plan:
     """Under the interpreter (CI): tiles of 16, so that small sequences still take the
     multi-block paths (window edges, partial blocks, the sink's blocks) at low cost.
 
-    On the GPU: plans for sm_90 that build without spilled registers for 16-bit inputs and
-    fit its shared memory (tests/local_sm90_build.py prints both); float32 inputs spill a
-    few hundred bytes per thread in every plan tried. The forward and the dq kernel take
+    On the GPU: plans for sm_90 that fit its shared memory and build without spilled
+    registers for 16-bit inputs (but the dkdv kernel with dropout at head_dim 128: 48 bytes
+    per thread), as tests/local_sm90_build.py prints them; float32 inputs spill a few
+    hundred bytes per thread in every plan tried (not a performance target: correct, slower).
+    Chosen by building, not by timing: no GPU measured them yet. The forward and the dq kernel take
     128 query rows per program up to head_dim 128 (two warpgroups' wgmma of 64 rows), the
     dkdv kernel up to 128 keys. ``benchmarks/bench_local.py --tune`` times others
     (``OVERRIDES``)."""
