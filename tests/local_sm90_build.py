@@ -31,7 +31,8 @@ from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # no
 #: H100: 227 KiB of shared memory per block
 SHARED_LIMIT = 232448
 #: integer arguments a launch specializes to the constant 1 where they are 1 (Triton does so
-#: for any integer): a sliding window's period; and all of them, S = 1 with one head
+#: for any integer not in a kernel's do_not_specialize): S = 1 with one head; and "period",
+#: which stands for a sliding window here (PERIODIC False: the kernels make it the constant 1)
 SLIDING = ("period",)
 ALL_ONE = ("S", "H", "H_kv", "period")
 #: (head_dim, dtype, sink, dropout, the integer arguments that are 1)
@@ -53,6 +54,7 @@ POINTERS_IN_DTYPE = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr", "dq_ptr",
 
 
 def signature(kernel, dtype: torch.dtype, constexprs: dict, ones=()):
+    ones = [name for name in ones if name not in kernel.do_not_specialize]
     """(types, constexprs, attrs) as a launch on contiguous (B, H, S, D) tensors specializes
     them: the head dim's stride 1 a constant, pointers 16-byte aligned, ``ones`` constants."""
     types, constexprs = {}, dict(constexprs)
@@ -101,8 +103,8 @@ def main() -> int:
     for head_dim, dtype, sink, dropout, ones in cases:
         print(f"D={head_dim} {TRITON_TYPES[dtype]}{' sink' if sink else ''}{' dropout' if dropout else ''}"
               f"{' ' + '=1, '.join(ones) + '=1' if ones else ''}")
-        flags = dict(D=head_dim, BLOCK_D=local_launch.block_d(head_dim), HAS_SINK=sink, HAS_DROPOUT=dropout,
-                     PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
+        flags = dict(D=head_dim, BLOCK_D=local_launch.block_d(head_dim), PERIODIC="period" not in ones,
+                     HAS_SINK=sink, HAS_DROPOUT=dropout, PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
         for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
                              ("dq", local_attention_bwd_dq_kernel)):
             tiles = local_launch.plan(kind, head_dim, dtype)

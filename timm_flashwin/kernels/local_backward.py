@@ -77,7 +77,7 @@ def dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["before", "after", "sink", "group"])
+@triton.jit(do_not_specialize=["period", "before", "after", "sink", "group"])
 def local_attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seed_ptr, counts_ptr,
     qk_scale, scale, dropout_p, S, H_kv, group, period, before, after, sink,
@@ -88,12 +88,13 @@ def local_attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, COUNT_TILES: tl.constexpr,
+    PERIODIC: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    COUNT_TILES: tl.constexpr,
 ):
     """Grid: (cdiv(S, BLOCK_N) * B * H_kv,). dk, dv like k, v (any strides); q, dout
     (B, H_kv * group, S, D); lse, delta (B, H, S) fp32 contiguous."""
     n_block, b, kvh = program_block(S, H_kv, BLOCK_N, False)
-    before, after, sink = pattern_limits(S, before, after, sink)
+    period, before, after, sink = pattern_limits(S, period, before, after, sink, PERIODIC)
     n0 = n_block * BLOCK_N
     n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = query_schedule(
         n0, S, period, before, after, sink, BLOCK_N, BLOCK_M)
@@ -151,7 +152,7 @@ def dq_step(dq, q, do, lse, delta, k_head, v_head, n0, rows, row_ids, seed, qk_s
     return product(ds.to(k.dtype), k, dq, PRECISION)
 
 
-@triton.jit(do_not_specialize=["before", "after", "sink", "group"])
+@triton.jit(do_not_specialize=["period", "before", "after", "sink", "group"])
 def local_attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, seed_ptr, counts_ptr,
     qk_scale, scale, dropout_p, S, H, group, period, before, after, sink,
@@ -161,11 +162,13 @@ def local_attention_bwd_dq_kernel(
     stride_gb, stride_gh, stride_gs, stride_gd,
     stride_dqb, stride_dqh, stride_dqs, stride_dqd,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, COUNT_TILES: tl.constexpr,
+    PERIODIC: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    COUNT_TILES: tl.constexpr,
 ):
     """Grid: (cdiv(S, BLOCK_M) * B * H,). dq like q (any strides)."""
-    b, h, m0, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = \
-        query_block_program(counts_ptr, S, H, period, before, after, sink, BLOCK_M, BLOCK_N, COUNT_TILES)
+    (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
+     partial) = query_block_program(counts_ptr, S, H, period, before, after, sink, PERIODIC, BLOCK_M, BLOCK_N,
+                                    COUNT_TILES)
     offs = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     rows = m0 + offs

@@ -44,7 +44,7 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_s
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["before", "after", "sink", "group"])
+@triton.jit(do_not_specialize=["period", "before", "after", "sink", "group"])
 def local_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seed_ptr, counts_ptr, qk_scale, dropout_p,
     S, H, group, period, before, after, sink,
@@ -53,14 +53,16 @@ def local_attention_fwd_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, COUNT_TILES: tl.constexpr,
+    PERIODIC: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    COUNT_TILES: tl.constexpr,
 ):
     """Grid: (cdiv(S, BLOCK_M) * B * H,). q (B, H, S, D), k and v (B, H / group, S, D), out
     like q, any strides; lse (B, H, S) fp32, contiguous: each row's log2-sum-exp of its
     log2-domain logits (qk_scale = scale * log2(e)), +inf for a row that sees no key (its
     output is 0). ``before`` / ``after``: -1 for unlimited (``local_tiles``)."""
-    b, h, m0, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = \
-        query_block_program(counts_ptr, S, H, period, before, after, sink, BLOCK_M, BLOCK_N, COUNT_TILES)
+    (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
+     partial) = query_block_program(counts_ptr, S, H, period, before, after, sink, PERIODIC, BLOCK_M, BLOCK_N,
+                                    COUNT_TILES)
     offs = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     rows = m0 + offs

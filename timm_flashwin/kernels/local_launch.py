@@ -96,6 +96,14 @@ def precision(dtype: torch.dtype) -> int:
     return TF32X3 if dtype == torch.float32 else NATIVE
 
 
+def _flags(head_dim: int, pattern: Pattern, dropout_p: float, dtype: torch.dtype,
+           counts: Optional[torch.Tensor]) -> dict:
+    """The constexprs the forward, dkdv and dq kernels share: a build per head dim, dtype,
+    kind of pattern (a sliding window, or blocks), with or without sink and dropout."""
+    return dict(D=head_dim, BLOCK_D=block_d(head_dim), PERIODIC=pattern[0] != 1, HAS_SINK=pattern[3] > 0,
+                HAS_DROPOUT=dropout_p > 0, PRECISION=precision(dtype), COUNT_TILES=counts is not None)
+
+
 def _options(tiles: Plan) -> dict:
     return dict(compiler_options(tiles.num_warps), num_stages=tiles.num_stages)
 
@@ -116,8 +124,8 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
         q, k, v, out, lse, seed if dropout_p > 0 else q, counts if counts is not None else lse,
         scale * LOG2E, dropout_p, S, H, H // k.shape[1], *pattern,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        D=D, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d(D), HAS_SINK=pattern[3] > 0,
-        HAS_DROPOUT=dropout_p > 0, PRECISION=precision(q.dtype), COUNT_TILES=counts is not None, **_options(tiles),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **_flags(D, pattern, dropout_p, q.dtype, counts),
+        **_options(tiles),
     )
     return out, lse
 
@@ -138,8 +146,7 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         out, dout, delta, S, H, *out.stride(), *dout.stride(),
         D=D, BLOCK_M=rows.block_m, BLOCK_D=block_d(D), **compiler_options(4),
     )
-    flags = dict(D=D, BLOCK_D=block_d(D), HAS_SINK=pattern[3] > 0, HAS_DROPOUT=dropout_p > 0,
-                 PRECISION=precision(q.dtype), COUNT_TILES=counts is not None)
+    flags = _flags(D, pattern, dropout_p, q.dtype, counts)
     seed_ptr = seed if dropout_p > 0 else q
     cols = plan("dkdv", D, q.dtype)
     launcher(local_attention_bwd_dkdv_kernel)[(triton.cdiv(S, cols.block_n) * B * H_kv,)](

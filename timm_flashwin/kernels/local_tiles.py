@@ -37,13 +37,18 @@ def product(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def pattern_limits(S, before, after, sink):
-    """``before`` / ``after`` with -1 (unlimited) as S, and none of the three above S: every
-    bound below stays within [0, 2 S] (int32 for any S up to 2^30), and the sink's blocks
-    within the sequence's."""
+def pattern_limits(S, period, before, after, sink, PERIODIC: tl.constexpr):
+    """The pattern as the kernels use it: ``period`` the constant 1 without PERIODIC (a
+    sliding window: its divisions fold away; a constexpr rather than Triton's specialization
+    of integers equal to 1, so that block sizes never recompile a kernel, it never
+    specializes ``period``); ``before`` / ``after`` with -1 (unlimited) as S, and none of the
+    three above S: every bound below stays within [0, 2 S] (int32 for any S up to 2^30),
+    and the sink's blocks within the sequence's."""
+    if not PERIODIC:
+        period = 1
     before = tl.where(before < 0, S, tl.minimum(before, S))
     after = tl.where(after < 0, S, tl.minimum(after, S))
-    return before, after, tl.minimum(sink, S)
+    return period, before, after, tl.minimum(sink, S)
 
 
 @triton.jit
@@ -159,18 +164,19 @@ def query_schedule(n0, S, period, before, after, sink, BLOCK_N: tl.constexpr, BL
 
 
 @triton.jit
-def query_block_program(counts_ptr, S, H, period, before, after, sink, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, COUNT_TILES: tl.constexpr):
+def query_block_program(counts_ptr, S, H, period, before, after, sink, PERIODIC: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_TILES: tl.constexpr):
     """The start of a program over a block of queries (the forward, the dq kernel): its
     batch b, head h, first query m0, the pattern's limits (``pattern_limits``) and the key
     blocks it visits (``key_schedule``'s nine numbers)."""
     m_block, b, h = program_block(S, H, BLOCK_M, True)
-    before, after, sink = pattern_limits(S, before, after, sink)
+    period, before, after, sink = pattern_limits(S, period, before, after, sink, PERIODIC)
     m0 = m_block * BLOCK_M
     n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = key_schedule(
         m0, S, period, before, after, sink, BLOCK_M, BLOCK_N)
     count_tiles(counts_ptr, n_full, n_edge, COUNT_TILES)
-    return b, h, m0, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial
+    return (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
+            partial)
 
 
 @triton.jit
