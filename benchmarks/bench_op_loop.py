@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_op import SHAPES, timm_mask  # noqa: E402
-from common import code_version, write_json  # noqa: E402
+from common import code_version, enqueue_us, host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import TableBias, window_attention  # noqa: E402
 
 
@@ -79,27 +79,6 @@ def graph_us(call, replays: int = 50) -> float:
     return (time.perf_counter() - start) / replays * 1e6
 
 
-def loop_us(call, calls: int = 100) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
-def host_us(call, calls: int = 20) -> float:
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        time.sleep(0.001)
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def python_profile(call, calls: int, top: int) -> str:
     """cProfile of ``calls`` back-to-back calls: the ``top`` functions by own time."""
     import cProfile
@@ -136,8 +115,8 @@ def main() -> None:
             measured = {"graph": [], "loop": [], "host": []}
             for _ in range(args.rounds):
                 measured["graph"].append(graph_us(call))
-                measured["loop"].append(loop_us(call))
-                measured["host"].append(host_us(call))
+                measured["loop"].append(host_us_per_call(call, 100, warmup=0))
+                measured["host"].append(enqueue_us(call, 20))
             row = dict(shape=name, kind=kind, **{f"{k}_us": statistics.median(v) for k, v in measured.items()},
                        rounds=measured, device=torch.cuda.get_device_name(), torch=torch.__version__,
                        code=code_version())

@@ -103,3 +103,20 @@ def gathered_bias(step):
             for cls, position_bias in originals.items():
                 cls.position_bias = position_bias
     return run
+
+
+def enqueue_us(fn, calls: int) -> float:
+    """Median host us to enqueue one call of ``fn`` with the GPU idle when it starts (a
+    synchronization and a short sleep before each): the host's own time per call."""
+    import statistics
+
+    import torch
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        time.sleep(0.002)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)

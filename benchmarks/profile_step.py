@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
-from common import code_version, cuda_kernel_times, gathered_bias, timm_meta_mlp, write_json  # noqa: E402
+from common import code_version, cuda_kernel_times, enqueue_us, gathered_bias, timm_meta_mlp, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
@@ -61,15 +61,7 @@ def _wall_and_enqueue_ms(step, repeats: int):
         step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / repeats * 1e3
-    enqueue = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        time.sleep(0.002)
-        t0 = time.perf_counter()
-        step()
-        enqueue.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return wall, sorted(enqueue)[len(enqueue) // 2]
+    return wall, enqueue_us(step, repeats) / 1e3
 
 
 def _profile(step, steps: int, top: int):

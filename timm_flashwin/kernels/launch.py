@@ -501,7 +501,7 @@ def attention_backward(
     table = table_index is not None
     plan = backward_plan(qkv, num_heads, bias is not None, mask, cosine, bias_grad, scale_grad, dropout_p > 0, grid,
                          table, table_sigmoid, _traced_launch())
-    n, head_dim, launches = plan.n, plan.head_dim, plan.launches
+    n, launches = plan.n, plan.launches
     # region ids computed by the forward, for the kernels that stream key blocks
     mask_regions = plan.mask_regions
     if not mask_regions:
