@@ -139,7 +139,7 @@ def test_table_gradient_of_pairs_sorted_from_another_index_is_nan():
     from another index of the same shape (what a compiled graph would hold if a module's
     index changed after tracing) make the rows they no longer match NaN, never a wrong
     number; pairs of the index itself give the float64 sums."""
-    from timm_flashwin.kernels.launch import relative_bias_table_grad
+    from timm_flashwin.kernels.position_launch import relative_bias_table_grad
     from timm_flashwin.position_bias import _sorted_pairs
     index = relative_position_index(7, 7).to(KERNEL_DEVICE)
     grad = torch.randn(3, 49, 49, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)

@@ -31,7 +31,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .kernels.launch import kept_on, relative_bias_gather, relative_bias_table_grad
+from .kernels.launch import kept_on
+from .kernels.position_launch import relative_bias_gather, relative_bias_table_grad
 from .dispatch import direct_launches, dispatch_free, register_op, uses_kernels
 
 

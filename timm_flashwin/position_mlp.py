@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .hooks import runs_hooks
-from .kernels.launch import position_mlp_grads, position_mlp_table as _launch_table, split_position_mlp_grads
+from .kernels.position_launch import position_mlp_grads, position_mlp_table as _launch_table, split_position_mlp_grads
 from .dispatch import PLAIN_TENSOR_TYPES, direct_launches, dispatch_free, register_op, uses_kernels
 
 
