@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
@@ -43,6 +44,7 @@ from torch import nn
 from .adapters import ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
 from .hooks import runs_hooks
+from .tracing import runs_timm
 
 logger = logging.getLogger("timm_flashwin")
 
@@ -58,18 +60,37 @@ RecomputeQkv = Union[bool, FilterFn]
 
 
 # ------------------------------------------------------------------- patched classes
+def _renamed(function: Callable, name: str) -> Callable:
+    """A copy of ``function`` under another ``__name__``: TorchScript compiles a method
+    under its function's name, and a class's ``forward`` can name timm's only so."""
+    copy = types.FunctionType(function.__code__, function.__globals__, name, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__, copy.__annotations__ = function.__kwdefaults__, dict(function.__annotations__)
+    copy.__qualname__, copy.__module__, copy.__doc__ = name, function.__module__, function.__doc__
+    return copy
+
+
 def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
     timm_class = adapter.module_type()
+    timm_forward = timm_class.forward
 
-    def forward(self, *args, **kwargs):
-        return adapter.forward(self, *args, **kwargs)
+    # timm's signature, which TorchScript compiles: torch.jit.is_scripting() is resolved
+    # when it compiles, so that only the first branch is compiled (timm's forward); the
+    # rest must only parse (no *args, **kwargs). tracing.py says what each tool gets.
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x, mask)
+        if runs_timm(x):
+            return timm_forward(self, x, mask)
+        return adapter.forward(self, x, mask)
 
     def extra_repr(self) -> str:
         text = timm_class.extra_repr(self)
         return f"{text}, flashwin={adapter.family}" if text else f"flashwin={adapter.family}"
 
     return type(name, (timm_class,), {
-        "forward": forward, "extra_repr": extra_repr, _FAMILY_ATTR: adapter.family,
+        "forward": forward, "_flashwin_timm_forward": _renamed(timm_forward, "_flashwin_timm_forward"),
+        "extra_repr": extra_repr, _FAMILY_ATTR: adapter.family,
         "__module__": __name__, "__qualname__": name,
         "__doc__": f"timm's {timm_class.__module__}.{timm_class.__qualname__}, patched by timm_flashwin.",
     })
@@ -80,6 +101,8 @@ def _patched_block_class(adapter: WindowAttentionAdapter, name: str) -> type:
     timm_method = getattr(timm_class, adapter.block_method)
 
     def window_attention(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # as the module's forward
+            return self._flashwin_timm_window_attention(x)
         grid = _feature_map_grid(self, adapter, x)
         if grid is None:
             return timm_method(self, x)
@@ -89,7 +112,9 @@ def _patched_block_class(adapter: WindowAttentionAdapter, name: str) -> type:
     window_attention.__doc__ = (f"timm's {adapter.block_method}, with the op reading the windows from the map "
                                 "(``WindowAttentionAdapter.block_attention``) where it can.")
     return type(name, (timm_class,), {
-        adapter.block_method: window_attention, _BLOCK_FAMILY_ATTR: adapter.family,
+        adapter.block_method: window_attention,
+        "_flashwin_timm_window_attention": _renamed(timm_method, "_flashwin_timm_window_attention"),
+        _BLOCK_FAMILY_ATTR: adapter.family,
         "__module__": __name__, "__qualname__": name,
         "__doc__": f"timm's {timm_class.__module__}.{timm_class.__qualname__}, its windows read in place by "
                    "timm_flashwin.",
@@ -99,9 +124,11 @@ def _patched_block_class(adapter: WindowAttentionAdapter, name: str) -> type:
 def _feature_map_grid(block: nn.Module, adapter: WindowAttentionAdapter, x: torch.Tensor):
     """The block's window grid where its patched module's attention can run on the map
     (``adapter.block_grid``), else None: the module not patched (filtered out, unpatched),
-    torch.compile tracing, hooks on the module that calling it would run."""
+    torch.compile tracing, a tool that runs timm's code (``tracing.runs_timm``), hooks on
+    the module that calling it would run."""
     attn = getattr(block, "attn", None)
-    if type(attn) is not PATCHED_CLASSES[adapter.family] or torch.compiler.is_compiling() or runs_hooks(attn):
+    if (type(attn) is not PATCHED_CLASSES[adapter.family] or torch.compiler.is_compiling() or runs_timm(x)
+            or runs_hooks(attn)):
         return None
     return adapter.block_grid(block, x)
 
@@ -111,6 +138,23 @@ PATCHED_CLASSES: Dict[str, type] = {}
 for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSwinV2WindowAttention"),
                        ("swinv2_cr", "FlashSwinV2CrWindowMultiHeadAttention")):
     PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
+
+
+def _register_fx_leaves() -> None:
+    """The patched classes are leaves of timm's fx tracer (its ``register_notrace_module``
+    registry, which timm's fx feature extraction, ``features_only=True, feature_cls="fx"``
+    and ``timm.layers.create_feature_extractor``, and its tests pass to torchvision's
+    tracer): the GraphModule calls the patched module, which runs the op. Other tracers
+    trace through it, and it runs timm's forward on their proxies (``tracing.runs_timm``)."""
+    try:
+        from timm.layers import register_notrace_module
+    except ImportError:  # pragma: no cover - timm without fx helpers
+        return
+    for cls in PATCHED_CLASSES.values():
+        register_notrace_module(cls)
+
+
+_register_fx_leaves()
 
 #: family -> the class the block holding a patched module takes
 PATCHED_BLOCK_CLASSES: Dict[str, type] = {}

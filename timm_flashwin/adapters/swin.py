@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..position_bias import TableBias
+from ..tracing import exporting
 from .base import WindowAttentionAdapter, inference_cache
 
 
@@ -31,7 +32,7 @@ class SwinAdapter(WindowAttentionAdapter):
 
     def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor]:
         table, index = module.relative_position_bias_table, module.relative_position_index
-        return inference_cache(module, (table, index), lambda: TableBias(table, index, constant_index=True))
+        return inference_cache(module, (table, index), lambda: TableBias(table, index, constant_index=not exporting()))
 
     def score_scale(self, module: nn.Module) -> Dict:
         return dict(scale=float(module.scale))

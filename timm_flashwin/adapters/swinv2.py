@@ -16,6 +16,7 @@ from torch import nn
 from ..op import uses_kernels
 from ..position_bias import TableBias
 from ..position_mlp import fusable_cpb_mlp, position_mlp_table
+from ..tracing import exporting
 from .base import WindowAttentionAdapter, inference_cache
 
 
@@ -54,7 +55,7 @@ class SwinV2Adapter(WindowAttentionAdapter):
                 table = position_mlp_table(coords.view(-1, 2), mlp[0].weight, mlp[0].bias, mlp[2].weight)
             else:
                 table = mlp(coords).view(-1, module.num_heads)
-            return TableBias(table, module.relative_position_index, sigmoid_scale=16.0, constant_index=True)
+            return TableBias(table, module.relative_position_index, sigmoid_scale=16.0, constant_index=not exporting())
 
         sources = (module.relative_coords_table, module.relative_position_index, *module.cpb_mlp.parameters())
         return inference_cache(module, sources, compute)
