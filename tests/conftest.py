@@ -125,7 +125,7 @@ def _round_to_bfloat16_as_the_gpu_does() -> None:
     became 0.99609375, not 1.0). That made the kernels' bf16 results under the interpreter
     less accurate than on the GPU and different from them: a forward of window 12 (bf16,
     tests/opcases.py's inputs) had a relative error of 4.1e-3 against float64 here, 1.8e-3
-    rounded as the GPU rounds (benchmarks/RESULTS.md, twenty-eighth session; an H100 on
+    rounded as the GPU rounds (measured 2026-11-25 at 883bebe; an H100 on
     window 16: 2.0e-3). torch's conversion rounds as the GPU does (NaN,
     infinities, overflow and subnormals included: test_op.py checks both against it).
     Where triton's interpreter lacks these names, nothing is changed."""

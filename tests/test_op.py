@@ -74,7 +74,7 @@ def test_matches_float64_reference(cosine, masked, n, head_dim, dtype):
 # Output gradients in the layouts autograd hands back: a sum's (every stride 0), the
 # gradient of a transpose, a broadcast over tokens. (A published window-attention kernel
 # read its output's gradient as if contiguous and returned uncorrelated gradients for
-# the transposed one: benchmarks/RESULTS.md, twenty-seventh session.)
+# the transposed one: benchmarks/RESULTS.md, the published kernels on an H100.)
 GRADIENT_LAYOUTS = {
     "sum": lambda grad: grad.sum().expand_as(grad),
     "transposed": lambda grad: grad.transpose(0, 1).contiguous().transpose(0, 1),

@@ -345,7 +345,7 @@ def window_attention(
     _, n, head_dim = _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid)
     # Where nothing takes a gradient (inference), the forward saves no softmax statistics:
     # for cosine attention over more than 64 tokens that also skips summing the rows' mean
-    # score, 3 to 6% of that forward (H200, seventh session).
+    # score, 3 to 6% of that forward (H200, 2026-11-23).
     table_bias = isinstance(bias, TableBias)
     save_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (qkv, bias.table if table_bias else bias, logit_scale))
