@@ -1,8 +1,8 @@
 """Local attention side by side: sliding windows and block sliding windows.
 
-    python benchmarks/bench_local.py --quick --out $OUT/local_quick.json     # < 3 min on an H100
-    python benchmarks/bench_local.py --out $OUT/local.json                    # < 8 min
-    python benchmarks/bench_local.py --tune seed004_w16:16384 --out $OUT/tune.json
+    python benchmarks/bench_local.py --quick --out results/local_quick.json   # < 3 min on an H100
+    python benchmarks/bench_local.py --out results/local.json                  # < 8 min
+    python benchmarks/bench_local.py --tune seed004_w16:16384 --out results/tune.json
 
 For each case (a pattern, B, H, H_kv, D) and sequence length S, bf16, it times:
 
