@@ -6,6 +6,31 @@
     with timm_flashwin.patched(other_model):   # temporary
         ...
     timm_flashwin.patch_timm()                 # every model timm.create_model returns, patched
+
+Public API (``__all__``):
+
+Patching models
+    patch_model(model, *, strict, filter_fn, recompute_qkv, feature_map) -> PatchReport
+    unpatch_model(model), patched(model, **kwargs) (context manager), is_patched(module)
+    patch_report(model) -> PatchReport; PatchReport, ModuleStatus (one module),
+    PatchError (strict=True: every module that cannot be served)
+Patching timm's factory (for scripts you do not edit; CLI: ``timm-flashwin run``)
+    patch_timm(**patch_model_kwargs), unpatch_timm(),
+    patched_timm(**kwargs) (context manager yielding [CreatedModel])
+The window-attention op
+    window_attention(qkv (B_, N, 3*H*D), num_heads, *, bias (H, N, N) | TableBias,
+                     mask (nW, N, N), scale | logit_scale (H,), dropout_p, grid)
+        -> (B_, N, H*D); with grid=WindowGrid(...), qkv (B, H*W, 3*H*D) -> (B, H*W, H*D)
+    TableBias(table (T, H), index (N, N), sigmoid_scale): a bias read from its table
+    WindowGrid(height, width, window, shift): a block's shifted window partition
+    window_attention_reference(...): the same math in PyTorch (the tests' oracle)
+Local attention, q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D)
+    sliding_window_attention(q, k, v, *, window=(left, right), causal, scale, dropout_p)
+    block_sliding_window_attention(q, k, v, *, block_size, window_blocks, sink_tokens,
+                                   scale, dropout_p)
+
+Command line: ``timm-flashwin verify | list | bench | run`` (``--help`` on each).
+Design and measurements: docs/design.md and benchmarks/RESULTS.md in the repository.
 """
 from .factory import CreatedModel, patch_timm, patched_timm, unpatch_timm
 from .local_attention import block_sliding_window_attention, sliding_window_attention
