@@ -10,7 +10,7 @@
 Public API (``__all__``):
 
 Patching models
-    patch_model(model, *, strict, filter_fn, recompute_qkv, feature_map) -> PatchReport
+    patch_model(model, *, strict, filter_fn, recompute_qkv, feature_map) -> model (in place)
     unpatch_model(model), patched(model, **kwargs) (context manager), is_patched(module)
     patch_report(model) -> PatchReport; PatchReport, ModuleStatus (one module),
     PatchError (strict=True: every module that cannot be served)
