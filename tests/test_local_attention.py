@@ -275,6 +275,42 @@ def test_opcheck():
                                                 None))
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25], ids=["no-dropout", "dropout"])
+def test_no_launch_passes_a_tensor_it_writes_twice(dropout_p, monkeypatch):
+    """Every tensor the launchers allocate (out, lse, delta, dq, dk, dv) goes to each kernel
+    launch under one parameter only (local_launch's docstring says why: a traced launch
+    clones each argument the kernel may write apart, and lse passed again as the forward's
+    unused tile-count pointer came back as its never-written clone). The op's inputs may
+    stand in for unused pointers (q for the seed without dropout)."""
+    q, k, v, do = make_inputs(1, 2, 1, 9, 16)
+    launches = []
+    real = local_launch.launcher
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.kernel, [a for a in args if isinstance(a, torch.Tensor)]))
+                return real(self.kernel)[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(local_launch, "launcher", Recording)
+    seed = torch.tensor([1234], dtype=torch.int64, device=KERNEL_DEVICE) if dropout_p else None
+    pattern = (4, 3, 4, 2)
+    out, lse = local_launch.local_forward(q, k, v, pattern, 0.25, dropout_p, seed)
+    local_launch.local_backward(do, q, k, v, out, lse, pattern, 0.25, dropout_p, seed)
+    assert len(launches) == 4
+    for kernel, tensors in launches:
+        inputs = [t for t in (q, k, v, do, seed) if t is not None]
+        if kernel is not local_launch.local_attention_fwd_kernel:
+            inputs += [out, lse]
+        allocated = [t for t in tensors if not any(t is i for i in inputs)]
+        pointers = [(t.untyped_storage().data_ptr(), t.storage_offset()) for t in allocated]
+        assert len(set(pointers)) == len(pointers), getattr(kernel, "__name__", kernel)
+
+
 def test_compiles_without_graph_break():
     """dynamo traces code calling both operators in one graph (fullgraph) and autograd goes
     through the registered backward."""

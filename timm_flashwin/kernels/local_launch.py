@@ -5,6 +5,15 @@ Written with torch operations and ``launch.launcher`` launches only, so that
 stages) is decided once per (pass, head_dim, dtype) and cached (``plan``): nothing of it
 depends on B, S, the pattern or the scale, which are run-time arguments of the kernels (a
 new sequence length or window never recompiles).
+
+A tensor a kernel writes goes to its launch under one parameter only, and an unused pointer
+(the tile counts, outside tests) is None, never another argument. A traced launch is a
+functional op that clones each argument the kernel may write and hands each clone back in
+its argument's place; torch's analysis of the kernel counts every argument of a Triton
+function whose results address a store as written. lse passed again as the forward's unused
+tile counts came back as its never-written clone (opcheck's test_aot_dispatch_dynamic:
+the outputs of eager mode and AOTDispatcher differed). Where a tensor is needed, the op's inputs stand in
+for unused pointers (q for the seed without dropout): a clone of one equals it.
 """
 from __future__ import annotations
 
@@ -121,7 +130,7 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
     lse = q.new_empty((B, H, S), dtype=torch.float32)
     grid = (triton.cdiv(S, tiles.block_m) * B * H,)
     launcher(local_attention_fwd_kernel)[grid](
-        q, k, v, out, lse, seed if dropout_p > 0 else q, counts if counts is not None else lse,
+        q, k, v, out, lse, seed if dropout_p > 0 else q, counts,
         scale * LOG2E, dropout_p, S, H, H // k.shape[1], *pattern,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **_flags(D, pattern, dropout_p, q.dtype, counts),
@@ -150,13 +159,13 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     seed_ptr = seed if dropout_p > 0 else q
     cols = plan("dkdv", D, q.dtype)
     launcher(local_attention_bwd_dkdv_kernel)[(triton.cdiv(S, cols.block_n) * B * H_kv,)](
-        q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts if counts is not None else delta,
+        q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts,
         scale * LOG2E, scale, dropout_p, S, H_kv, H // H_kv, *pattern,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         BLOCK_M=cols.block_m, BLOCK_N=cols.block_n, **flags, **_options(cols),
     )
     launcher(local_attention_bwd_dq_kernel)[(triton.cdiv(S, rows.block_m) * B * H,)](
-        q, k, v, dout, lse, delta, dq, seed_ptr, counts[2:] if counts is not None else delta,
+        q, k, v, dout, lse, delta, dq, seed_ptr, counts[2:] if counts is not None else None,
         scale * LOG2E, scale, dropout_p, S, H, H // H_kv, *pattern,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, **flags, **_options(rows),
