@@ -1,6 +1,6 @@
 """The bound variants of benchmarks/profile_step.py compute what their docstrings say: every
 attention module (``attention-free``) or every block's window path (``window-free``)
-reduced to proj(qkv(x)[..., :C]), and only that. RESULTS.md's bounds are as good as these.
+reduced to proj(qkv(x)[..., :C]), and only that. The bounds measured with them are as good as these.
 The ``flashwin-gathered-bias`` variant computes the patched model's values with the bias
 gathered apart."""
 import copy
