@@ -2,7 +2,7 @@
 
     python benchmarks/bench_local.py --quick --out results/local_quick.json   # < 3 min on an H100
     python benchmarks/bench_local.py --out results/local.json                  # < 8 min
-    python benchmarks/bench_local.py --tune seed004_w16:16384 --out results/tune.json
+    python benchmarks/bench_local.py --tune frames_w16:16384 --out results/tune.json
 
 For each case (a pattern, B, H, H_kv, D) and sequence length S, bf16, it times:
 
@@ -14,8 +14,8 @@ For each case (a pattern, B, H, H_kv, D) and sequence length S, bf16, it times:
 * sdpa_causal  F.scaled_dot_product_attention(is_causal=True): PyTorch's dense causal
                (flash) kernel, a reference point of what a tuned dense kernel does with S
 
-The cases: the 004 seed's (B=1, H=12, D=64, frames of 256 tokens, windows of 16 and 4
-frames, S = 4096 ... 65536), the 003 seed's (a sliding window of 500 tokens, and causal),
+The cases: the published block sliding-window kernel's (B=1, H=12, D=64, frames of 256 tokens, windows of 16 and 4
+frames, S = 4096 ... 65536), the published sliding-window kernel's (a sliding window of 500 tokens, and causal),
 head_dim 128 (a window of 512 either side, and global attention: the TFLOP/s of the one
 against the other), grouped-query attention.
 
@@ -57,12 +57,12 @@ class Case:
     quick: Tuple[int, ...] = ()
 
 
-SEED004 = (4096, 8192, 16384, 32768, 65536)
+FRAME_LENGTHS = (4096, 8192, 16384, 32768, 65536)
 CASES: Dict[str, Case] = {
-    "seed004_w16": Case(LocalPattern.blocks(256, 16), 1, 12, 12, 64, SEED004, (16384,)),
-    "seed004_w4": Case(LocalPattern.blocks(256, 4), 1, 12, 12, 64, SEED004),
-    "seed003_window500": Case(LocalPattern.sliding(250, 249), 2, 16, 16, 64, (2048, 4096, 8192, 16384), (8192,)),
-    "seed003_causal": Case(LocalPattern.sliding(None, 0), 2, 16, 16, 64, (2048, 4096, 8192, 16384)),
+    "frames_w16": Case(LocalPattern.blocks(256, 16), 1, 12, 12, 64, FRAME_LENGTHS, (16384,)),
+    "frames_w4": Case(LocalPattern.blocks(256, 4), 1, 12, 12, 64, FRAME_LENGTHS),
+    "sliding500": Case(LocalPattern.sliding(250, 249), 2, 16, 16, 64, (2048, 4096, 8192, 16384), (8192,)),
+    "causal": Case(LocalPattern.sliding(None, 0), 2, 16, 16, 64, (2048, 4096, 8192, 16384)),
     "window512_d128": Case(LocalPattern.sliding(512, 512), 1, 16, 16, 128, (8192, 16384, 32768), (16384,)),
     "global_d128": Case(LocalPattern.sliding(None, None), 1, 16, 16, 128, (8192, 16384, 32768), (16384,)),
     "gqa_causal1024_d128": Case(LocalPattern.sliding(1024, 0), 1, 32, 8, 128, (8192, 16384, 32768)),

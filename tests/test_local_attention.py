@@ -398,10 +398,10 @@ def _compare_on_gpu(fn, visible, shape, dtype, chunk=None, scale=None):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fn,visible,shape", [
     pytest.param(sliding((512, 512)), sliding_window_visible(512, 512), (1, 4, 2, 16384, 128), id="window-512-S16k"),
-    pytest.param(sliding((250, 249)), sliding_window_visible(250, 249), (2, 4, 4, 8192, 64), id="seed003-w500"),
+    pytest.param(sliding((250, 249)), sliding_window_visible(250, 249), (2, 4, 4, 8192, 64), id="sliding500"),
     pytest.param(sliding((None, None), True), sliding_window_visible(None, 0), (1, 2, 2, 8192, 64), id="causal-8k"),
     pytest.param(blocks(256, 4, 64), block_window_visible(256, 4, 64), (1, 12, 12, 32768, 64),
-                 id="seed004-blocks-256-4-sink64-S32k"),
+                 id="frames-256-4-sink64-S32k"),
     pytest.param(blocks(1560, 2), block_window_visible(1560, 2), (1, 4, 1, 12000, 128), id="frames-1560-mqa"),
     pytest.param(sliding((1024, 0)), sliding_window_visible(1024, 0), (1, 1, 1, 131072, 64), id="causal-1024-S128k"),
 ])
@@ -482,7 +482,7 @@ def test_gpu_no_recompile_for_new_lengths_windows_batches_or_scales():
 
 @pytest.mark.cuda
 def test_gpu_memory_is_linear_in_the_sequence():
-    """The 004 seed's shape at S = 65536: the forward + backward's peak within 1.1x of the
+    """The published block sliding-window kernel's shape at S = 65536: the forward + backward's peak within 1.1x of the
     inputs, output, output gradient and gradients themselves."""
     B, H, S, D = 1, 12, 65536, 64
     q, k, v, do = make_inputs(B, H, H, S, D, dtype=torch.bfloat16, device="cuda")

@@ -9,7 +9,7 @@ definitions and nothing else (the kernels compute the same set from per-row key 
 * sliding window ``(left, right)``: ``i - left <= j <= i + right``, ``None`` unlimited
   (FlashAttention-2's ``window_size``);
 * block sliding window: key block ``j // block_size`` within ``window_blocks`` blocks of the
-  query's, not after it (the 004 seed's ``triu(1) + tril(-ws)`` over blocks), or
+  query's, not after it (the published block sliding-window kernel's ``triu(1) + tril(-ws)`` over blocks), or
   ``j < sink_tokens``.
 """
 from __future__ import annotations
