@@ -195,7 +195,8 @@ def test_fx_graph_traced_before_patching_has_nothing_to_patch():
     modules, so patch_model finds nothing, says so (strict raises), and the features stay
     timm's. Patch first, then build the extractor, for the op."""
     name, args = FAMILIES["swin"]
-    model = timm.create_model(name, features_only=True, feature_cls="fx", out_indices=(0, 1), **args).eval()
+    model = timm.create_model(name, features_only=True, feature_cls="fx", out_indices=(0, 1), **args)
+    model = model.eval().to(KERNEL_DEVICE)
     x = images((args["img_size"],) * 2)
     with torch.no_grad():
         expected = model(x)
@@ -303,3 +304,20 @@ def test_onnx_export_matches_the_unpatched_model(dynamo):
     out = session.run(None, {session.get_inputs()[0].name: x.cpu().numpy()})[0]
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(out), plain(x).cpu(), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ AOTInductor
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_aot_inductor_runs_the_kernels(family, tmp_path):
+    """An exported patched model compiled by AOTInductor (the op is a triton_op on the GPU:
+    its kernels are compiled into the package) computes timm's outputs, with no softmax of
+    timm's in the exported graph."""
+    plain, model = pair(family)
+    x = images(model, batch=4)
+    with torch.no_grad():
+        program = torch.export.export(model, (x,))
+        assert sum(t.startswith(OP) for t in graph_targets(program.graph_module)) == 4
+        path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "model.pt2"))
+        compiled = torch._inductor.aoti_load_package(path)
+        torch.testing.assert_close(compiled(x), plain(x), rtol=1e-4, atol=1e-4)

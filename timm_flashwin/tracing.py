@@ -55,7 +55,7 @@ def runs_timm(x) -> bool:
     through the module (x a Proxy), ONNX export. torch.compile and torch.export keep the op
     (torch.onnx.export's dynamo exporter runs torch.export with its flag set: timm's code)."""
     if torch.compiler.is_compiling():
-        return _onnx_flags is not None and _onnx_flags._is_onnx_exporting
+        return _onnx_flags._is_onnx_exporting if _onnx_flags is not None else torch.onnx.is_in_onnx_export()
     return _is_tracing() or isinstance(x, _Proxy) or onnx_exporting()
 
 
