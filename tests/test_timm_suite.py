@@ -14,19 +14,22 @@ timm's API and each tool, not the kernels' numbers. Under the interpreter each o
 timm tests that runs the eager model takes one to six minutes (timm's tiny models at up to
 448 pixels), past what CI can spend; tests/test_tools.py runs each tool with the kernels,
 on smaller models. On a GPU, FLASHWIN_TIMM_SUITE_DEVICE=cuda has the models made there, and
-the kernels run. The whole swin* selection (fetch the source distribution of the GPU
-machine's timm here first: ``python tests/test_timm_suite.py --fetch VERSION``; drop
-FLASHWIN_TIMM_SUITE_UNPATCHED=1 for the patched run)::
+the kernels run. The whole swin* selection, unpatched and patched, then compared (fetch the
+source distribution of the GPU machine's timm here first, ``python tests/test_timm_suite.py
+--fetch VERSION``, and carry .timm_tests/ along)::
 
-    cd .timm_tests/timm-VERSION && HF_HUB_OFFLINE=1 TORCH_DEVICE=cuda FLASHWIN_TIMM_SUITE_DEVICE=cuda \
-        PYTHONPATH=../../tests/timm_suite:../.. python -m pytest tests/test_models.py -p flashwin_plugin \
-        -c pyproject.toml -p no:cacheprovider -k "swin and not pretrained and not test_model_inference" -q
+    cd .timm_tests/timm-VERSION
+    export HF_HUB_OFFLINE=1 TORCH_DEVICE=cuda FLASHWIN_TIMM_SUITE_DEVICE=cuda PYTHONPATH=../../tests/timm_suite:../..
+    K="swin and not pretrained and not test_model_inference"
+    RUN="python -m pytest tests/test_models.py -p flashwin_plugin -c pyproject.toml -p no:cacheprovider -q -n 8"
+    FLASHWIN_TIMM_SUITE_UNPATCHED=1 $RUN -k "$K" --junitxml=unpatched.xml
+    $RUN -k "$K" --junitxml=patched.xml
+    python ../../tests/test_timm_suite.py --compare unpatched.xml patched.xml
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -151,15 +154,35 @@ def run_timm_suite(folder: Path, expression: str, report_dir: Path, patched: boo
     output = done.stdout + done.stderr
     if not junit.is_file():
         raise AssertionError(f"timm's tests did not run ({done.returncode}):\n{output[-4000:]}")
+    outcomes = read_junit(junit)
+    made = json.loads(created.read_text()) if created.is_file() else {}
+    return dict(outcomes=outcomes, patched=made, output=output, seconds=seconds, returncode=done.returncode)
+
+
+def read_junit(path: Path) -> dict:
+    """Test id -> "passed", "failed", "error" or "skipped: REASON", from a junit XML file."""
     outcomes = {}
-    for case in ElementTree.parse(junit).iter("testcase"):
+    for case in ElementTree.parse(path).iter("testcase"):
         test_id = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
         child = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
         outcomes[test_id] = "passed" if child is None else (
             "skipped: " + child.get("message", "") if child.tag == "skipped" else
             "failed" if child.tag == "failure" else "error")
-    made = json.loads(created.read_text()) if created.is_file() else {}
-    return dict(outcomes=outcomes, patched=made, output=output, seconds=seconds, returncode=done.returncode)
+    return outcomes
+
+
+def compare_runs(unpatched: Path, patched: Path) -> str:
+    """Counts of two runs' junit files, and every test that passed unpatched but not patched."""
+    before, after = read_junit(unpatched), read_junit(patched)
+
+    def counts(outcomes):
+        kinds = [o.split(":")[0] for o in outcomes.values()]
+        return ", ".join(f"{kinds.count(k)} {k}" for k in ("passed", "failed", "error", "skipped") if k in kinds)
+
+    lost = sorted(t for t, o in before.items() if o == "passed" and after.get(t) != "passed")
+    lines = [f"unpatched: {counts(before)}", f"patched:   {counts(after)}",
+             f"passed unpatched, not patched: {len(lost)}"] + [f"  {t}: {after.get(t, 'not run')}" for t in lost]
+    return "\n".join(lines)
 
 
 def test_timm_model_tests_pass_patched(timm_tests, tmp_path):
@@ -183,9 +206,13 @@ def test_timm_model_tests_pass_patched(timm_tests, tmp_path):
     assert result["returncode"] == 0, output[-4000:]
 
 
-if __name__ == "__main__":  # python tests/test_timm_suite.py --fetch [VERSION]
+if __name__ == "__main__":
+    # python tests/test_timm_suite.py --fetch [VERSION]
+    # python tests/test_timm_suite.py --compare UNPATCHED.xml PATCHED.xml (junit files of two runs)
     if sys.argv[1:2] == ["--fetch"]:
         version = sys.argv[2] if len(sys.argv) > 2 else __import__("timm").__version__
         print(fetch_timm_tests(version))
+    elif sys.argv[1:2] == ["--compare"] and len(sys.argv) == 4:
+        print(compare_runs(Path(sys.argv[2]), Path(sys.argv[3])))
     else:
         sys.exit(__doc__)
