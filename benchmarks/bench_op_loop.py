@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_op import SHAPES, timm_mask  # noqa: E402
-from common import code_version, enqueue_us, host_us_per_call, write_json  # noqa: E402
+from common import code_version, enqueue_us, host_us_per_call, python_profile, write_json  # noqa: E402
 from timm_flashwin import TableBias, window_attention  # noqa: E402
 
 
@@ -77,23 +77,6 @@ def graph_us(call, replays: int = 50) -> float:
         graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / replays * 1e6
-
-
-def python_profile(call, calls: int, top: int) -> str:
-    """cProfile of ``calls`` back-to-back calls: the ``top`` functions by own time."""
-    import cProfile
-    import io
-    import pstats
-    profiler = cProfile.Profile()
-    torch.cuda.synchronize()
-    profiler.enable()
-    for _ in range(calls):
-        call()
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
 
 
 def main() -> None:

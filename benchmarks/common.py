@@ -120,3 +120,23 @@ def enqueue_us(fn, calls: int) -> float:
         times.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def python_profile(fn, calls: int, top: int) -> str:
+    """The ``top`` Python functions by own time over ``calls`` back-to-back calls of ``fn``
+    (cProfile), as text."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()

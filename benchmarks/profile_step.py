@@ -45,7 +45,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
-from common import code_version, cuda_kernel_times, enqueue_us, gathered_bias, timm_meta_mlp, write_json  # noqa: E402
+from common import (code_version, cuda_kernel_times, enqueue_us, gathered_bias, python_profile, timm_meta_mlp,  # noqa: E402
+                    write_json)
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
@@ -110,23 +111,6 @@ def _sync_points(step, steps: int = 2, frames: int = 6):
             found[(event.name, stack)][1] += event.cpu_time_total
     return [dict(name=name, calls_per_step=c / steps, host_us_per_step=t / steps, stack=list(stack))
             for (name, stack), (c, t) in sorted(found.items(), key=lambda kv: -kv[1][1])]
-
-
-def _python_profile(step, steps: int, top: int):
-    """The ``top`` Python functions by own time over ``steps`` steps (cProfile), as text."""
-    import cProfile
-    import io
-    import pstats
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
 
 
 VARIANT_INDUCTOR_OPTIONS = {"flashwin-static": dict(static_launch_user_defined_triton_kernels=True)}
@@ -267,7 +251,7 @@ def main() -> None:
         if args.syncs:
             row["sync_points"] = _sync_points(step)
         if args.cprofile:
-            row["cprofile"] = _python_profile(step, 10, args.cprofile)
+            row["cprofile"] = python_profile(step, 10, args.cprofile)
         rows.append(row)
         print(f"{args.model} {args.mode} compile={args.compile} {variant}: wall {wall:.1f} ms, enqueue {enqueue:.1f} ms,"
               f" GPU kernels {gpu_ms:.1f} ms, {launches:.0f} launches per step", flush=True)
