@@ -22,6 +22,7 @@ other settings of ``config`` that decisions read are part of the signature.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -122,8 +123,8 @@ def forward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Option
 
 def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, grid, table, table_sigmoid,
                   periods) -> ForwardPlan:
-    from .launch import (_grid_args, _layout_flags, _windows_tokens_channels, launch_options, mask_regions_used,
-                         reads_mask_apart, softmax_stats_shape)
+    from .launch import (_fp32_dot, _grid_args, _layout_flags, _windows_tokens_channels, launch_options,
+                         mask_regions_used, reads_mask_apart, softmax_stats_shape)
     dtype = qkv.dtype
     num_windows, n, channels = _windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
@@ -142,23 +143,15 @@ def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, g
     plan = ForwardPlan(tiles, num_windows, n, head_dim, periods, per_period, per_chunk,
                        (m_blocks * num_heads * periods * chunks,), (*qkv.shape[:2], num_heads * head_dim), stats_shape,
                        used, used and streams, streams, table, flags, _grid_args(grid))
-    from .launch import _fp32_dot
     for from_regions in (False, True):
         plan.kwargs[from_regions] = dict(
             H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
             HAS_BIAS=flags.has_bias, HAS_MASK=flags.has_mask, COSINE=cosine, FP32_DOT=_fp32_dot(dtype),
-            STORE_STATS=_numel(stats_shape) > 0, HAS_DROPOUT=dropout,
+            STORE_STATS=math.prod(stats_shape) > 0, HAS_DROPOUT=dropout,
             MASK_REGIONS=plan.mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=flags.log2e,
             ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, **_layout_flags(grid),
             BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid), **launch_options(tiles, dropout))
     return plan
-
-
-def _numel(shape: Tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 @dataclass
