@@ -22,11 +22,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from timm_flashwin.kernels import backward, config
-from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel
-from timm_flashwin.kernels.forward import window_attention_fwd_kernel
-from timm_flashwin.kernels.launch import compiler_options, folds_mask, launch_options, reads_table
-from timm_flashwin.dispatch import direct_launches
+# run from a checkout as well as after `pip install -e .`
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from timm_flashwin.kernels import backward, config  # noqa: E402
+from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel  # noqa: E402
+from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
+from timm_flashwin.kernels.launch import compiler_options, folds_mask, launch_options, reads_table  # noqa: E402
+from timm_flashwin.dispatch import direct_launches  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
