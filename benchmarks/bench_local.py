@@ -267,6 +267,15 @@ def plot(rows: List[Dict], out: str) -> None:
         print(path)
 
 
+def _time_pass(fn: Callable, inputs, forward_only: bool, rep: int) -> float:
+    """Median ms of the forward (no grad) or of forward+backward."""
+    q, k, v, do = inputs
+    if forward_only:
+        with torch.no_grad():
+            return _time_ms(lambda: fn(q, k, v), rep=rep)
+    return _time_ms(lambda: fn(q, k, v).backward(do), [q, k, v], rep=rep)
+
+
 def tune(spec: str, rep: int) -> List[Dict]:
     """Time launch plans of each of our kernels on one case (forward plans by the forward,
     backward ones by forward+backward), the others at their defaults."""
@@ -275,14 +284,12 @@ def tune(spec: str, rep: int) -> List[Dict]:
     case, seq_len = CASES[name], int(seq_len)
     inputs = make_inputs(case, seq_len)
     fn = ours(case.pattern)
-    candidates = {
-        "fwd": [(m, n, w, s) for m, n in ((64, 64), (128, 64), (128, 128), (64, 128)) for w, s in
-                ((4, 3), (8, 2), (8, 3), (8, 4))],
-        "dq": [(m, n, w, s) for m, n in ((64, 64), (128, 32), (128, 64), (64, 32)) for w, s in
-               ((4, 3), (8, 2), (8, 3))],
-        "dkdv": [(m, n, w, s) for m, n in ((16, 128), (32, 64), (32, 128), (64, 64), (64, 128)) for w, s in
-                 ((4, 3), (8, 2), (8, 3))],
-    }
+    warps_stages = ((4, 3), (4, 4), (8, 2), (8, 3))
+    tile_pairs = {"fwd": ((64, 32), (64, 64), (64, 128), (128, 64), (128, 128)),
+             "dq": ((32, 64), (64, 32), (64, 64), (128, 32), (128, 64)),
+             "dkdv": ((16, 64), (32, 32), (32, 64), (64, 64), (16, 128), (32, 128), (64, 128))}
+    candidates = {kind: [(m, n, w, s) for m, n in pairs for w, s in warps_stages]
+                  for kind, pairs in tile_pairs.items()}
     rows = []
     for kind, plans in candidates.items():
         key = (kind, case.head_dim, torch.bfloat16)
@@ -290,8 +297,7 @@ def tune(spec: str, rep: int) -> List[Dict]:
         for tiles in [default] + [local_launch.Plan(*p) for p in plans]:
             local_launch.OVERRIDES[key] = tiles
             try:
-                result = bench_one(fn, inputs, rep)
-                ms = result["fwd_ms"] if kind == "fwd" else result["fwdbwd_ms"]
+                ms, result = _time_pass(fn, inputs, forward_only=kind == "fwd", rep=rep), {}
             except Exception as exc:  # a plan that does not fit (shared memory) is reported
                 ms, result = float("nan"), dict(error=f"{type(exc).__name__}")
             rows.append(dict(case=name, S=seq_len, kind=kind, plan=tiles.__dict__, ms=ms, default=tiles == default,
@@ -311,7 +317,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a few lengths per case (< 3 minutes on an H100)")
     parser.add_argument("--max-mask-mib", type=float, default=256.0,
                         help="the largest dense bool mask sdpa_mask builds (S * S bytes)")
-    parser.add_argument("--tune", metavar="CASE:S", default=None, help="time launch plans of our kernels instead")
+    parser.add_argument("--tune", metavar="CASE:S", nargs="+", default=None,
+                        help="time launch plans of our kernels on these cases instead")
     parser.add_argument("--out", default=None, help="write the results as JSON here (and the plots next to it)")
     args = parser.parse_args(argv)
     rep = 30 if args.quick else 100
@@ -324,7 +331,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 quick=args.quick)
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['code']}", flush=True)
     if args.tune:
-        rows = tune(args.tune, rep)
+        rows = [row for spec in args.tune for row in tune(spec, rep)]
         if args.out:
             write_json(args.out, dict(meta=meta, tune=rows))
         return

@@ -72,7 +72,7 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict, ones=()):
         elif name.endswith("_ptr"):
             types[name] = "*" + (TRITON_TYPES[dtype] if name in POINTERS_IN_DTYPE else "fp32")
         elif name in ("qk_scale", "scale", "dropout_p"):
-            types[name] = "fp32"
+            types[name] = "fp64"  # as torch.compile passes Python floats (a launch: fp32)
         else:
             types[name] = "i32"
     aligned_rows = constexprs["D"] % 16 == 0  # rows of D elements: strides that are multiples of 16

@@ -126,6 +126,7 @@ def local_attention_bwd_dkdv_kernel(
             dk, dv = dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_base, seed,
                                qk_scale, dropout_p, S, period, before, after, sink, stride_qs, stride_qd,
                                stride_gs, stride_gd, D, BLOCK_M, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION)
+    scale = tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
     store_block(dk_ptr, dk * scale, b, kvh, n0, stride_dkb, stride_dkh, stride_dks, stride_dkd, offs, dims, S, D,
                 BLOCK_D)
     store_block(dv_ptr, dv, b, kvh, n0, stride_dvb, stride_dvh, stride_dvs, stride_dvd, offs, dims, S, D, BLOCK_D)
@@ -191,5 +192,6 @@ def local_attention_bwd_dq_kernel(
         dq = dq_step(dq, q, do, lse, delta, k_head, v_head, n0, rows, row_ids, seed, qk_scale, dropout_p,
                      S, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
                      D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION)
+    scale = tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
     store_block(dq_ptr, dq * scale, b, h, m0, stride_dqb, stride_dqh, stride_dqs, stride_dqd, offs, dims, S, D,
                 BLOCK_D)

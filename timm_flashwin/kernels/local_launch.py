@@ -64,17 +64,25 @@ def plan(kind: str, head_dim: int, dtype: torch.dtype) -> Plan:
 
 
 #: (kind, padded head dim) -> (BLOCK_M, BLOCK_N, warps, stages) for 16-bit inputs on the GPU;
-#: kind "dkdv" holds BLOCK_N keys per program and steps over BLOCK_M queries
+#: kind "dkdv" holds BLOCK_N keys per program and steps over BLOCK_M queries. head_dim 64 and
+#: 128: the fastest plans on an H100 (bf16, ``bench_local.py --tune frames_w16:16384
+#: sliding500:8192 window512_d128:16384``, 2026-11-26). Against the earlier plans (128 query
+#: rows, 8 warps; ``bench_local.py --quick``): forward -10% to -25% but +7% on global
+#: attention at head_dim 128 (128 rows suit its long rows of keys), forward+backward -27% to
+#: -46%. 256: built, not timed
 _PLANS_16BIT = {
-    ("fwd", 64): (128, 128, 8, 3), ("fwd", 128): (128, 64, 8, 3), ("fwd", 256): (64, 32, 8, 2),
-    ("dq", 64): (128, 64, 8, 3), ("dq", 128): (128, 32, 8, 3), ("dq", 256): (64, 32, 8, 2),
-    ("dkdv", 64): (32, 128, 8, 3), ("dkdv", 128): (32, 64, 8, 2), ("dkdv", 256): (32, 32, 8, 2),
+    ("fwd", 64): (64, 64, 4, 3), ("fwd", 128): (64, 64, 4, 3), ("fwd", 256): (64, 32, 8, 2),
+    ("dq", 64): (64, 64, 4, 3), ("dq", 128): (128, 64, 8, 3), ("dq", 256): (64, 32, 8, 2),
+    ("dkdv", 64): (64, 64, 4, 3), ("dkdv", 128): (32, 64, 4, 3), ("dkdv", 256): (32, 32, 8, 2),
 }
-#: the same for float32 inputs (3xTF32 products, ``precision``)
+#: the same for float32 inputs (3xTF32 products, ``precision``). Not the dkdv kernel with 8
+#: warps and 16 query rows at head_dim 65 to 128: triton 3.6 builds it into an illegal memory
+#: access on an H100 (tests/test_local_attention.py::test_gpu_head_dims_and_dtypes with
+#: float32 at head_dim 96 and 128); with 4 warps it runs and matches float64
 _PLANS_32BIT = {
     ("fwd", 64): (64, 32, 8, 2), ("fwd", 128): (64, 32, 8, 2), ("fwd", 256): (32, 32, 8, 2),
     ("dq", 64): (64, 32, 8, 2), ("dq", 128): (64, 32, 8, 2), ("dq", 256): (32, 32, 8, 2),
-    ("dkdv", 64): (32, 64, 8, 2), ("dkdv", 128): (16, 64, 8, 2), ("dkdv", 256): (16, 16, 4, 2),
+    ("dkdv", 64): (32, 64, 8, 2), ("dkdv", 128): (16, 64, 4, 2), ("dkdv", 256): (16, 16, 4, 2),
 }
 
 
@@ -83,13 +91,10 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype) -> Plan:
     """Under the interpreter (CI): tiles of 16, so that small sequences still take the
     multi-block paths (window edges, partial blocks, the sink's blocks) at low cost.
 
-    On the GPU: plans for sm_90 that fit its shared memory and build without spilled
-    registers for 16-bit inputs (but the dkdv kernel with dropout at head_dim 128: 48 bytes
-    per thread), as tests/local_sm90_build.py prints them; float32 inputs spill a few
-    hundred bytes per thread in every plan tried (not a performance target: correct, slower).
-    Chosen by building, not by timing: no GPU measured them yet. The forward and the dq kernel take
-    128 query rows per program up to head_dim 128 (two warpgroups' wgmma of 64 rows), the
-    dkdv kernel up to 128 keys. ``benchmarks/bench_local.py --tune`` times others
+    On the GPU: plans for sm_90 that fit its shared memory (tests/local_sm90_build.py
+    builds and prints them), timed for 16-bit inputs at head_dim 64 and 128 (``_PLANS_16BIT``);
+    float32 inputs spill a few hundred bytes per thread in every plan tried (not a
+    performance target: correct, slower). ``benchmarks/bench_local.py --tune`` times others
     (``OVERRIDES``)."""
     if config.INTERPRET:
         return Plan(16, 16, 4, 1)

@@ -184,7 +184,8 @@ def logits(a, b, rows, cols, qk_scale, S, period, before, after, sink, MASKED: t
            HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b^T times qk_scale (log2-domain logits, fp32), -inf where MASKED and query ``rows``
     does not attend key ``cols`` (broadcast as ``visible`` takes them)."""
-    s = product(a, tl.trans(b), None, PRECISION) * qk_scale
+    # tl.cast: inductor passes Python floats as fp64, which would make the tiles fp64
+    s = product(a, tl.trans(b), None, PRECISION) * tl.cast(qk_scale, tl.float32)
     if MASKED:
         s = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), s, float("-inf"))
     return s
