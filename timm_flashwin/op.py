@@ -18,8 +18,8 @@ import torch
 
 from .dispatch import KERNEL_DTYPES, direct_launches, dispatch_free, register_op, uses_kernels
 from .kernels import config
-from .kernels.launch import (attention_backward, attention_forward, maps_windows, mask_regions_shapes,
-                             mask_regions_used, reads_table, softmax_stats_shape)
+from .kernels.launch import (_windows_tokens_channels, attention_backward, attention_forward, maps_windows,
+                             mask_regions_shapes, mask_regions_used, reads_table, softmax_stats_shape)
 from .position_bias import TableBias, TableGather, check_sigmoid_scale
 from .reference import window_attention_reference
 from .window_grid import WindowGrid
@@ -66,7 +66,7 @@ def _backward_impl(
 
 
 def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats=True):
-    num_windows, n, channels = qkv.shape
+    num_windows, n, channels = _windows_tokens_channels(qkv, None)
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
     stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats)
@@ -81,7 +81,7 @@ def _backward_fake(grad_out, qkv, out, stats, regions, mask_info, bias, mask, lo
     n = qkv.shape[1]
     dbias = qkv.new_empty((num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
     dscale = qkv.new_empty((num_heads,) if scale_grad and cosine else (0,), dtype=torch.float32)
-    return qkv.new_empty(qkv.shape), dbias, dscale
+    return torch.empty_like(qkv), dbias, dscale  # the layout attention_backward gives
 
 
 window_attention_fwd = register_op("window_attention_fwd", _forward_impl, _forward_fake)
@@ -223,15 +223,18 @@ def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=No
         _fail(TypeError, "qkv", "a torch.Tensor", type(qkv).__name__)
     if grid is not None and not isinstance(grid, WindowGrid):
         _fail(TypeError, "grid", "a WindowGrid or None", type(grid).__name__)
-    if qkv.dim() != 3:
-        _fail(ValueError, "qkv", "a 3-D tensor (B_, N, 3*H*D)" if grid is None else "a 3-D tensor (B, H*W, 3*H*D)",
-              f"shape {tuple(qkv.shape)}")
+    if qkv.dim() != 3 and (grid is not None or qkv.dim() != 5):
+        _fail(ValueError, "qkv", "a 3-D tensor (B_, N, 3*H*D) or a 5-D one (B_, N, 3, H, D)" if grid is None
+              else "a 3-D tensor (B, H*W, 3*H*D)", f"shape {tuple(qkv.shape)}")
     if qkv.dtype not in KERNEL_DTYPES + (torch.float64,):
         _fail(TypeError, "qkv", "float16, bfloat16, float32 or float64", qkv.dtype)
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         _fail(ValueError, "num_heads", "a positive int", repr(num_heads))
+    if qkv.dim() == 5 and (qkv.shape[2] != 3 or qkv.shape[3] != num_heads):
+        _fail(ValueError, "qkv", f"of shape (B_, N, 3, H, D) with H = num_heads = {num_heads}",
+              f"shape {tuple(qkv.shape)}")
     if grid is None:
-        num_windows, n, channels = qkv.shape
+        num_windows, n, channels = _windows_tokens_channels(qkv, None)
     else:
         if qkv.shape[1] != grid.height * grid.width:
             _fail(ValueError, "qkv", f"of shape (B, H*W, 3*H*D) with H*W = {grid.height}*{grid.width} (grid)",
@@ -314,7 +317,12 @@ def window_attention(
 
     Args:
         qkv: (B_, N, 3*H*D) float16/bfloat16/float32 (float64 runs in PyTorch), laid out as
-            timm's qkv linear produces it; any strides.
+            timm's qkv linear produces it (q, k, v, each H heads of D channels); any strides.
+            Or (B_, N, 3, H, D), any strides: other layouts as views, read in place, e.g. a
+            head-interleaved qkv (MaxViT's, channels (H, 3, D)) as
+            ``qkv.unflatten(-1, (H, 3, D)).transpose(2, 3)``; a channels-first qkv (B_, 3*H*D, N),
+            a 1x1 convolution's, is ``qkv.transpose(1, 2)``, 3-D. Its gradient comes in qkv's
+            layout where qkv is dense (``torch.empty_like``).
         num_heads: H. The head dim D can be anything in [1, 256] (multiples of 8 are
             fastest: rows are then 16-byte aligned); N in [1, 1024].
         bias: (H, N, N) or (1, H, N, N), qkv's dtype or float32; gets a gradient. Or a

@@ -54,7 +54,8 @@ def window_attention_reference(
     """Window attention from the qkv linear output, with timm's exact operations.
 
     Args:
-        qkv: (B_, N, 3*H*D), the output of the module's qkv linear.
+        qkv: (B_, N, 3*H*D), the output of the module's qkv linear, or a (B_, N, 3, H, D)
+            view of it (``window_attention``'s).
         num_heads: H.
         bias: (H, N, N) relative-position bias, or None.
         mask: (nW, N, N) additive mask for window ``b % nW``, or None. B_ % nW == 0.
@@ -69,9 +70,9 @@ def window_attention_reference(
         (B_, N, H*D) in ``qkv.dtype``. Reduced-precision inputs are computed in float32
         (as autocast would), float64 inputs in float64.
     """
-    B_, N, C3 = qkv.shape
+    B_, N = qkv.shape[:2]
     H = num_heads
-    D = C3 // (3 * H)
+    D = qkv.shape[2:].numel() // (3 * H)
     compute_dtype = torch.float64 if qkv.dtype == torch.float64 else torch.float32
     q, k, v = qkv.to(compute_dtype).reshape(B_, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
 

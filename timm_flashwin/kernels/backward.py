@@ -146,9 +146,9 @@ def window_attention_bwd_fused_kernel(
     qkv_ptr, dout_ptr, bias_ptr, bias_index_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
     dqkv_ptr, dbias_partial_ptr, dscale_partial_ptr,
     scale, dropout_p,
-    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
     stride_dout_b, stride_dout_n, stride_dout_c,
-    stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
+    stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     stride_partial_group,
@@ -195,14 +195,14 @@ def window_attention_bwd_fused_kernel(
         b = (w + window * num_periods).to(tl.int64)
         image, addr = window_rows(b, idx, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                                   N, WINDOW_W, MAPPED)
-        q_base = qkv_ptr + image * stride_qkv_b + (h * D) * stride_qkv_c
-        k_base = q_base + (H * D) * stride_qkv_c
-        v_base = k_base + (H * D) * stride_qkv_c
-        q_in, q_lowp, q_inv, q_norm = load_window_qk(q_base, addr, idx, dims, stride_qkv_n, stride_qkv_c, N, D,
+        q_base = qkv_ptr + image * stride_qkv_b + h * stride_qkv_h
+        k_base = q_base + stride_qkv_p
+        v_base = k_base + stride_qkv_p
+        q_in, q_lowp, q_inv, q_norm = load_window_qk(q_base, addr, idx, dims, stride_qkv_n, stride_qkv_d, N, D,
                                                      COSINE)
-        k_in, k_lowp, k_inv, k_norm = load_window_qk(k_base, addr, idx, dims, stride_qkv_n, stride_qkv_c, N, D,
+        k_in, k_lowp, k_inv, k_norm = load_window_qk(k_base, addr, idx, dims, stride_qkv_n, stride_qkv_d, N, D,
                                                      COSINE)
-        v = load_window_rows(v_base, addr, idx, dims, stride_qkv_n, stride_qkv_c, N, D)
+        v = load_window_rows(v_base, addr, idx, dims, stride_qkv_n, stride_qkv_d, N, D)
         do = load_window_rows(dout_ptr + image * stride_dout_b + (h * D) * stride_dout_c, addr, idx, dims,
                               stride_dout_n, stride_dout_c, N, D)
         p, p_v, ds, key_scaled = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, s, s, s, bias_mask,
@@ -215,10 +215,10 @@ def window_attention_bwd_fused_kernel(
         dq = input_grad(dq_acc, s, q_in, q_inv, q_norm, COSINE)
         dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
 
-        dq_base = dqkv_ptr + image * stride_dqkv_b + (h * D) * stride_dqkv_c
-        store_window_rows(dq_base, dq, addr, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
-        store_window_rows(dq_base + (H * D) * stride_dqkv_c, dk, addr, idx, dims, stride_dqkv_n, stride_dqkv_c, N, D)
-        store_window_rows(dq_base + (2 * H * D) * stride_dqkv_c, dv, addr, idx, dims, stride_dqkv_n, stride_dqkv_c,
+        dq_base = dqkv_ptr + image * stride_dqkv_b + h * stride_dqkv_h
+        store_window_rows(dq_base, dq, addr, idx, dims, stride_dqkv_n, stride_dqkv_d, N, D)
+        store_window_rows(dq_base + stride_dqkv_p, dk, addr, idx, dims, stride_dqkv_n, stride_dqkv_d, N, D)
+        store_window_rows(dq_base + 2 * stride_dqkv_p, dv, addr, idx, dims, stride_dqkv_n, stride_dqkv_d,
                           N, D)
         if BIAS_GRAD:
             dbias_acc += ds
@@ -278,9 +278,9 @@ def window_attention_bwd_dkdv_kernel(
     qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
     dqkv_ptr, dq_acc_ptr, dscale_sums_ptr, dbias_slots_ptr,
     scale, dropout_p, stats_stride, num_slots,
-    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
     stride_dout_b, stride_dout_n, stride_dout_c,
-    stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
+    stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     num_periods, windows_per_period, windows_per_program,
@@ -338,8 +338,10 @@ def window_attention_bwd_dkdv_kernel(
                 qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
                 dqkv_ptr, dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, h, w, first, last,
                 num_periods, cols, dims,
-                stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
-                stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
+                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                stride_dout_b, stride_dout_n, stride_dout_c,
+                stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
+                stride_bias_h, stride_bias_i, stride_bias_j,
                 stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, HAS_DROPOUT,
                 DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
@@ -348,8 +350,10 @@ def window_attention_bwd_dkdv_kernel(
                 qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
                 dqkv_ptr, dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, h, w, first, last,
                 num_periods, cols, dims,
-                stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
-                stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
+                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                stride_dout_b, stride_dout_n, stride_dout_c,
+                stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
+                stride_bias_h, stride_bias_i, stride_bias_j,
                 stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
                 DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
@@ -361,8 +365,10 @@ def window_attention_bwd_dkdv_kernel(
 def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
                  dqkv_ptr, dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, h, w, first, last,
                  num_periods, cols, dims,
-                 stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
-                 stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, stride_bias_h, stride_bias_i, stride_bias_j,
+                 stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                 stride_dout_b, stride_dout_n, stride_dout_c,
+                 stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
+                 stride_bias_h, stride_bias_i, stride_bias_j,
                  stride_mask_w, stride_mask_i, stride_mask_j,
                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -394,9 +400,9 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
             window = first + step // NUM_Q_BLOCKS
             start_m = (step % NUM_Q_BLOCKS) * BLOCK_M
             b = (w + window * num_periods).to(tl.int64)
-            k_base = qkv_ptr + b * stride_qkv_b + ((H + h) * D) * stride_qkv_c
-            k_in = load_rows(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
-            v = load_rows(k_base + (H * D) * stride_qkv_c, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+            k_base = qkv_ptr + b * stride_qkv_b + stride_qkv_p + h * stride_qkv_h
+            k_in = load_rows(k_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
+            v = load_rows(k_base + stride_qkv_p, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
             # a window's first query block starts its sums afresh: selects, not products with
             # 0, so that a previous window's NaN stays there (H200, window 12 cosine backward:
             # 339.9 us, against 368.7 with new zeros after the last block's store, another start)
@@ -419,19 +425,20 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
                 qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
                 dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
                 start_m + tl.arange(0, BLOCK_M), cols, dims, k_in, k_in, k_inv, v, rbar, dk_acc, dv_acc,
-                stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
                 DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, COSINE)
             dscale += dscale_tile
             if start_m + BLOCK_M >= N:  # the window's last query block
                 store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
-                           stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, H, N, D, COSINE)
+                           stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d, H, N, D, COSINE)
     else:  # one window per program (the launcher's split)
         b = (w + first * num_periods).to(tl.int64)
-        k_base = qkv_ptr + b * stride_qkv_b + ((H + h) * D) * stride_qkv_c
-        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        v = load_rows(k_base + (H * D) * stride_qkv_c, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+        k_base = qkv_ptr + b * stride_qkv_b + stride_qkv_p + h * stride_qkv_h
+        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
+        v = load_rows(k_base + stride_qkv_p, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
         if SCALE_GRAD:
             rbar_next = load_rbar(stats_ptr, b * H + h, tl.arange(0, BLOCK_M), stats_stride, N)
         for start_m in range(0, N, BLOCK_M):
@@ -444,13 +451,14 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
                 qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
                 dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
                 rows, cols, dims, k_in, k_lowp, k_inv, v, rbar, dk_acc, dv_acc,
-                stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
                 DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, False)
             dscale += dscale_tile
         store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
-                   stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, H, N, D, COSINE)
+                   stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d, H, N, D, COSINE)
     return dscale
 
 
@@ -458,7 +466,8 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
 def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
               dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
               rows, cols, dims, k_in, k_lowp, k_inv, v, rbar, dk_acc, dv_acc,
-              stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_dout_b, stride_dout_n, stride_dout_c,
+              stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+              stride_dout_b, stride_dout_n, stride_dout_c,
               stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
               H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -476,8 +485,8 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
     522.0, 12 474.1 -> 460.3; window 24's nested loop, one window per program, 1482.7 with
     unit rows against 1500.4 without)."""
     bh = b * H + h
-    q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-    q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+    q_base = qkv_ptr + b * stride_qkv_b + h * stride_qkv_h
+    q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_d, N, D)
     do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims, stride_dout_n, stride_dout_c,
                    N, D)
     row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
@@ -515,13 +524,14 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
 
 @triton.jit
 def store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
-               stride_dqkv_b, stride_dqkv_n, stride_dqkv_c, H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+               stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
+               H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
                COSINE: tl.constexpr):
     """dK (from dk_acc = dZ^T Q^, ``input_grad``) and dV of key block ``cols`` of window b, head h."""
     dk = input_grad(dk_acc, s, k_in, k_inv, k_norm, COSINE)
-    dk_base = dqkv_ptr + b * stride_dqkv_b + ((H + h) * D) * stride_dqkv_c
-    store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
-    store_rows(dk_base + (H * D) * stride_dqkv_c, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_c, N, D)
+    dk_base = dqkv_ptr + b * stride_dqkv_b + stride_dqkv_p + h * stride_dqkv_h
+    store_rows(dk_base, dk, cols, dims, stride_dqkv_n, stride_dqkv_d, N, D)
+    store_rows(dk_base + stride_dqkv_p, dv_acc, cols, dims, stride_dqkv_n, stride_dqkv_d, N, D)
 
 
 @triton.jit
@@ -530,9 +540,9 @@ def window_attention_bwd_dq_kernel(
     dqkv_ptr,
     dscale_partial_ptr,
     scale, dropout_p, num_periods, stats_stride,
-    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
     stride_dout_b, stride_dout_n, stride_dout_c,
-    stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
+    stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
@@ -553,10 +563,10 @@ def window_attention_bwd_dq_kernel(
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
-        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-        k_base = q_base + (H * D) * stride_qkv_c
-        v_base = k_base + (H * D) * stride_qkv_c
-        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
+        q_base = qkv_ptr + b * stride_qkv_b + h * stride_qkv_h
+        k_base = q_base + stride_qkv_p
+        v_base = k_base + stride_qkv_p
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                        stride_dout_n, stride_dout_c, N, D)
         row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
@@ -566,8 +576,8 @@ def window_attention_bwd_dq_kernel(
             rbar = load_rbar(stats_ptr, bh, rows, stats_stride, N)
         for start_n in range(0, N, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
-            k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-            v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+            k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
+            v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
             bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
                                        stride_bias_h, stride_bias_i, stride_bias_j,
                                        stride_mask_w, stride_mask_i, stride_mask_j,
@@ -579,8 +589,8 @@ def window_attention_bwd_dq_kernel(
             if SCALE_GRAD:
                 dscale_rows += scale_grad_terms(ds, key_scaled, q_inv, rbar)
 
-        store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
-                 stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
+        store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + h * stride_dqkv_h, rows, dims,
+                 stride_dqkv_n, stride_dqkv_d, N, D, COSINE)
         if SCALE_GRAD:
             tl.store(dscale_partial_ptr + pid, logit_scale_grad(tl.sum(dscale_rows, 0), s, logit_scale_ptr, h))
 
@@ -589,8 +599,8 @@ def window_attention_bwd_dq_kernel(
 def window_attention_bwd_dq_finish_kernel(
     qkv_ptr, logit_scale_ptr, dq_acc_ptr, dqkv_ptr,
     scale,
-    stride_qkv_b, stride_qkv_n, stride_qkv_c,
-    stride_dqkv_b, stride_dqkv_n, stride_dqkv_c,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+    stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     COSINE: tl.constexpr,
 ):
@@ -599,11 +609,11 @@ def window_attention_bwd_dq_finish_kernel(
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
-    q_in, q_lowp, q_inv, q_norm = load_qk(qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c, rows, dims,
-                                          stride_qkv_n, stride_qkv_c, N, D, COSINE)
+    q_in, q_lowp, q_inv, q_norm = load_qk(qkv_ptr + b * stride_qkv_b + h * stride_qkv_h, rows, dims,
+                                          stride_qkv_n, stride_qkv_d, N, D, COSINE)
     dq_acc = load_rows(dq_acc_ptr + bh * N * D, rows, dims, D, 1, N, D)
-    store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + (h * D) * stride_dqkv_c, rows, dims,
-             stride_dqkv_n, stride_dqkv_c, N, D, COSINE)
+    store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + h * stride_dqkv_h, rows, dims,
+             stride_dqkv_n, stride_dqkv_d, N, D, COSINE)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
@@ -611,7 +621,7 @@ def window_attention_bwd_dbias_kernel(
     qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
     dbias_partial_ptr,
     scale, dropout_p, stats_stride,
-    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
@@ -663,12 +673,12 @@ def window_attention_bwd_dbias_kernel(
         next_b = (w + tl.minimum(window + 1, last - 1) * num_periods).to(tl.int64)
         row_max_next, row_inv_sum_next, delta_next = load_row_stats(stats_ptr, delta_ptr, next_b * H + h, rows,
                                                                     stats_stride, N)
-        q_base = qkv_ptr + b * stride_qkv_b + (h * D) * stride_qkv_c
-        k_base = q_base + (H * D) * stride_qkv_c
-        v_base = k_base + (H * D) * stride_qkv_c
-        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D, COSINE)
-        v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_c, N, D)
+        q_base = qkv_ptr + b * stride_qkv_b + h * stride_qkv_h
+        k_base = q_base + stride_qkv_p
+        v_base = k_base + stride_qkv_p
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
+        k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
+        v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                        stride_dout_n, stride_dout_c, N, D)
         p, p_v, ds, _ = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,

@@ -21,7 +21,7 @@ from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_tabl
 def window_attention_fwd_kernel(
     qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr,
     seed_ptr, scale, dropout_p,
-    stride_qkv_b, stride_qkv_n, stride_qkv_c,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
     stride_out_b, stride_out_n, stride_out_c,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
@@ -78,7 +78,8 @@ def window_attention_fwd_kernel(
         if window_in_one_region(mask_info_ptr, w, FROM_REGIONS, ONE_REGION_LOOP):
             forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value,
                             seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
-                            stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
+                            stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                            stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             map_windows, windows_x, map_height, map_width, shift_h, shift_w,
@@ -88,7 +89,8 @@ def window_attention_fwd_kernel(
         else:
             forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value,
                             seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
-                            stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
+                            stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                            stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             map_windows, windows_x, map_height, map_width, shift_h, shift_w,
@@ -100,7 +102,8 @@ def window_attention_fwd_kernel(
 @triton.jit
 def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value, seed,
                     logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
-                    stride_qkv_b, stride_qkv_n, stride_qkv_c, stride_out_b, stride_out_n, stride_out_c,
+                    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                    stride_out_b, stride_out_n, stride_out_c,
                     stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                     num_periods, windows_per_period,
                     map_windows, windows_x, map_height, map_width, shift_h, shift_w,
@@ -139,8 +142,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_
             b = (w + window * num_periods).to(tl.int64)
             image, q_addr = window_rows(b, rows, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                                         N, WINDOW_W, MAPPED)
-            q_base = qkv_ptr + image * stride_qkv_b + (h * D) * stride_qkv_c
-            q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+            q_base = qkv_ptr + image * stride_qkv_b + h * stride_qkv_h
+            q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_d, N, D)
             if NUM_KEY_BLOCKS > 1:
                 bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, start_n + cols,
                                            stride_bias_h, stride_bias_i, stride_bias_j,
@@ -154,7 +157,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_
                                    N, WINDOW_W, MAPPED)[1]
             m_i, l_i, r_i, acc = softmax_step(
                 q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
-                rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_c,
+                rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_p, stride_qkv_d,
                 H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT, NUM_KEY_BLOCKS == 1)
             if start_n + BLOCK_N >= N:  # the window's last key block: its rows are done
                 store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, image, q_addr, h, rows, dims,
@@ -168,8 +171,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_
             b = (w + window * num_periods).to(tl.int64)
             image, q_addr = window_rows(b, rows, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                                         N, WINDOW_W, MAPPED)
-            q_base = qkv_ptr + image * stride_qkv_b + (h * D) * stride_qkv_c
-            q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+            q_base = qkv_ptr + image * stride_qkv_b + h * stride_qkv_h
+            q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_d, N, D)
             if COSINE:
                 q_inv = row_norms(q_in)[1]
                 q_scale = q_inv * logit_scale2
@@ -184,7 +187,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_
                                        shift_w, N, WINDOW_W, MAPPED)[1]
                 m_i, l_i, r_i, acc = softmax_step(
                     q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
-                    rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_c,
+                    rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_p, stride_qkv_d,
                     H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT, NUM_KEY_BLOCKS == 1)
             store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, image, q_addr, h, rows, dims,
                                  stride_out_b, stride_out_n, stride_out_c, num_periods * windows_per_period,
@@ -201,7 +204,7 @@ def softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, bh,
-                 rows, key_rows, key_addr, dims, stride_qkv_n, stride_qkv_c,
+                 rows, key_rows, key_addr, dims, stride_qkv_n, stride_qkv_p, stride_qkv_d,
                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                  STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, WHOLE_WINDOW: tl.constexpr):
     """One key block of the online softmax of FlashAttention: (m, l, r, acc) updated with the
@@ -213,11 +216,11 @@ def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, log
     ``softmax_start``'s: the plain softmax, without the rescaling of a previous state by
     exp2(-inf) = 0 (a multiply per output element and an exp2 per row fewer; the same
     values)."""
-    k_base = q_base + (H * D) * stride_qkv_c
-    v_base = k_base + (H * D) * stride_qkv_c
-    k_in, k_lowp, k_inv, k_norm = load_window_qk(k_base, key_addr, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D,
+    k_base = q_base + stride_qkv_p
+    v_base = k_base + stride_qkv_p
+    k_in, k_lowp, k_inv, k_norm = load_window_qk(k_base, key_addr, key_rows, dims, stride_qkv_n, stride_qkv_d, N, D,
                                                  COSINE)
-    v = load_window_rows(v_base, key_addr, key_rows, dims, stride_qkv_n, stride_qkv_c, N, D)
+    v = load_window_rows(v_base, key_addr, key_rows, dims, stride_qkv_n, stride_qkv_d, N, D)
     # cosine: r sums P T, its rows' factor applied once per window (``store_rows_and_stats``)
     key_scaled, logits = logits_tile(q_in, k_in, k_inv, q_scale, logit_scale2, bias_mask, COSINE, FP32_DOT)
     # A row whose logits so far are all -inf keeps m = -inf; it is shifted by 0 instead so

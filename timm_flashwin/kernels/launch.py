@@ -404,17 +404,29 @@ def attention_forward(
             logit_scale if logit_scale is not None else qkv,
             seed if dropout_p > 0 else qkv,
             scale, dropout_p,
-            *qkv.stride(), *out.stride(), *bias_strides, *mask_strides,
+            *qkv_strides(qkv, num_heads), *out.stride(), *bias_strides, *mask_strides,
             plan.periods, plan.per_period, plan.per_chunk, *plan.grid_args, **plan.kwargs[from_regions],
         )
     return out, stats, regions, mask_info
 
 
+def qkv_strides(qkv: torch.Tensor, num_heads: int) -> Tuple[int, int, int, int, int]:
+    """The strides of qkv's (window, token, q/k/v, head, dim) axes, which the kernels take:
+    of qkv (B_, N, 3*H*D), q, k and v each H heads of D channels (timm's qkv linear), or of
+    a (B_, N, 3, H, D) view, any strides (a qkv whose channels are (H, 3, D), or whose
+    tokens are its innermost axis, is such a view of its tensor: ``window_attention``)."""
+    if qkv.dim() == 5:
+        return tuple(qkv.stride())
+    stride_b, stride_n, stride_c = qkv.stride()
+    head_dim = qkv.shape[2] // (3 * num_heads)
+    return stride_b, stride_n, num_heads * head_dim * stride_c, head_dim * stride_c, stride_c
+
+
 def _windows_tokens_channels(qkv: torch.Tensor, grid: Optional[WindowGrid]) -> Tuple[int, int, int]:
-    """(B_, N, 3*H*D) of qkv in the partitioned layout, or in the feature-map layout
-    (B, H*W, 3*H*D) of ``grid``: B_ = B * nW."""
+    """(B_, N, 3*H*D) of qkv in the partitioned layout ((B_, N, 3*H*D) or (B_, N, 3, H, D)),
+    or in the feature-map layout (B, H*W, 3*H*D) of ``grid``: B_ = B * nW."""
     if grid is None:
-        return tuple(qkv.shape)
+        return qkv.shape[0], qkv.shape[1], qkv.shape[2:].numel()
     return qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
 
 
@@ -491,7 +503,7 @@ def attention_backward(
     table_sigmoid: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Takes the forward's out, stats, regions and mask_info; regenerates the forward's
-    dropout from the same ``seed``. Returns dqkv (qkv's shape, contiguous), dbias (H, N, N)
+    dropout from the same ``seed``. Returns dqkv (qkv's shape and layout), dbias (H, N, N)
     fp32 and d(logit_scale) (H,) fp32; the last two are empty when not asked for (and, for
     windows of one tile, views of one tensor).
     ``grid``: as the forward's, where ``maps_windows`` allows it; ``table_index`` and
@@ -504,7 +516,7 @@ def attention_backward(
     mask_regions = plan.mask_regions
     if not mask_regions:
         regions, mask_info = qkv, qkv
-    dqkv = qkv.new_empty(qkv.shape)
+    dqkv = torch.empty_like(qkv)  # qkv's layout where that is dense (a view's gradient is then a view)
     # the one-tile kernel reads its bias tile once per program; the others stream it
     if plan.single_tile:
         read_bias, read_mask = bias, mask
@@ -515,7 +527,8 @@ def attention_backward(
     scale_grad = plan.scale_grad
     logit_scale_ptr = logit_scale if logit_scale is not None else qkv
     seed_ptr = seed if dropout_p > 0 else qkv
-    strides = (*qkv.stride(), *dout.stride(), *dqkv.stride(), *bias_strides, *mask_strides)
+    strides = (*qkv_strides(qkv, num_heads), *dout.stride(), *qkv_strides(dqkv, num_heads), *bias_strides,
+               *mask_strides)
     windows = (plan.periods, plan.per_period)
 
     if plan.single_tile:
@@ -565,7 +578,8 @@ def attention_backward(
     if dq_atomic:
         programs, kwargs = launches[("dq_finish", False)]
         launcher(window_attention_bwd_dq_finish_kernel)[programs](
-            qkv, logit_scale_ptr, dq_acc, dqkv, scale, *qkv.stride(), *dqkv.stride(), **kwargs,
+            qkv, logit_scale_ptr, dq_acc, dqkv, scale, *qkv_strides(qkv, num_heads), *qkv_strides(dqkv, num_heads),
+            **kwargs,
         )
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
@@ -584,8 +598,8 @@ def attention_backward(
         programs, kwargs = launches[("dbias", False)]
         launcher(window_attention_bwd_dbias_kernel)[programs](
             qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dbias,
-            scale, dropout_p, stats.stride(0), *qkv.stride(), *dout.stride(), *bias_strides, *mask_strides,
-            *windows, plan.per_chunk["dbias"], **kwargs,
+            scale, dropout_p, stats.stride(0), *qkv_strides(qkv, num_heads), *dout.stride(), *bias_strides,
+            *mask_strides, *windows, plan.per_chunk["dbias"], **kwargs,
         )
         dbias = dbias[0] if atomic_sum else dbias.sum(0)
     else:
