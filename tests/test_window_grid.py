@@ -176,3 +176,26 @@ def test_partition_and_merge_gradients_are_gathers(deterministic_algorithms):
     grid.merge(w).backward(x.detach())
     assert torch.equal(w.grad, grid.partition(x.detach()))
     assert torch.autograd.gradcheck(lambda t: grid.merge(grid.partition(t) * 2.0), (x,))
+
+
+def test_compiled_partition_and_merge_take_their_maps_as_constants():
+    """Under torch.compile the grid's maps are constants of the graph (computed when it is
+    traced): no argsort or index arithmetic per step; values and gradients equal eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    grid = GRIDS[0]
+    targets = []
+
+    def backend(gm, example_inputs):  # keeps the dynamo graph's calls, then runs it through aot_autograd
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    def step(t: torch.Tensor) -> torch.Tensor:
+        return grid.merge(grid.partition(t) * 2.0)
+
+    x = torch.randn(2, grid.height * grid.width, 5, requires_grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(step, backend=backend, fullgraph=True)(x)
+    out.backward(torch.ones_like(out))
+    assert torch.equal(out, step(x)) and torch.equal(x.grad, torch.full_like(x, 2.0))
+    assert targets and not any("sort" in t or "arange" in t for t in targets), targets

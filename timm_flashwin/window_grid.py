@@ -17,6 +17,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from .tracing import exporting
+
 #: (grid, device) -> (the map rows of the windows' tokens in window order (H*W,) int64, the
 #: inverse permutation (H*W,) int64)
 _MAPS: Dict[Tuple["WindowGrid", torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -90,12 +92,13 @@ class WindowGrid:
         return _PermuteRows.apply(rows, inverse, index)
 
     def _maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = (self, device)
-        maps = _MAPS.get(key)
+        if torch.compiler.is_compiling():
+            if exporting():  # torch.export: the exported graph computes them
+                return self._compute_maps(device)
+            return _constant_maps(self.height, self.width, *self.window, *self.shift, device)
+        maps = _MAPS.get((self, device))
         if maps is None:
-            maps = self._compute_maps(device)
-            if not torch.compiler.is_compiling():  # traced: the graph computes them
-                _MAPS[key] = maps
+            maps = _MAPS[(self, device)] = self._compute_maps(device)
         return maps
 
     def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +110,16 @@ class WindowGrid:
         rows = rows.view(self.height // wh, wh, self.width // ww, ww).permute(0, 2, 1, 3)
         index = rows.reshape(-1).contiguous()
         return index, torch.argsort(index)
+
+
+@torch.compiler.assume_constant_result
+def _constant_maps(height: int, width: int, wh: int, ww: int, sh: int, sw: int,
+                   device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``WindowGrid._compute_maps`` as constants of a graph torch.compile traces (dynamo
+    calls it with the grid's ints): computed in the graph, they cost every compiled
+    training step of SwinV2-tiny 12 sorts (argsort) with their copies and index arithmetic
+    (an H100's profile at batch 64, 2026-11-26, benchmarks/RESULTS.md)."""
+    return WindowGrid(height, width, (wh, ww), (sh, sw))._compute_maps(device)
 
 
 class _PermuteRows(torch.autograd.Function):
