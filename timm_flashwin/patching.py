@@ -2,7 +2,8 @@
 
 Mechanism: patching swaps a module's ``__class__`` to a subclass of its timm class
 defined here (``FlashSwinWindowAttention``, ``FlashSwinV2WindowAttention``,
-``FlashSwinV2CrWindowMultiHeadAttention``) whose ``forward`` calls the family's adapter.
+``FlashSwinV2CrWindowMultiHeadAttention``, ``FlashMaxxVitAttentionCl``,
+``FlashMaxxVitAttention2d``) whose ``forward`` calls the family's adapter.
 The subclass adds no state (``recompute_qkv`` sets one plain instance attribute, a bool): it
 survives ``copy.deepcopy``,
 ``torch.save(model)`` / ``torch.load`` (with timm_flashwin importable) and ``state_dict``
@@ -20,7 +21,7 @@ A plain method on a subclass is what dynamo traces, and because dynamo guards on
 types, a patched and an unpatched copy of one model never share a graph (with an instance
 attribute as the mark, they did).
 
-The timm block holding a patched module as ``.attn`` gets a subclass the same way
+The timm block holding a patched Swin-family module as ``.attn`` gets a subclass the same way
 (``FlashSwinTransformerBlock``, ...), whose window method (timm's ``_attn`` or
 ``_shifted_window_attn``: roll, partition, attention, merge, roll back) has the op read
 the windows from the feature map instead (``WindowAttentionAdapter.block_attention``),
@@ -43,6 +44,7 @@ from torch import nn
 
 from .adapters import ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
+from .adapters.rel_pos import KEPT_ATTR
 from .hooks import runs_hooks
 from .tracing import runs_timm
 
@@ -84,12 +86,23 @@ def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
             return timm_forward(self, x, mask)
         return adapter.forward(self, x, mask)
 
+    # the same under MaxViT's name of the second argument (its blocks pass it by keyword)
+    def forward_shared_rel_pos(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None):
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x, shared_rel_pos)
+        if runs_timm(x):
+            return timm_forward(self, x, shared_rel_pos)
+        return adapter.forward(self, x, shared_rel_pos)
+
+    forwards = {"mask": forward, "shared_rel_pos": _renamed(forward_shared_rel_pos, "forward")}
+
     def extra_repr(self) -> str:
         text = timm_class.extra_repr(self)
         return f"{text}, flashwin={adapter.family}" if text else f"flashwin={adapter.family}"
 
     return type(name, (timm_class,), {
-        "forward": forward, "_flashwin_timm_forward": _renamed(timm_forward, "_flashwin_timm_forward"),
+        "forward": forwards[adapter.forward_arg],
+        "_flashwin_timm_forward": _renamed(timm_forward, "_flashwin_timm_forward"),
         "extra_repr": extra_repr, _FAMILY_ATTR: adapter.family,
         "__module__": __name__, "__qualname__": name,
         "__doc__": f"timm's {timm_class.__module__}.{timm_class.__qualname__}, patched by timm_flashwin.",
@@ -136,7 +149,8 @@ def _feature_map_grid(block: nn.Module, adapter: WindowAttentionAdapter, x: torc
 #: family -> the class patched instances take (module-level names, so that pickle finds them)
 PATCHED_CLASSES: Dict[str, type] = {}
 for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSwinV2WindowAttention"),
-                       ("swinv2_cr", "FlashSwinV2CrWindowMultiHeadAttention")):
+                       ("swinv2_cr", "FlashSwinV2CrWindowMultiHeadAttention"),
+                       ("maxxvit", "FlashMaxxVitAttentionCl"), ("maxxvit_2d", "FlashMaxxVitAttention2d")):
     PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
 
 
@@ -156,7 +170,7 @@ def _register_fx_leaves() -> None:
 
 _register_fx_leaves()
 
-#: family -> the class the block holding a patched module takes
+#: family -> the class the block holding a patched module takes (``adapter.block_type``)
 PATCHED_BLOCK_CLASSES: Dict[str, type] = {}
 for _family, _name in (("swin", "FlashSwinTransformerBlock"), ("swinv2", "FlashSwinTransformerV2Block"),
                        ("swinv2_cr", "FlashSwinTransformerV2CrBlock")):
@@ -249,7 +263,7 @@ def _is_patched(module: nn.Module) -> bool:
 def _clear(module: nn.Module) -> None:
     if _is_patched(module):
         module.__class__ = type(module).__mro__[1]  # timm's class
-    for attr in (_SKIP_ATTR, _CACHE_ATTR, RECOMPUTE_QKV_ATTR):
+    for attr in (_SKIP_ATTR, _CACHE_ATTR, RECOMPUTE_QKV_ATTR, KEPT_ATTR):
         module.__dict__.pop(attr, None)
 
 
@@ -258,7 +272,7 @@ def _blocks(model: nn.Module) -> Iterator[Tuple[nn.Module, str]]:
     for block in model.modules():
         family = getattr(type(block), _BLOCK_FAMILY_ATTR, None)
         if family is None:
-            family = next((f for f, adapter in ADAPTERS.items() if type(block) is adapter.block_type()), None)
+            family = next((f for f in PATCHED_BLOCK_CLASSES if type(block) is ADAPTERS[f].block_type()), None)
         if family is not None:
             yield block, family
 

@@ -115,7 +115,8 @@ def attention_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
             continue
         parent_name = name.rpartition(".")[0]
         parent = modules.get(parent_name) if name else None
-        if isinstance(parent, ADAPTERS[family].block_type()) and getattr(parent, "attn", None) is module:
+        block_type = ADAPTERS[family].block_type()
+        if block_type is not None and isinstance(parent, block_type) and getattr(parent, "attn", None) is module:
             layers.append((parent_name, parent))
         else:
             layers.append((name, module))
@@ -219,16 +220,16 @@ def resolve_device(device: Optional[str]) -> torch.device:
 
 
 def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoint: Optional[str] = None,
-                train: bool = False, seed: int = 0) -> nn.Module:
-    """timm.create_model(name), its random init drawn from ``seed`` (the same seed, the same
-    model: a failure can be rerun) without touching the caller's RNG state."""
+                train: bool = False, seed: int = 0, model_kwargs: Optional[Dict] = None) -> nn.Module:
+    """timm.create_model(name, **model_kwargs), its random init drawn from ``seed`` (the same
+    seed, the same model: a failure can be rerun) without touching the caller's RNG state."""
     import timm
     if name not in timm.list_models(pretrained=False):
         close = difflib.get_close_matches(name, timm.list_models("swin*"), n=4, cutoff=0.5) or \
             difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise UsageError(f"unknown timm model '{name}'{hint}")
-    kwargs = {}
+    kwargs = dict(model_kwargs or {})
     if img_size is not None:
         kwargs["img_size"] = img_size
     if train:
@@ -298,8 +299,10 @@ def verify_model(
     seed: int = 0,
     rtol: Optional[float] = None,
     atol: Optional[float] = None,
+    model_kwargs: Optional[Dict] = None,
 ) -> VerifyResult:
-    """Build ``name``, patch a copy, and compare both against a float64 copy.
+    """Build ``name`` (``model_kwargs``: more arguments of timm.create_model, such as a
+    smaller configuration), patch a copy, and compare both against a float64 copy.
 
     Raises UsageError for problems with the request itself.
     """
@@ -308,7 +311,8 @@ def verify_model(
     dev = resolve_device(device)
     rtol = RTOL[dtype] if rtol is None else rtol
     atol = ATOL[dtype] if atol is None else atol
-    model = build_model(name, img_size=img_size, pretrained=pretrained, checkpoint=checkpoint, train=train, seed=seed)
+    model = build_model(name, img_size=img_size, pretrained=pretrained, checkpoint=checkpoint, train=train, seed=seed,
+                        model_kwargs=model_kwargs)
     if not any(adapter is not None for _, _, adapter, _ in _attention_modules(model)):
         raise UsageError(f"{name} ({type(model).__name__}) has no timm window attention to patch")
     perturbed = not (pretrained or checkpoint)
@@ -365,7 +369,7 @@ def verify_model(
         our_out = run(ours, False, loss_scale)
 
     settings = dict(img_size=list(size), batch=batch, dtype=dtype, device=str(dev), train=train, seed=seed,
-                    rtol=rtol, atol=atol, checkpoint=checkpoint, pretrained=pretrained)
+                    rtol=rtol, atol=atol, checkpoint=checkpoint, pretrained=pretrained, model_kwargs=model_kwargs or {})
     result = VerifyResult(name, settings, backend_name(dev, DTYPES[dtype]), perturbed, len(report.patched),
                           loss_scale=loss_scale)
     for key in ref_out:

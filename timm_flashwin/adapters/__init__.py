@@ -4,13 +4,14 @@ from typing import Dict, Optional
 from torch import nn
 
 from .base import WindowAttentionAdapter
+from .maxxvit import MaxxVit2dAdapter, MaxxVitAdapter
 from .swin import SwinAdapter
 from .swinv2 import SwinV2Adapter
 from .swinv2_cr import SwinV2CRAdapter
 
 #: family name -> adapter
-ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (SwinAdapter(), SwinV2Adapter(),
-                                                                     SwinV2CRAdapter())}
+ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (SwinAdapter(), SwinV2Adapter(), SwinV2CRAdapter(),
+                                                                     MaxxVitAdapter(), MaxxVit2dAdapter())}
 
 
 def adapter_for(module: nn.Module) -> Optional[WindowAttentionAdapter]:

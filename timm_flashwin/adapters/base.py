@@ -30,10 +30,13 @@ class WindowAttentionAdapter:
     load_state_dict, in-place edits, ``.to()`` and set_input_size() all take effect.
     """
 
-    #: short name used in reports: "swin", "swinv2", "swinv2_cr"
+    #: short name used in reports: "swin", "swinv2", "swinv2_cr", "maxxvit", "maxxvit_2d"
     family: str = ""
     #: attributes the forward reads; a timm version without them is not patched
     required: Sequence[str] = ()
+    #: the name of the second argument of timm's forward (the patched forward keeps timm's
+    #: signature: blocks pass it by keyword, TorchScript compiles it)
+    forward_arg: str = "mask"
     #: the method of the family's block (``block_type``) that rolls, partitions, calls the
     #: module, merges and rolls back; ``block_attention`` does its work on the feature map
     block_method: str = "_attn"
@@ -45,12 +48,15 @@ class WindowAttentionAdapter:
         raise NotImplementedError
 
     @staticmethod
-    def block_type() -> Type[nn.Module]:
-        """timm's block class that holds the module as ``.attn``."""
-        raise NotImplementedError
+    def block_type() -> Optional[Type[nn.Module]]:
+        """timm's block class that holds the module as ``.attn`` and whose ``block_method``
+        ``block_attention`` replaces; None where no block's windows are read from its map."""
+        return None
 
     # -- geometry ---------------------------------------------------------------------
-    def window_size(self, module: nn.Module) -> Tuple[int, int]:
+    def window_size(self, module: nn.Module) -> Optional[Tuple[int, int]]:
+        """The module's window (tokens = its product); None where any number of tokens
+        comes (the op checks it at call time)."""
         return tuple(module.window_size)
 
     def num_heads(self, module: nn.Module) -> int:
@@ -66,9 +72,9 @@ class WindowAttentionAdapter:
     def qkv(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return module.qkv(x)
 
-    def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor]:
+    def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor, None]:
         """The bias as ``window_attention`` takes it: (1, H, N, N) / (H, N, N), or a
-        ``TableBias`` that the op gathers itself."""
+        ``TableBias`` that the op gathers itself; None: no bias."""
         raise NotImplementedError
 
     def score_scale(self, module: nn.Module) -> Dict:
@@ -85,9 +91,9 @@ class WindowAttentionAdapter:
         head_dim = self.head_dim(module)
         if not 1 <= head_dim <= MAX_HEAD_DIM:
             return f"head_dim {head_dim} is not in [1, {MAX_HEAD_DIM}]"
-        win_h, win_w = self.window_size(module)
-        if win_h * win_w > MAX_TOKENS:
-            return f"window {win_h}x{win_w} has {win_h * win_w} tokens, more than {MAX_TOKENS}"
+        window = self.window_size(module)
+        if window is not None and window[0] * window[1] > MAX_TOKENS:
+            return f"window {window[0]}x{window[1]} has {window[0] * window[1]} tokens, more than {MAX_TOKENS}"
         if not 0.0 <= self.attn_drop(module) < 1.0:
             return f"attn_drop={self.attn_drop(module)} is not in [0, 1)"
         return None
@@ -142,13 +148,19 @@ class WindowAttentionAdapter:
         out = self._project(block.attn, x.reshape(batch, height * width, channels), mask, grid)
         return out.view(batch, height, width, out.shape[-1])
 
+    def proj_input(self, module: nn.Module, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """What the module's proj takes, from the op's output (B_, N, H*D) for the input x."""
+        return out
+
     def _project(self, module: nn.Module, x: torch.Tensor, mask: Optional[torch.Tensor],
-                 grid: Optional[WindowGrid] = None) -> torch.Tensor:
+                 grid: Optional[WindowGrid] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B_, N, C), or (B, H*W, C) on the feature map with ``grid`` -> the proj output,
-        of the same shape."""
+        of the same shape (``proj_input``'s). ``bias``: one given with the call (MaxViT's
+        shared_rel_pos), else the module's own (``position_bias``)."""
         # attn_drop is read at call time too: nn.Dropout's p, active in training mode only
         dropout_p = self.attn_drop(module) if module.training else 0.0
-        bias = self.position_bias(module)
+        if bias is None:
+            bias = self.position_bias(module)
         # getattr, not __dict__: torch.compile guards on the attribute it reads, and recompiles when
         # patch_model changes it
         if getattr(module, RECOMPUTE_QKV_ATTR, False) and torch.is_grad_enabled():
@@ -161,7 +173,7 @@ class WindowAttentionAdapter:
                              context_fn=_save_attention_outputs)
         else:
             out = self._attention(module, x, bias, mask, dropout_p, grid)
-        return module.proj_drop(module.proj(out))
+        return module.proj_drop(module.proj(self.proj_input(module, out, x)))
 
     def _attention(self, module: nn.Module, x: torch.Tensor, bias: Union[TableBias, torch.Tensor],
                    mask: Optional[torch.Tensor], dropout_p: float, grid: Optional[WindowGrid] = None) -> torch.Tensor:

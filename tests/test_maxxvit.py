@@ -1,0 +1,316 @@
+"""MaxViT, MaxxViT and CoAtNet (timm.models.maxxvit): the two adapters against timm's own
+modules and models, float64 as the referee, and the patcher's promises for them.
+
+timm is the oracle: its unpatched modules, with every parameter perturbed (verify.perturb_:
+the bias tables N(0, 1), the rest moved off their initialization). Under the interpreter the
+configurations are tiny (one 14x14 stage: four 7x7 block windows and a 7x7 grid strided by
+2; CoAtNet's transformer stage on a 7x7 map); the GPU tests run the models as timm makes them.
+"""
+import copy
+import io
+from functools import partial
+
+import pytest
+import timm
+import torch
+from timm.layers import RelPosBias, RelPosBiasTf, RelPosMlp
+from torch import nn
+
+from conftest import KERNEL_DEVICE
+from opcases import relative_error
+from test_patching import flashwin_ops, images, recording_backend
+from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
+from timm_flashwin.verify import (GRADIENT_FACTOR, compare, group_error, jitter_images, larger_error, perturb_,
+                                  verify_model)
+
+MAXXVIT = timm.models.maxxvit
+ATTENTION = (MAXXVIT.AttentionCl, MAXXVIT.Attention2d)
+
+#: one MaxViT stage on a 56x56 image (``SIZE``): a 14x14 map, 7x7 block windows and a 7x7 grid
+ONE_STAGE = dict(depths=(1,), embed_dim=(32,), stem_width=(16, 32), transformer_partition_ratio=8, num_classes=10)
+#: CoAtNet: a conv stage, then a transformer stage whose one window is its 7x7 map
+COAT = dict(depths=(1, 1), embed_dim=(32, 64), stem_width=(16, 32), block_type=("C", "T"), num_classes=10)
+SIZE = 56
+#: id -> (timm model, overrides): every attention class, bias and qkv layout of the file
+CONFIGS = {
+    "rw": ("maxvit_tiny_rw_224", dict(ONE_STAGE, block_type=("M",))),  # AttentionCl, heads first, RelPosBias
+    "tf": ("maxvit_tiny_tf_224", dict(ONE_STAGE, block_type=("M",))),  # (3, H, D) qkv, RelPosBiasTf
+    "rmlp": ("maxvit_rmlp_tiny_rw_256", dict(ONE_STAGE, block_type=("M",))),  # RelPosMlp, its dropout
+    "parallel": ("maxxvitv2_nano_rw_256", dict(ONE_STAGE, block_type=("PM",))),  # ParallelPartitionAttention
+    "nchw": ("maxvit_tiny_rw_224", dict(ONE_STAGE, block_type=("M",), transformer_use_nchw_attn=True)),
+    "coatnet": ("coatnet_0_rw_224", COAT),  # TransformerBlock2d: Attention2d on the whole map
+    "coatnet_rmlp": ("coatnet_rmlp_1_rw_224", COAT),
+}
+
+
+def tiny(config: str, seed: int = 0, **kwargs) -> nn.Module:
+    name, overrides = CONFIGS[config]
+    torch.manual_seed(seed)
+    return perturb_(timm.create_model(name, img_size=SIZE, drop_path_rate=0.0, **overrides, **kwargs), seed)
+
+
+# ------------------------------------------------------------- against timm, float64 referee
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_patched_model_matches_timm(config):
+    """A training step (float32, the kernels): every attention module's output, the model's
+    and every parameter gradient against timm's, with verify's rule (at most twice as far
+    from float64 as timm's own float32 arithmetic; gradients GRADIENT_FACTOR)."""
+    name, overrides = CONFIGS[config]
+    result = verify_model(name, img_size=SIZE, batch=1, train=True, model_kwargs=overrides)
+    assert result.passed, "\n".join(map(str, result.failures()[:10]))
+    assert result.patched_modules == len(result.layers) > 0
+    assert any("rel_pos" in g.name for g in result.grads)  # the bias parameters' gradients were compared
+
+
+def _module(cls, head_first: bool, rel_pos: str, dim: int = 64):
+    """An attention module of ``cls`` (AttentionCl or Attention2d) with a 4x4 window."""
+    window = (4, 4)
+    rel_pos_cls = {"bias": RelPosBias, "tf": RelPosBiasTf, "none": None}.get(rel_pos)
+    if rel_pos in ("mlp", "mlp_swin"):
+        rel_pos_cls = partial(RelPosMlp, hidden_dim=32, mode="swin" if rel_pos == "mlp_swin" else "cr")
+    rel_pos_cls = partial(rel_pos_cls, window_size=window) if rel_pos_cls else None
+    torch.manual_seed(0)
+    module = cls(dim, dim_head=16, head_first=head_first, rel_pos_cls=rel_pos_cls)
+    return perturb_(module), window
+
+
+MODULE_CASES = [(cls, head_first, rel_pos) for cls in ATTENTION for head_first in (True, False)
+                for rel_pos in ("bias", "tf", "mlp", "mlp_swin", "none")]
+
+
+@pytest.mark.parametrize("cls, head_first, rel_pos", MODULE_CASES,
+                         ids=[f"{c.__name__}-{'heads_first' if h else 'qkv_first'}-{r}" for c, h, r in MODULE_CASES])
+def test_module_matches_timm(cls, head_first, rel_pos):
+    """Each class, qkv layout and bias (none: a ``shared_rel_pos`` given with the call, which
+    gets its gradient too), in training mode (RelPosMlp's dropout drawn as timm's): output
+    and every gradient against timm's module in float32 and float64."""
+    module, (wh, ww) = _module(cls, head_first, rel_pos)
+    shape = (6, wh, ww, 64) if cls is MAXXVIT.AttentionCl else (6, 64, wh, ww)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    shared = torch.randn(1, 4, wh * ww, wh * ww, generator=torch.Generator().manual_seed(2)) if rel_pos == "none" \
+        else None
+    ours = patch_model(copy.deepcopy(module), strict=True).to(KERNEL_DEVICE)
+    results = []
+    for net, dtype in ((ours, torch.float32), (module, torch.float32), (copy.deepcopy(module), torch.float64)):
+        net = net.to(KERNEL_DEVICE, dtype).train()
+        inputs = [t.detach().to(KERNEL_DEVICE, dtype).requires_grad_() if t is not None else None for t in (x, shared)]
+        torch.manual_seed(3)
+        out = net(inputs[0], shared_rel_pos=inputs[1])
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out))
+        results.append([out] + [t.grad for t in inputs if t is not None] + [p.grad for p in net.parameters()])
+    assert is_patched(ours) and len(results[0]) == len(results[2]) > 3
+    for i, (got, timm_out, ref) in enumerate(zip(*results)):
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        # verify's rule; RelPosMlp's output bias has a true gradient of 0 (softmax is shift
+        # invariant), which compare reports as ill-conditioned instead of judging it
+        comparison = compare(str(i), got, timm_out, ref, 1e-4, 1e-6)
+        assert comparison.passed or comparison.ill_conditioned, comparison
+
+
+# ----------------------------------------------------------------------- every model's modules
+def test_every_registered_model_is_fully_patched_on_meta():
+    """Every attention module of every maxxvit.py model (built on the meta device), strict:
+    56 models and 1310 modules on timm 1.0.29 and 1.0.31, besides timm's tiny test models."""
+    names = [name for name in timm.list_models(module="maxxvit") if not name.startswith("test_")]
+    total = 0
+    for name in names:
+        with torch.device("meta"):
+            model = timm.create_model(name)
+        patch_model(model, strict=True)
+        report = patch_report(model)
+        assert report.modules and not report.skipped, name
+        assert all(is_patched(m) for m in model.modules() if isinstance(m, ATTENTION)), name
+        assert {m.family for m in report.modules} <= {"maxxvit", "maxxvit_2d"}, name
+        total += len(report.modules)
+    assert len(names) == 56 and total == 1310
+
+
+# ------------------------------------------------------------------------ behaviour
+def test_state_dict_unpatch_deepcopy_and_torch_save():
+    model = tiny("rw").eval().to(KERNEL_DEVICE)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = images(1, (SIZE, SIZE), device=KERNEL_DEVICE)
+    with torch.no_grad():
+        expected = model(x)
+        patch_model(model, strict=True)
+        assert [k for k in model.state_dict()] == list(before)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        patched_out = model(x)
+        clone = copy.deepcopy(model)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        for other in (clone, torch.load(buf, weights_only=False)):
+            assert len(patch_report(other).patched) == 2 and torch.equal(other(x), patched_out)
+        assert "flashwin=maxxvit" in repr(model)
+        unpatch_model(model)
+        assert not is_patched(model) and torch.equal(model(x), expected)
+    assert not torch.equal(patched_out, expected)  # the kernels really ran while patched
+    torch.testing.assert_close(patched_out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("config, train", [("rw", False), ("rmlp", True), ("coatnet", True)])
+def test_compiles_without_graph_break(config, train):
+    """torch.compile(fullgraph=True): one graph that calls the op once per module and holds no
+    softmax nor SDPA of timm's; its output and gradients are the eager patched model's (the
+    RelPosMlp dropout drawn from the same seed: aot_eager keeps PyTorch's random numbers)."""
+    model = patch_model(tiny(config), strict=True).train(train).to(KERNEL_DEVICE)
+    x = images(1, (SIZE, SIZE), device=KERNEL_DEVICE)
+    torch._dynamo.reset()
+    graphs, results = [], []
+    for net in (torch.compile(model, fullgraph=True, backend=recording_backend(graphs)), model):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        with torch.set_grad_enabled(train):
+            out = net(x)
+            if train:
+                out.square().sum().backward()
+        results.append([out.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+    assert len(graphs) == 1 and flashwin_ops(graphs) == len(patch_report(model).patched)
+    assert not any("softmax" in t or "scaled_dot_product" in t for t in graphs[0])
+    for compiled, eager in zip(*results):
+        assert relative_error(compiled, eager) < 1e-5
+
+
+def test_float64_and_plain_cpu_run_timms_math():
+    """float64 (and any tensor the kernels do not take) computes in PyTorch: timm's values."""
+    model = tiny("tf").double().eval()
+    ours = patch_model(copy.deepcopy(model), strict=True)
+    x = images(1, (SIZE, SIZE)).double()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), model(x), rtol=1e-10, atol=1e-12)
+
+
+def test_attention_dropout_runs_in_the_kernel(monkeypatch):
+    """attn_drop > 0: applied by the kernels in training mode (p read at call time), not in
+    eval mode; torch.manual_seed reproduces a training step."""
+    model = tiny("coatnet", transformer_attn_drop=0.25).to(KERNEL_DEVICE)
+    timm_model = copy.deepcopy(model)
+    patch_model(model, strict=True)
+    import timm_flashwin.adapters.base as base
+    real, calls = base.window_attention, []
+    monkeypatch.setattr(base, "window_attention", lambda *a, **k: calls.append(k["dropout_p"]) or real(*a, **k))
+    x = images(1, (SIZE, SIZE), device=KERNEL_DEVICE)
+    with torch.no_grad():
+        evaluated = model.eval()(x)
+        torch.testing.assert_close(evaluated, timm_model.eval()(x), rtol=1e-4, atol=1e-5)
+    steps = []
+    for _ in range(2):
+        model.zero_grad()
+        torch.manual_seed(5)
+        out = model.train()(x)
+        out.square().sum().backward()
+        steps.append([out.detach()] + [p.grad.clone() for p in model.parameters()])
+    assert calls == [0.0, 0.25, 0.25]
+    assert all(torch.equal(a, b) for a, b in zip(*steps))
+    assert not torch.allclose(steps[0][0], evaluated, rtol=1e-3, atol=1e-3)
+
+
+def test_reasons_in_the_report_and_strict_mode():
+    """A rel_pos that is not timm's own class, a head_dim over 256: reported, strict raises."""
+    class MyRelPos(MAXXVIT.RelPosBias):
+        pass
+
+    model = tiny("rw")
+    block = model.stages[0].blocks[0]
+    block.attn_grid.attn.rel_pos.__class__ = MyRelPos
+    patch_model(model)
+    reasons = {m.name: m.reason for m in patch_report(model).skipped}
+    assert reasons == {"stages.0.blocks.0.attn_grid.attn": "rel_pos is a MyRelPos, not one of timm's RelPosBias, "
+                                                           "RelPosBiasTf, RelPosMlp: its bias is not known"}
+    with pytest.raises(PatchError, match="MyRelPos"):
+        patch_model(unpatch_model(model), strict=True)
+    wide = MAXXVIT.AttentionCl(288, dim_head=288)
+    assert patch_report(patch_model(wide)).skipped[0].reason == "head_dim 288 is not in [1, 256]"
+
+
+def test_bad_input_to_patched_modules():
+    cl = patch_model(tiny("rw")).stages[0].blocks[0].attn_block.attn
+    with pytest.raises(ValueError, match=r"expected 49 tokens per window \(its rel_pos is for 7x7\), got 48"):
+        cl(torch.randn(2, 6, 8, 32))
+    with pytest.raises(ValueError, match=r"expected x of shape \(B, \.\.\., C\) with C = 32"):
+        cl(torch.randn(2, 7, 7, 16))
+    two_d = patch_model(tiny("coatnet")).stages[1].blocks[0].attn
+    with pytest.raises(ValueError, match=r"expected x of shape \(B, C, H, W\) with C = 32"):
+        two_d(torch.randn(2, 49, 32))
+
+
+def test_parameters_are_read_at_call_time():
+    """In-place edits of a bias table between cached inference calls take effect."""
+    model = tiny("tf").eval()
+    ours = patch_model(copy.deepcopy(model), strict=True)
+    x = images(1, (SIZE, SIZE))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), model(x), rtol=1e-4, atol=1e-5)
+        for net in (model, ours):
+            net.stages[0].blocks[0].attn_block.attn.rel_pos.relative_position_bias_table.mul_(-2.0)
+        torch.testing.assert_close(ours(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(MAXXVIT.MaxxVit, "set_input_size"), reason="this timm cannot resize a MaxxVit")
+@pytest.mark.parametrize("config", ["rw", "tf", "rmlp"])
+def test_set_input_size(config):
+    """New windows (set_input_size resizes the tables, indices and lookups) take effect."""
+    model = tiny(config).eval()
+    ours = patch_model(copy.deepcopy(model), strict=True)
+    x, y = images(1, (SIZE, SIZE)), images(1, (48, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), model(x), rtol=1e-4, atol=1e-5)
+        for net in (model, ours):
+            net.set_input_size(img_size=(48, 48))  # windows 6x6
+        assert {tuple(m.rel_pos.window_size) for m in ours.modules() if isinstance(m, ATTENTION)} == {(6, 6)}
+        torch.testing.assert_close(ours(y), model(y), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ GPU only
+GPU_MODELS = ["maxvit_tiny_rw_224", "maxvit_tiny_tf_224", "maxvit_tiny_tf_512", "maxvit_rmlp_nano_rw_256",
+              "maxxvitv2_nano_rw_256", "coatnet_0_rw_224", "coatnet_rmlp_1_rw_224", "coatnet_rmlp_2_rw_384"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", GPU_MODELS)
+def test_gpu_full_resolution_autocast(name, dtype):
+    """Full resolution, AMP, forward and every gradient: windows of 49 to 576 tokens (the
+    kernels that stream key blocks from 144 on)."""
+    result = verify_model(name, batch=2, dtype=dtype, device="cuda", train=True)
+    assert result.passed, "\n".join(map(str, result.failures()[:10]))
+    assert result.backend == "triton"
+    assert result.top1_ours_vs_float64 >= result.top1_timm_vs_float64 - 0.5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["maxvit_tiny_rw_224", "maxvit_rmlp_nano_rw_256", "coatnet_0_rw_224"])
+def test_gpu_torch_compile_inference_and_training(name):
+    """torch.compile(fullgraph=True, inductor) of the patched model, float32: graphs that call
+    the op once per module; the eval output and a training step's gradients judged as verify
+    judges them, against float64 with timm's own eager float32 error (the larger of two draws)
+    as the yardstick. Not against the eager patched model: inductor rounds the other layers
+    otherwise, and these perturbed models amplify rounding (H200, torch 2.11: maxvit_tiny's
+    eval logits moved by up to 3e-3 between the compiled and the eager patched model,
+    coatnet_0's gradient of a first-stage norm weight by 16%)."""
+    torch._dynamo.reset()
+    torch._inductor.config.fallback_random = True  # RelPosMlp's dropout: eager's random numbers
+    torch.manual_seed(0)
+    model = perturb_(timm.create_model(name, drop_path_rate=0.0)).cuda()
+    reference, again_model = copy.deepcopy(model).double(), copy.deepcopy(model)  # BatchNorm: each its own stats
+    patched_model = patch_model(copy.deepcopy(model), strict=True)
+    graphs = []
+    compiled = torch.compile(patched_model, fullgraph=True, backend=recording_backend(graphs, "inductor"))
+    x = images(4, model.pretrained_cfg["input_size"][1:], device="cuda")
+    runs = []
+    for net, params, images_in in ((compiled, patched_model, x), (model, model, x), (reference, reference, x.double()),
+                                   (again_model, again_model, jitter_images(x))):
+        with torch.no_grad():
+            evaluated = net.eval()(images_in)
+        torch.manual_seed(0)
+        net.train()(images_in).square().mean().backward()
+        runs.append((evaluated, {n: p.grad for n, p in params.named_parameters() if p.grad is not None}))
+    (ours, our_grads), (timm_out, timm_grads), (ref, ref_grads), (again, again_grads) = runs
+    assert graphs and all(flashwin_ops([g]) == len(patch_report(patched_model).patched) for g in graphs)
+    checks = [compare("<output>", ours, timm_out, ref, 1e-4, 1e-6, timm_again=again)]
+    floor = larger_error(group_error(timm_grads, ref_grads), group_error(again_grads, ref_grads))
+    checks += [compare(n, our_grads[n], timm_grads[n], ref_grads[n], 1e-4, 1e-6, floor, GRADIENT_FACTOR,
+                       again_grads[n]) for n in ref_grads]
+    failed = [c for c in checks if not c.passed]
+    assert not failed, "\n".join(map(str, failed[:10]))
