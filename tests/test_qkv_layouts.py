@@ -10,8 +10,9 @@ in qkv's own layout (a view of a contiguous tensor, as autograd passes it on).
 import pytest
 import torch
 
-from conftest import KERNEL_DEVICE
-from opcases import TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward
+from conftest import HAS_CUDA, KERNEL_DEVICE
+from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
+                     relative_error)
 from timm_flashwin import window_attention
 
 
@@ -58,9 +59,11 @@ CASES = [(n, layout) for layout in LAYOUTS for n in (49,)] + [(72, "channels_fir
 @pytest.mark.parametrize("n, layout", CASES, ids=[f"{n}-{layout}" for n, layout in CASES])
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
 def test_layouts_match_the_reference_and_the_swin_layout(cosine, n, layout):
-    """Output and every gradient: as the float64 reference gives them, and bit for bit what
-    the kernels give on the same values in the Swin layout (the same arithmetic at other
-    addresses); qkv's gradient in qkv's layout."""
+    """Output and every gradient: as the float64 reference gives them, and what the kernels
+    give on the same values in the Swin layout (the same arithmetic at other addresses: bit
+    for bit under the interpreter; on a GPU the compiler may lay a tile out otherwise for
+    other strides, and sum a row's products in another order); qkv's gradient in qkv's
+    layout."""
     case = make_case(4, 2, 3 if n <= 64 else 2, n, 32 if n <= 64 else 16, cosine=cosine, masked=True,
                      dtype=torch.float32, device=KERNEL_DEVICE, seed=n)
     got, view_grad = _run(case, layout)
@@ -69,7 +72,7 @@ def test_layouts_match_the_reference_and_the_swin_layout(cosine, n, layout):
     assert view_grad.stride() == view.stride()
     swin = forward_backward(window_attention, case)
     for a, b in zip(got, swin):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert torch.equal(a, b) if not HAS_CUDA else relative_error(a, b) < 1e-5
     assert_matches_reference(got, reference_forward_backward(case), TOLERANCE[torch.float32])
 
 
