@@ -21,6 +21,8 @@ def run_cli(capsys, *args):
 @pytest.mark.parametrize("name,size,extra", [  # swin_tiny: test_verify_json
     ("swinv2_tiny_window8_256", "64", ["--train"]),
     ("swinv2_cr_tiny_224", "128", ["--batch", "1"]),  # 4x4 windows; timm 1.0.29 cannot run it at 112
+    ("maxvit_nano_rw_256", "128", ["--batch", "1"]),  # 4x4 block and grid windows (maxxvit)
+    ("coatnet_nano_rw_224", "128", ["--batch", "1"]),  # the 8x8 and 4x4 maps (maxxvit_2d); timm fails at 112
 ])
 def test_verify_passes(capsys, name, size, extra):
     code, out, err = run_cli(capsys, "verify", name, "--img-size", size, *extra)
@@ -176,6 +178,17 @@ def test_list(capsys):
     code, out, _ = run_cli(capsys, "list", "swin*")
     assert code == 0 and "37 timm models" in out and "swinv2_base_window12to24_192to384" in out
     assert "24x24 24x24 24x24 12x12" in out  # swinv2_base_window12to24_192to384: the last stage is 12x12
+
+
+def test_list_maxvit_and_coatnet(capsys):
+    code, out, _ = run_cli(capsys, "list", "maxvit_tiny_*", "--json")
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert code == 0 and set(rows) == {"maxvit_tiny_pm_256", "maxvit_tiny_rw_224", "maxvit_tiny_rw_256",
+                                       "maxvit_tiny_tf_224", "maxvit_tiny_tf_384", "maxvit_tiny_tf_512"}
+    assert rows["maxvit_tiny_tf_512"] == dict(name="maxvit_tiny_tf_512", families=["maxxvit"],
+                                              stage_windows=[[16, 16]] * 4, modules=22)
+    code, out, _ = run_cli(capsys, "list", "coatnet_rmlp_2*")
+    assert code == 0 and "maxxvit_2d" in out and "24x24 12x12" in out and "14x14 7x7" in out
 
 
 def test_python_dash_m(tmp_path):

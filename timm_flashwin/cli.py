@@ -145,14 +145,15 @@ def _list(args) -> int:
     from .discovery import supported_models
     infos = supported_models(args.pattern)
     if args.json:
-        print(json.dumps([dict(name=i.name, families=i.families, stage_windows=[list(w) for w in i.stage_windows],
+        print(json.dumps([dict(name=i.name, families=i.families, stage_windows=[list(w) if w else None for w in i.stage_windows],
                                modules=i.modules) for i in infos]))
         return EXIT_OK
     table = Table(title=f"{len(infos)} timm models with patched window attention ({args.pattern})")
     for col in ("model", "family", "windows per stage", "modules"):
         table.add_column(col)
     for i in infos:
-        table.add_row(i.name, ",".join(i.families), " ".join(f"{h}x{w}" for h, w in i.stage_windows), str(i.modules))
+        windows = " ".join(f"{w[0]}x{w[1]}" if w else "any" for w in i.stage_windows)
+        table.add_row(i.name, ",".join(i.families), windows, str(i.modules))
     _console().print(table)
     return EXIT_OK
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -17,7 +17,7 @@ from .patching import _attention_modules
 class ModelInfo:
     name: str
     families: List[str]  # adapter families of its window-attention modules
-    stage_windows: List[Tuple[int, int]]  # window size of each stage, in order
+    stage_windows: List[Optional[Tuple[int, int]]]  # window size of each stage, in order (None: any)
     modules: int  # window-attention modules patched by patch_model
 
 
@@ -41,7 +41,8 @@ def describe(name: str) -> ModelInfo:
         count += 1
         if family not in families:
             families.append(family)
-        stages.setdefault(_stage(mod_name), tuple(adapter.window_size(module)))
+        window = adapter.window_size(module)
+        stages.setdefault(_stage(mod_name), tuple(window) if window is not None else None)
     return ModelInfo(name, families, list(stages.values()), count)
 
 
