@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_op import SHAPES, dense_bias, make_inputs  # noqa: E402
 from common import write_json  # noqa: E402
-from timm_flashwin.kernels import backward as bwd_kernels  # noqa: E402
+from timm_flashwin.kernels import backward, backward_dkdv, backward_dq_dbias  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
 from timm_flashwin.kernels.launch import (attention_backward, attention_forward, dq_by_atomic_adds,  # noqa: E402
                                           reads_mask_apart)
@@ -152,9 +152,9 @@ def main() -> None:
         else:
             base = config.backward_config(n, head_dim, torch.bfloat16, cosine)
         kernels = [fwd_kernels.window_attention_fwd_kernel] if which == "fwd" else [
-            bwd_kernels.window_attention_bwd_fused_kernel, bwd_kernels.window_attention_bwd_dkdv_kernel,
-            bwd_kernels.window_attention_bwd_dq_kernel, bwd_kernels.window_attention_bwd_dq_finish_kernel,
-            bwd_kernels.window_attention_bwd_dbias_kernel]
+            backward.window_attention_bwd_fused_kernel, backward_dkdv.window_attention_bwd_dkdv_kernel,
+            backward_dq_dbias.window_attention_bwd_dq_kernel, backward_dq_dbias.window_attention_bwd_dq_finish_kernel,
+            backward_dq_dbias.window_attention_bwd_dbias_kernel]
         out, stats, regions, mask_info = attention_forward(qkv, heads, bias, mask, logit_scale, inp["scale"], cosine)
         best = None
         if args.only_default:

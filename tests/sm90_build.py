@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 
 # run from a checkout as well as after `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from timm_flashwin.kernels import backward, config  # noqa: E402
+from timm_flashwin.kernels import backward, backward_dkdv, backward_dq_dbias, config  # noqa: E402
 from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel  # noqa: E402
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
 from timm_flashwin.kernels.launch import compiler_options, folds_mask, launch_options, reads_table  # noqa: E402
@@ -187,18 +187,18 @@ def main() -> int:
         # per mask kind as launched, and as in deterministic mode (the dq and dbias kernels do
         # that work)
         for atomics, from_regions in [(True, kind) for kind in kinds] + [(False, kinds[0])]:
-            build(backward.window_attention_bwd_dkdv_kernel, dtype,
+            build(backward_dkdv.window_attention_bwd_dkdv_kernel, dtype,
                   dict(blocks, DQ_ATOMIC=atomics and bwd.dq_atomic, SCALE_GRAD=cosine and atomics and bwd.dq_atomic,
                        DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0, FROM_REGIONS=from_regions,
                        ONE_REGION_LOOP=bwd.one_region_loop, FLAT_LOOP=bwd.flat_loop), bwd, streamed_bias)
-        build(backward.window_attention_bwd_dq_finish_kernel, dtype,
+        build(backward_dq_dbias.window_attention_bwd_dq_finish_kernel, dtype,
               dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine),
               config.with_changes(bwd, num_warps=4, maxnreg=None))
-        build(backward.window_attention_bwd_dq_kernel, dtype, dict(blocks, SCALE_GRAD=cosine, FROM_REGIONS=kinds[0]),
-              bwd, streamed_bias)
+        build(backward_dq_dbias.window_attention_bwd_dq_kernel, dtype,
+              dict(blocks, SCALE_GRAD=cosine, FROM_REGIONS=kinds[0]), bwd, streamed_bias)
         dbias = config.dbias_config(n, head_dim, dtype, cosine)
         for atomic_sum in (True, False):  # as by default, and as in deterministic mode
-            build(backward.window_attention_bwd_dbias_kernel, dtype,
+            build(backward_dq_dbias.window_attention_bwd_dbias_kernel, dtype,
                   dict(blocks, BLOCK_M=dbias.block_m, BLOCK_N=dbias.block_n, BLOCK_D=dbias.block_d,
                        ATOMIC_SUM=atomic_sum), dbias, streamed_bias)
     build_bias_copy()

@@ -188,7 +188,7 @@ def test_delta_kernel_zeroes_the_gradient_sums(numel, heads):
     (H,) logit-scale gradient go into, every element whatever their sizes against the
     kernel's programs (fewer elements than programs, not a multiple of them, many per
     program; more than 16 heads), and computes rowsum(dO * O)."""
-    from timm_flashwin.kernels.backward import window_attention_bwd_delta_kernel
+    from timm_flashwin.kernels.backward_dkdv import window_attention_bwd_delta_kernel
     windows, n, head_dim, block = 2, 144, 32, 64
     g = torch.Generator().manual_seed(0)
     out = torch.randn(windows, n, heads * head_dim, generator=g).to(KERNEL_DEVICE)

@@ -50,7 +50,7 @@ class LaunchConfig:
     #: loop, built without a mask, for the windows of one region (``tiles.window_in_one_region``)
     one_region_loop: bool = False
     #: the forward and the dkdv kernel: one loop over (window, key block) steps rather than a
-    #: loop over blocks per window (``forward.forward_windows``, ``backward.dkdv_windows``)
+    #: loop over blocks per window (``forward.forward_windows``, ``backward_dkdv.dkdv_windows``)
     flat_loop: bool = False
 
     def single_tile(self, n: int) -> bool:

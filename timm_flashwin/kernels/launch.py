@@ -12,14 +12,10 @@ import torch
 
 from . import config, fast_launch
 from .plan import backward_plan, forward_plan
-from .backward import (
-    window_attention_bwd_dbias_kernel,
-    window_attention_bwd_delta_kernel,
-    window_attention_bwd_dkdv_kernel,
-    window_attention_bwd_dq_finish_kernel,
-    window_attention_bwd_dq_kernel,
-    window_attention_bwd_fused_kernel,
-)
+from .backward import window_attention_bwd_fused_kernel
+from .backward_dkdv import window_attention_bwd_delta_kernel, window_attention_bwd_dkdv_kernel
+from .backward_dq_dbias import (window_attention_bwd_dbias_kernel, window_attention_bwd_dq_finish_kernel,
+                                window_attention_bwd_dq_kernel)
 from .bias_copy import float16_bias_copy_kernel
 from .forward import window_attention_fwd_kernel
 from ..window_grid import WindowGrid
