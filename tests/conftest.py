@@ -3,7 +3,16 @@ tensors; TRITON_INTERPRET must be set before triton is imported (timm imports it
 ``import torch`` alone does not import it."""
 import os
 
-import torch
+# numpy's BLAS (OpenBLAS) runs only the interpreter's tile products here (16 to 128 rows):
+# its threads cannot speed them up, and while they wait for work they spin on the cores the
+# interpreter and the other pytest-xdist worker need; torch's idle OpenMP threads likewise
+# (passive: they sleep; their number, and so torch's results, unchanged). Read when the
+# libraries are loaded (``import torch`` loads numpy), hence here. 2 idle cores, -n 2,
+# triton 3.8: test_op.py's 12 float32 N = 144 reference cases 47 s -> 28 s.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
