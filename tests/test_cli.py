@@ -18,8 +18,10 @@ def run_cli(capsys, *args):
     return code, out.out, out.err
 
 
+# One image per verify (the default is 2): the kernels' work halves, and nothing in verify
+# depends on the batch but the images' count (CI time).
 @pytest.mark.parametrize("name,size,extra", [  # swin_tiny: test_verify_json
-    ("swinv2_tiny_window8_256", "64", ["--train"]),
+    ("swinv2_tiny_window8_256", "64", ["--train", "--batch", "1"]),
     ("swinv2_cr_tiny_224", "128", ["--batch", "1"]),  # 4x4 windows; timm 1.0.29 cannot run it at 112
     ("maxvit_nano_rw_256", "128", ["--batch", "1"]),  # 4x4 block and grid windows (maxxvit)
     ("coatnet_nano_rw_224", "128", ["--batch", "1"]),  # the 8x8 and 4x4 maps (maxxvit_2d); timm fails at 112
@@ -35,7 +37,8 @@ def test_verify_passes(capsys, name, size, extra):
 
 def test_verify_json(capsys):
     """Also the passing verify of Swin V1 (the human-readable report: test_verify_passes)."""
-    code, out, _ = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--train", "--json")
+    code, out, _ = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--train", "--json",
+                           "--batch", "1")
     result = json.loads(out)
     assert code == 0 and result["passed"] is True
     assert result["settings"]["train"] is True and result["settings"]["dtype"] == "float32"
@@ -49,7 +52,7 @@ def test_verify_mismatch_exits_1(capsys, monkeypatch):
     import timm_flashwin.adapters.base as base
     real = base.window_attention
     monkeypatch.setattr(base, "window_attention", lambda *a, **k: real(*a, **k) * 1.01)
-    code, out, _ = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--json")
+    code, out, _ = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--json", "--batch", "1")
     assert code == 1 and json.loads(out)["passed"] is False
 
 
@@ -89,7 +92,7 @@ def test_verify_with_checkpoint(capsys, tmp_path):
     path = tmp_path / "weights.pth"
     torch.save(model.state_dict(), path)
     code, out, err = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--checkpoint",
-                             str(path))
+                             str(path), "--batch", "1")
     assert code == 0, out + err
     assert "perturbed" not in out
 
