@@ -22,8 +22,9 @@ from bench_op import SHAPES, dense_bias, make_inputs  # noqa: E402
 from common import write_json  # noqa: E402
 from timm_flashwin.kernels import backward, backward_dkdv, backward_dq_dbias  # noqa: E402
 from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
-from timm_flashwin.kernels.launch import (attention_backward, attention_forward, dq_by_atomic_adds,  # noqa: E402
-                                          reads_mask_apart)
+from timm_flashwin.kernels.bias_mask import reads_mask_apart  # noqa: E402
+from timm_flashwin.kernels.launch import attention_backward, attention_forward  # noqa: E402
+from timm_flashwin.kernels.plan import dq_by_atomic_adds  # noqa: E402
 from timm_flashwin.dispatch import direct_launches  # noqa: E402
 
 

@@ -23,7 +23,7 @@ from sm90_build import TARGET, TRITON_TYPES, resource_usage  # noqa: E402
 
 from timm_flashwin.dispatch import direct_launches  # noqa: E402
 from timm_flashwin.kernels import local_launch  # noqa: E402
-from timm_flashwin.kernels.launch import compiler_options  # noqa: E402
+from timm_flashwin.kernels.launcher import compiler_options  # noqa: E402
 from timm_flashwin.kernels.local_backward import (local_attention_bwd_delta_kernel,  # noqa: E402
                                                   local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel)
 from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # noqa: E402

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from timm_flashwin.kernels.launch import streams_key_blocks
+from timm_flashwin.kernels.bias_mask import streams_key_blocks
 from timm_flashwin.reference import CLAMP_GRADIENT_AT_BOUND, LOGIT_SCALE_MAX, window_attention_reference
 
 #: Relative error bound (||x - ref|| / ||ref||) against the float64 reference, for the
@@ -86,11 +86,11 @@ def forward_backward(fn, case: Case, dtype: Optional[torch.dtype] = None) -> Lis
 
 def bias_as_read(case: Case) -> Case:
     """The case with its bias as the kernels read it: where they stream key blocks with
-    16-bit inputs (``launch.streamed_bias``), a float16 copy of the bias times log2(e),
+    16-bit inputs (``bias_mask.streamed_bias``), a float16 copy of the bias times log2(e),
     rounded as the copy kernel rounds it (float32 product, then float16), divided by log2(e)
     again in float64; else unchanged.
 
-    Where the kernels read the mask folded into that copy (``launch.folds_mask``), the
+    Where the kernels read the mask folded into that copy (``bias_mask.folds_mask``), the
     reference keeps the mask exact: where it is 0 the copy rounds the bias alone, as here;
     where it is large (timm's -100) the copy's rounding moves logits whose probabilities
     are e^-100 of their row's largest, and other masks' rounding stays within the 16-bit

@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from timm_flashwin.kernels import backward, backward_dkdv, backward_dq_dbias, config  # noqa: E402
 from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel  # noqa: E402
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
-from timm_flashwin.kernels.launch import compiler_options, folds_mask, launch_options, reads_table  # noqa: E402
+from timm_flashwin.kernels.bias_mask import folds_mask  # noqa: E402
+from timm_flashwin.kernels.launcher import compiler_options, launch_options  # noqa: E402
+from timm_flashwin.kernels.plan import reads_table  # noqa: E402
 from timm_flashwin.dispatch import direct_launches  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -118,7 +120,7 @@ def _report(kernel, compiled) -> None:
 
 
 def build_bias_copy() -> None:
-    """The float16 copy of bias + mask (launch.streamed_bias): float32 in, float16 out."""
+    """The float16 copy of bias + mask (bias_mask.streamed_bias): float32 in, float16 out."""
     types = dict(bias_ptr="*fp32", mask_ptr="*fp32", out_ptr="*fp16", numel="i32", n="i32", heads="i32",
                  stride_h="i32", stride_i="i32", stride_j="i32", stride_mask_w="i32", stride_mask_i="i32",
                  stride_mask_j="i32", HAS_BIAS="constexpr", HAS_MASK="constexpr", BLOCK="constexpr")
@@ -148,11 +150,11 @@ def main() -> int:
         bwd = config.backward_config(n, head_dim, dtype, cosine)
         streamed = n > fwd.block_n
         # the partitioned and the feature-map layout, and where the kernels of both passes read a
-        # position bias from its table (launch.reads_table), the latter with the table too
+        # position bias from its table (plan.reads_table), the latter with the table too
         layouts = ((False, False), (True, False)) + (((True, True),) if reads_table(n, head_dim, dtype, cosine, dropout)
                                                       else ())
         # kernels that stream key blocks read, with 16-bit inputs, a float16 copy of bias + mask
-        # times log2(e) and no mask of their own where that copy is small (launch.streamed_bias),
+        # times log2(e) and no mask of their own where that copy is small (bias_mask.streamed_bias),
         # else the bias (float16 copy with 16-bit inputs) and the mask's region ids, one build
         # per kind of mask
         streamed_bias = torch.float16 if dtype != torch.float32 else torch.float32

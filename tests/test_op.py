@@ -17,7 +17,8 @@ from opcases import (TOLERANCE, assert_matches_reference, bias_as_read, forward_
 from timm_flashwin import window_attention
 from timm_flashwin.kernels import config
 from timm_flashwin.op import uses_kernels, window_attention_fwd
-from timm_flashwin.kernels.launch import dbias_slots, dbias_sum_by_atomic_adds, dq_by_atomic_adds, mask_structure
+from timm_flashwin.kernels.bias_mask import mask_structure
+from timm_flashwin.kernels.plan import dbias_slots, dbias_sum_by_atomic_adds, dq_by_atomic_adds
 from timm_flashwin.kernels.tiles import head_scale
 from timm_flashwin.reference import LOGIT_SCALE_MAX, window_attention_reference
 
@@ -273,9 +274,9 @@ def test_mask_structure_is_kept_on_the_mask_until_it_changes(monkeypatch):
     """Eager calls with the same mask tensor find its region structure once; an in-place
     change of the mask (here: no longer region-structured) is seen by the next call, whose
     output follows the new mask (multi-block path, N = 144)."""
-    from timm_flashwin.kernels import launch
+    from timm_flashwin.kernels import bias_mask
     found = []
-    monkeypatch.setattr(launch, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
+    monkeypatch.setattr(bias_mask, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
     case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     first = window_attention(case.qkv, 3, **case.kwargs())
     assert torch.equal(window_attention(case.qkv, 3, **case.kwargs()), first) and len(found) == 1
@@ -289,10 +290,11 @@ def test_mask_structure_is_kept_on_the_mask_until_it_changes(monkeypatch):
 
 def _record_launches(monkeypatch, flags=("FROM_REGIONS",)) -> list:
     """(kernel name, *the values of ``flags``) of every kernel launch from here on, recorded
-    where launch.py launches them (``launch.launcher``): the GPU's direct launches, which
-    skip ``wrap_triton``, as well as the interpreter's and traced ones."""
-    from timm_flashwin.kernels import launch
-    launches, real_launcher = [], launch.launcher
+    where the attention kernels' host side launches them (``launcher`` as launch.py and
+    bias_mask.py call it): the GPU's direct launches, which skip ``wrap_triton``, as well
+    as the interpreter's and traced ones."""
+    from timm_flashwin.kernels import bias_mask, launch, launcher as launcher_module
+    launches, real_launcher = [], launcher_module.launcher
 
     def recording(kernel):
         launcher = real_launcher(kernel)
@@ -305,13 +307,14 @@ def _record_launches(monkeypatch, flags=("FROM_REGIONS",)) -> list:
                 return run
         return Recorded()
 
-    monkeypatch.setattr(launch, "launcher", recording)
+    for module in (launch, bias_mask):
+        monkeypatch.setattr(module, "launcher", recording)
     return launches
 
 
 def test_eager_launches_ask_for_fma_contraction(monkeypatch):
     """Every kernel of an eager forward + backward, the float16 bias copy included, is
-    launched with ``enable_fp_fusion=True`` (``launch.compiler_options``): the kernels were
+    launched with ``enable_fp_fusion=True`` (``launcher.compiler_options``): the kernels were
     measured and their precision stated with multiply-adds contracted, which Triton stops
     doing by default from 3.10."""
     case = make_case(4, 2, 3, 144, 16, cosine=True, masked=True, dtype=torch.bfloat16, device=KERNEL_DEVICE)
@@ -364,12 +367,12 @@ def test_inference_tensors_are_not_kept_on(dtype, monkeypatch):
     a bias gathered there) have no version counter: what is derived from them (float32:
     the mask's region structure, a contiguous bias; 16-bit inputs: the float16 copy of
     bias + mask) is computed in every call, not kept."""
-    from timm_flashwin.kernels import launch
+    from timm_flashwin.kernels import bias_mask
     found = []
-    monkeypatch.setattr(launch, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
+    monkeypatch.setattr(bias_mask, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
     copies = []
-    real_copy = launch._log2e_float16_copy
-    monkeypatch.setattr(launch, "_log2e_float16_copy", lambda *a: (copies.append(1), real_copy(*a))[1])
+    real_copy = bias_mask._log2e_float16_copy
+    monkeypatch.setattr(bias_mask, "_log2e_float16_copy", lambda *a: (copies.append(1), real_copy(*a))[1])
     case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=dtype, device=KERNEL_DEVICE)
     with torch.inference_mode():
         bias, mask = case.bias.clone(), case.mask.clone()
@@ -411,8 +414,8 @@ def _record_bias_reads(monkeypatch):
     """The (dtype, contiguous) of every bias the launchers hand to a kernel."""
     from timm_flashwin.kernels import launch
     seen = []
-    real = launch._bias_mask_args
-    monkeypatch.setattr(launch, "_bias_mask_args", lambda bias, *rest: (
+    real = launch.bias_mask_args
+    monkeypatch.setattr(launch, "bias_mask_args", lambda bias, *rest: (
         seen.append((bias.dtype, bias.is_contiguous())), real(bias, *rest))[1])
     return seen
 
@@ -515,7 +518,7 @@ def test_float16_copy_folds_the_mask_into_the_bias():
     """The copy the streaming kernels read with 16-bit inputs: (bias[h] + mask[w]) * log2(e)
     per (window, head), rounded to float16; a finite sum beyond float16's range is NaN where
     positive and float16's lowest where negative (a mask of -1e9); +-inf and NaN stay."""
-    from timm_flashwin.kernels.launch import _log2e_float16_copy
+    from timm_flashwin.kernels.bias_mask import _log2e_float16_copy
     g = torch.Generator().manual_seed(5)
     bias = torch.randn(3, 9, 9, generator=g).permute(0, 2, 1).to(KERNEL_DEVICE)  # strided, as SwinV2-CR's
     mask = torch.where(torch.rand(2, 9, 9, generator=g) < 0.3, -100.0, 0.0).to(KERNEL_DEVICE)
@@ -544,7 +547,7 @@ def test_masks_fold_into_the_bias_copy_where_it_is_small():
     (nW, H, N, N) copy is at most config.FOLDED_MASK_MAX_BYTES: window 16 of the benchmarks
     (16 mask windows, 3 heads, 256 tokens: 6.3 MB) does, window 24 (16, 4, 576: 42.5 MB)
     reads the mask's region ids; float32 inputs always do."""
-    from timm_flashwin.kernels.launch import folds_mask
+    from timm_flashwin.kernels.bias_mask import folds_mask
     assert folds_mask(torch.bfloat16, 3, 16, 256) and folds_mask(torch.float16, 4, 16, 144)
     assert not folds_mask(torch.bfloat16, 4, 16, 576) and not folds_mask(torch.float32, 3, 16, 256)
 

@@ -7,7 +7,7 @@ from conftest import KERNEL_DEVICE
 from opcases import make_case
 from timm_flashwin import window_attention
 from timm_flashwin.kernels import config, plan
-from timm_flashwin.kernels.launch import streamed_bias
+from timm_flashwin.kernels.bias_mask import streamed_bias
 
 
 @pytest.fixture(autouse=True)

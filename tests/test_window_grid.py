@@ -11,7 +11,7 @@ from conftest import KERNEL_DEVICE
 from opcases import (LOGIT_SCALES, TOLERANCE, Case, Reference, assert_matches_reference, bias_as_read,
                      forward_backward, gradient_conditions, shift_mask)
 from timm_flashwin import window_attention
-from timm_flashwin.kernels.launch import maps_windows
+from timm_flashwin.kernels.plan import maps_windows
 from timm_flashwin.reference import window_attention_reference
 from timm_flashwin.window_grid import WindowGrid
 

@@ -18,8 +18,9 @@ import torch
 
 from .dispatch import KERNEL_DTYPES, direct_launches, dispatch_free, register_op, uses_kernels
 from .kernels import config
-from .kernels.launch import (_windows_tokens_channels, attention_backward, attention_forward, maps_windows,
-                             mask_regions_shapes, mask_regions_used, reads_table, softmax_stats_shape)
+from .kernels.bias_mask import mask_regions_shapes, mask_regions_used
+from .kernels.launch import attention_backward, attention_forward
+from .kernels.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
 from .position_bias import TableBias, TableGather, check_sigmoid_scale
 from .reference import window_attention_reference
 from .window_grid import WindowGrid
@@ -66,7 +67,7 @@ def _backward_impl(
 
 
 def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats=True):
-    num_windows, n, channels = _windows_tokens_channels(qkv, None)
+    num_windows, n, channels = windows_tokens_channels(qkv, None)
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
     stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats)
@@ -234,7 +235,7 @@ def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=No
         _fail(ValueError, "qkv", f"of shape (B_, N, 3, H, D) with H = num_heads = {num_heads}",
               f"shape {tuple(qkv.shape)}")
     if grid is None:
-        num_windows, n, channels = _windows_tokens_channels(qkv, None)
+        num_windows, n, channels = windows_tokens_channels(qkv, None)
     else:
         if qkv.shape[1] != grid.height * grid.width:
             _fail(ValueError, "qkv", f"of shape (B, H*W, 3*H*D) with H*W = {grid.height}*{grid.width} (grid)",

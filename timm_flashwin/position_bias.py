@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .kernels.launch import kept_on
+from .kernels.tensor_cache import kept_on
 from .kernels.position_launch import relative_bias_gather, relative_bias_table_grad
 from .dispatch import direct_launches, dispatch_free, register_op, uses_kernels
 
@@ -55,7 +55,7 @@ class TableRows:
 
     @staticmethod
     def of(index: torch.Tensor, num_rows: int) -> "TableRows":
-        """Kept on the index tensor (``launch.kept_on``: an in-place change of the index,
+        """Kept on the index tensor (``tensor_cache.kept_on``: an in-place change of the index,
         a new device or table size computes them again). The first call checks the index's
         range, one host synchronization per index tensor."""
         def compute() -> "TableRows":
@@ -244,7 +244,7 @@ class TableGather:
     """How the op's eager path reads a ``TableBias`` and sums its table's gradient: the
     index, its pairs sorted by table row (``TableRows``, the index's range checked once),
     the sigmoid scale (0: none) and whether the attention kernels read the table
-    themselves (``in_kernels``, ``launch.reads_table``: windows of one tile) or take the
+    themselves (``in_kernels``, ``plan.reads_table``: windows of one tile) or take the
     bias gathered by a kernel of its own. Call its launches in ``dispatch.direct_launches()``."""
 
     index: torch.Tensor

@@ -172,7 +172,7 @@ def window_attention_bwd_fused_kernel(
     h = pid % H
     group = (pid // H).to(tl.int64)  # = chunk * num_periods + w
     w, first, last = window_run(group, num_periods, windows_per_period, windows_per_program)
-    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``bias_mask.streamed_bias``)
 
     idx = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)

@@ -104,7 +104,7 @@ def window_attention_bwd_dkdv_kernel(
     rest = pid // NUM_KEY_BLOCKS
     h = rest % H
     w, first, last = window_run(rest // H, num_periods, windows_per_period, windows_per_program)
-    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``bias_mask.streamed_bias``)
     cols = (pid % NUM_KEY_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)

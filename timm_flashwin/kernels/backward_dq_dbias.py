@@ -1,5 +1,5 @@
 """Backward kernels of windows larger than one tile that complete what the dkdv kernel
-does not (``backward``'s docstring has the math, ``launch`` picks them): dQ by its own
+does not (``backward``'s docstring has the math, ``plan`` picks them): dQ by its own
 pass over the key blocks (``window_attention_bwd_dq_kernel``) or from the dkdv kernel's
 fp32 sums (``window_attention_bwd_dq_finish_kernel``), and the bias gradient summed over
 the windows sharing a tile of B + M (``window_attention_bwd_dbias_kernel``).
@@ -35,7 +35,7 @@ def window_attention_bwd_dq_kernel(
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     pid = tl.program_id(0)
     w = b % num_periods
-    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``bias_mask.streamed_bias``)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
@@ -125,7 +125,7 @@ def window_attention_bwd_dbias_kernel(
     h = rest % H
     group = (rest // H).to(tl.int64)
     w, first, last = window_run(group, num_periods, windows_per_period, windows_per_program)
-    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``bias_mask.streamed_bias``)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)

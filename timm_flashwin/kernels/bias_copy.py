@@ -1,5 +1,5 @@
 """The float16 copy of bias + mask, times log2(e), that the kernels streaming key blocks read
-with 16-bit inputs (``launch.streamed_bias`` says why): one pass, strided (H, N, N) bias and
+with 16-bit inputs (``bias_mask.streamed_bias`` says why): one pass, strided (H, N, N) bias and
 (nW, N, N) mask in, contiguous (nW, H, N, N) out."""
 import triton
 import triton.language as tl

@@ -37,14 +37,14 @@ class LaunchConfig:
     num_stages: int
     programs_per_sm: int
     #: cap on registers per thread (Triton's ``maxnreg``), None for the compiler's choice;
-    #: applied where the kernels are launched directly (``launch.launch_options``)
+    #: applied where the kernels are launched directly (``launcher.launch_options``)
     maxnreg: Optional[int] = None
     #: multi-block backward: dQ added up by the dkdv kernel with atomic adds rather than by
-    #: a dq kernel of its own (``launch.dq_by_atomic_adds``; never in deterministic mode)
+    #: a dq kernel of its own (``plan.dq_by_atomic_adds``; never in deterministic mode)
     dq_atomic: bool = False
     #: multi-block backward: the bias gradient added up by the dkdv kernel with atomic adds
     #: into this many (H, N, N) slots (0: by a dbias kernel of its own;
-    #: ``launch.dbias_slots``; never in deterministic mode)
+    #: ``plan.dbias_slots``; never in deterministic mode)
     dbias_slots: int = 0
     #: kernels that stream key blocks over the region ids of a mask: a second copy of the key
     #: loop, built without a mask, for the windows of one region (``tiles.window_in_one_region``)
@@ -63,12 +63,12 @@ class LaunchConfig:
 OVERRIDES: Dict[Tuple[str, int, int, torch.dtype, bool], LaunchConfig] = {}
 
 #: Whether the kernels that stream key blocks compute a region-structured mask from
-#: region ids (launch.mask_structure) rather than read it; benchmarks/tune_op.py turns it
+#: region ids (bias_mask.mask_structure) rather than read it; benchmarks/tune_op.py turns it
 #: off to measure what that saves.
 MASK_REGIONS = True
 
 #: The largest float16 copy of bias + mask, (nW, H, N, N), into which the launcher folds a
-#: mask for the kernels that stream key blocks with 16-bit inputs (``launch.folds_mask``);
+#: mask for the kernels that stream key blocks with 16-bit inputs (``bias_mask.folds_mask``);
 #: beyond it they read the mask's region ids. H200, bf16, the whole op (bench_op.py, 3
 #: alternated rounds, 2026-11-24): copies of 2.6 MB (window 12) and 6.3 MB (window 16)
 #: took f+b 12% and 6% off (V1); one of 42.5 MB (window 24, (256, 4, 576, 32)) still took
@@ -109,7 +109,7 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, drop
                    reads_mask: bool = True) -> LaunchConfig:
     """dropout: with attention dropout (its random numbers take registers); reads_mask:
     whether a kernel that streams key blocks reads a mask itself (region ids or dense),
-    not where there is none or it is folded into the bias copy (``launch.folds_mask``).
+    not where there is none or it is folded into the bias copy (``bias_mask.folds_mask``).
     OVERRIDES apply either way."""
     n, head_dim = int(n), int(head_dim)  # compile-time constants of the kernels, even when traced
     found = OVERRIDES.get(("fwd", n, head_dim, dtype, cosine))
@@ -196,7 +196,7 @@ def _one_region_loop(n: int, block: int) -> bool:
     """Whether the kernels that stream key blocks of n tokens take a second copy of their
     loop, without the mask, for the windows of one region (``LaunchConfig.one_region_loop``),
     where they read the mask's region ids (where the launcher folds the mask into their
-    bias copy, ``launch.folds_mask``, they are built without a mask and the copy is not
+    bias copy, ``bias_mask.folds_mask``, they are built without a mask and the copy is not
     built), and where the last key block is whole. H200, bf16, D = 32, timm's shift mask (9 of 16
     windows of one region), old and new alternated (bench_op.py --impls ours, 2026-11-24),
     forward us: window 16 V1 109.9 -> 106.8, cosine 131.7 -> 126.2; window 24 292.3 -> 281.0,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import compiler_options
+from .launcher import compiler_options
 from .tiles import dropout_factor
 
 _BLOCK = 32

@@ -15,7 +15,7 @@ Keyword arguments are constexprs and compile options only (hashable values; a te
 passed by keyword would key the entry by its identity).
 
 Not used under the interpreter (its kernels run as Python) or while a launch is traced
-for torch.compile (``launch.launcher``), and not where a kernel has pre-run hooks or
+for torch.compile (``launcher.launcher``), and not where a kernel has pre-run hooks or
 a Triton without the APIs used here: those take ``JITFunction.run`` as they are.
 """
 from __future__ import annotations

@@ -58,7 +58,7 @@ def window_attention_fwd_kernel(
     rest = pid // NUM_M_BLOCKS
     h = rest % H
     w, first, last = window_run(rest // H, num_periods, windows_per_period, windows_per_program)
-    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``launch.streamed_bias``)
+    bias_ptr += w.to(tl.int64) * stride_bias_w  # the bias of mask window w (``bias_mask.streamed_bias``)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)

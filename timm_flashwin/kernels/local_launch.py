@@ -26,7 +26,7 @@ import torch
 import triton
 
 from . import config
-from .launch import compiler_options, launcher
+from .launcher import compiler_options, launcher
 from .local_backward import (local_attention_bwd_delta_kernel, local_attention_bwd_dkdv_kernel,
                              local_attention_bwd_dq_kernel)
 from .local_forward import local_attention_fwd_kernel, local_dropout_factor_kernel

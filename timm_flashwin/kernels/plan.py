@@ -10,10 +10,12 @@ values) instead of consulting ``config`` and a dozen predicates again, several t
 call as before. Eager training steps of the tiny models are bound by the host's time
 (benchmarks/RESULTS.md); this is host time saved in every call.
 
-What varies from call to call stays per call in ``launch.py``: the tensors (their
-addresses and strides are launch arguments, never part of a plan), the bias copy that
-kernels streaming key blocks read (kept on the bias tensor), the mask's region ids and
-kind (kept on the mask tensor).
+What varies from call to call stays per call in ``launch.py`` and ``bias_mask.py``: the
+tensors (their addresses and strides are launch arguments, never part of a plan), the
+bias copy that kernels streaming key blocks read (kept on the bias tensor), the mask's
+region ids and kind (kept on the mask tensor). The predicates that decide a plan from
+shapes alone are here too (``softmax_stats_shape``, ``reads_table``, ``maps_windows``,
+...): the op asks them before it calls the kernels, to lay out its outputs.
 
 Plans are not kept while a launch is traced for torch.compile (its shapes may be
 symbolic; inductor keeps its own decisions in the graph) nor while ``config.OVERRIDES``
@@ -29,6 +31,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import config
+from .bias_mask import StreamedFlags, mask_regions_used, reads_mask_apart, streamed_flags
+from .launcher import compiler_options, launch_options
+from ..window_grid import WindowGrid
 
 #: signature -> plan; a handful of entries per model (one per layer shape and pass)
 _PLANS: Dict[Tuple, object] = {}
@@ -56,28 +61,87 @@ def device_index(t: torch.Tensor) -> int:
     return t.get_device()
 
 
-@dataclass(frozen=True)
-class _Streamed:
-    """How kernels that stream key blocks read bias and mask (``launch.streamed_bias``),
-    as flags: whether they read a bias (copy), a mask of their own, and the log2(e) factor."""
-
-    has_bias: bool
-    has_mask: bool
-    log2e: bool
-
-
-def _streamed_flags(has_bias: bool, has_mask: bool, streams: bool, dtype: torch.dtype, num_heads: int,
-                    periods: int, n: int) -> _Streamed:
-    """The flags ``launch.streamed_bias`` gives for these inputs (the same rules)."""
-    from .launch import folds_mask
-    if not streams or dtype == torch.float32:
-        return _Streamed(has_bias, has_mask, False)
-    fold = has_mask and folds_mask(dtype, num_heads, periods, n)
-    if not has_bias and not fold:
-        return _Streamed(False, has_mask, False)
-    return _Streamed(True, has_mask and not fold, True)
+# ------------------------------------------------------------- decided from shapes
+def windows_tokens_channels(qkv: torch.Tensor, grid: Optional[WindowGrid]) -> Tuple[int, int, int]:
+    """(B_, N, 3*H*D) of qkv in the partitioned layout ((B_, N, 3*H*D) or (B_, N, 3, H, D)),
+    or in the feature-map layout (B, H*W, 3*H*D) of ``grid``: B_ = B * nW."""
+    if grid is None:
+        return qkv.shape[0], qkv.shape[1], qkv.shape[2:].numel()
+    return qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
 
 
+def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
+                        cosine: bool, save: bool = True) -> Tuple[int, ...]:
+    """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
+    1 / row sum where the backward streams key blocks, plus the rows' mean score and their
+    inverse norms for cosine attention (4, B_, H, N); nothing where a whole window fits one
+    backward tile (it renormalizes the rows itself), nor where no backward will run
+    (``save`` False)."""
+    if not save or config.backward_config(n, head_dim, dtype, cosine).single_tile(n):
+        return (0,)
+    return (4 if cosine else 2, num_windows, num_heads, n)
+
+
+def reads_table(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool) -> bool:
+    """Whether the kernels of both passes read a position bias from its table for this
+    shape (``table_index``): where a whole window is one tile of the forward and of the
+    backward (the kernels that stream key blocks read the dense bias, or a copy of it)."""
+    return (n <= config.forward_config(n, head_dim, dtype, cosine, dropout).block_n
+            and config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
+
+
+def maps_windows(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, backward: bool) -> bool:
+    """Whether the kernels read and write the feature-map layout (``grid``) for this
+    shape: the forward always, the backward where a whole window fits its one-tile kernel
+    (the kernels that stream blocks address windows by their partitioned rows)."""
+    return not backward or config.backward_config(n, head_dim, dtype, cosine).single_tile(n)
+
+
+def dq_by_atomic_adds(tiles: config.LaunchConfig) -> bool:
+    """Whether the multi-block backward adds dQ up with atomic adds in its dkdv kernel (one
+    recomputation of P fewer) rather than in a dq kernel of its own: where the launch
+    configuration says it is faster (``LaunchConfig.dq_atomic``), and never under
+    ``torch.use_deterministic_algorithms(True)``: the order of fp32 atomic adds varies
+    from run to run, and so would the last bits of dQ and of the cosine scale gradient
+    (the bias gradient's: ``dbias_slots``)."""
+    return tiles.dq_atomic and not torch.are_deterministic_algorithms_enabled()
+
+
+def dbias_slots(tiles: config.LaunchConfig) -> int:
+    """Into how many (H, N, N) fp32 slots the multi-block dkdv kernel adds the bias gradient
+    with atomic adds, 0 where a dbias kernel of its own computes it (``LaunchConfig.
+    dbias_slots``; 0 under ``torch.use_deterministic_algorithms(True)``)."""
+    return 0 if torch.are_deterministic_algorithms_enabled() else tiles.dbias_slots
+
+
+def dbias_sum_by_atomic_adds() -> bool:
+    """Whether the dbias kernel adds its programs' sums into one (H, N, N) buffer with
+    atomic adds rather than writing (nW * chunks, H, N, N) partials that a sum reduces
+    afterwards: always but under ``torch.use_deterministic_algorithms(True)`` (the adds'
+    order varies from run to run, and so would the last bits of the bias gradient)."""
+    return not torch.are_deterministic_algorithms_enabled()
+
+
+# ------------------------------------------------------------- layout and dtype arguments
+def _grid_args(grid: Optional[WindowGrid]) -> Tuple[int, ...]:
+    """The layout's run-time arguments (``tiles.window_rows``): the feature-map geometry,
+    placeholders for the partitioned layout."""
+    return grid.kernel_args() if grid is not None else (1, 1, 1, 1, 0, 0)
+
+
+def _layout_flags(grid: Optional[WindowGrid]) -> dict:
+    """The constexprs of the layout: MAPPED, and the window's width (``tiles.window_rows``)."""
+    return dict(MAPPED=grid is not None, WINDOW_W=grid.window[1] if grid is not None else 1)
+
+
+def _fp32_dot(dtype: torch.dtype) -> bool:
+    """The kernels' FP32_DOT: float32 inputs get exact fp32 products (no tf32). Triton's
+    interpreter (3.6 to 3.9) holds bf16 as uint16 and its tl.dot multiplies those bit
+    patterns as integers: products there are taken in fp32."""
+    return dtype == torch.float32 or config.INTERPRET
+
+
+# ------------------------------------------------------------- the plans
 @dataclass
 class ForwardPlan:
     """The forward kernel's launch for one signature (``forward_plan``)."""
@@ -92,21 +156,22 @@ class ForwardPlan:
     programs: Tuple[int]
     out_shape: Tuple[int, ...]
     stats_shape: Tuple[int, ...]
-    #: the forward computes the mask's region ids for both passes (``launch.mask_regions_used``)
+    #: the forward computes the mask's region ids for both passes (``bias_mask.mask_regions_used``)
     regions_used: bool
     #: this kernel streams key blocks over them
     mask_regions: bool
-    #: the kernel streams key blocks: it reads the bias as ``launch.streamed_bias`` gives it
+    #: the kernel streams key blocks: it reads the bias as ``bias_mask.streamed_bias`` gives it
     streams: bool
     table: bool
-    flags: _Streamed
+    flags: StreamedFlags
     grid_args: Tuple[int, ...]
     #: FROM_REGIONS -> the kernel's keyword arguments (constexprs and compile options)
     kwargs: Dict[bool, dict] = field(default_factory=dict)
 
 
 def forward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Optional[torch.Tensor], cosine: bool,
-                 dropout: bool, save_stats: bool, grid, table: bool, table_sigmoid: float, traced: bool) -> ForwardPlan:
+                 dropout: bool, save_stats: bool, grid: Optional[WindowGrid], table: bool, table_sigmoid: float,
+                 traced: bool) -> ForwardPlan:
     """The forward's ``ForwardPlan`` for these inputs (``traced``: the launch is traced for
     torch.compile)."""
     periods = mask.shape[0] if mask is not None else 1
@@ -123,10 +188,8 @@ def forward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Option
 
 def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, grid, table, table_sigmoid,
                   periods) -> ForwardPlan:
-    from .launch import (_fp32_dot, _grid_args, _layout_flags, _windows_tokens_channels, launch_options,
-                         mask_regions_used, reads_mask_apart, softmax_stats_shape)
     dtype = qkv.dtype
-    num_windows, n, channels = _windows_tokens_channels(qkv, grid)
+    num_windows, n, channels = windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
     tiles = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask_apart(mask, dtype, num_heads, n))
     if table and n > tiles.block_n:
@@ -138,7 +201,7 @@ def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, g
     chunks, per_chunk = config.split_windows(
         per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
     streams = n > tiles.block_n
-    flags = _streamed_flags(has_bias, mask is not None, streams, dtype, num_heads, periods, n)
+    flags = streamed_flags(has_bias, mask is not None, streams, dtype, num_heads, periods, n)
     stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, dtype, cosine, save_stats)
     plan = ForwardPlan(tiles, num_windows, n, head_dim, periods, per_period, per_chunk,
                        (m_blocks * num_heads * periods * chunks,), (*qkv.shape[:2], num_heads * head_dim), stats_shape,
@@ -169,7 +232,7 @@ class BackwardPlan:
     periods: int
     per_period: int
     mask_regions: bool
-    flags: _Streamed
+    flags: StreamedFlags
     scale_grad: bool
     grid_args: Tuple[int, ...]
     #: one-tile: the partial sums' buffer (groups, H*N*N + H) and the bias part's size
@@ -189,8 +252,8 @@ class BackwardPlan:
 
 
 def backward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Optional[torch.Tensor], cosine: bool,
-                  bias_grad: bool, scale_grad: bool, dropout: bool, grid, table: bool, table_sigmoid: float,
-                  traced: bool) -> BackwardPlan:
+                  bias_grad: bool, scale_grad: bool, dropout: bool, grid: Optional[WindowGrid], table: bool,
+                  table_sigmoid: float, traced: bool) -> BackwardPlan:
     """The backward's ``BackwardPlan`` for these inputs (``traced`` as ``forward_plan``'s)."""
     periods = mask.shape[0] if mask is not None else 1
 
@@ -207,10 +270,8 @@ def backward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Optio
 
 def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad, dropout, grid, table,
                    table_sigmoid, periods) -> BackwardPlan:
-    from .launch import (_fp32_dot, _grid_args, _layout_flags, _windows_tokens_channels, compiler_options,
-                         dbias_slots, dbias_sum_by_atomic_adds, dq_by_atomic_adds, launch_options, mask_regions_used)
     dtype = qkv.dtype
-    num_windows, n, channels = _windows_tokens_channels(qkv, grid)
+    num_windows, n, channels = windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
     tiles = config.backward_config(n, head_dim, dtype, cosine)
     single = tiles.single_tile(n)
@@ -222,7 +283,7 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
                          f"N = {n} is more (reads_table)")
     mask_regions = mask_regions_used(n, head_dim, dtype, cosine, mask, num_heads) and not single
     per_period = num_windows // periods
-    flags = _streamed_flags(has_bias, mask is not None, not single, dtype, num_heads, periods, n)
+    flags = streamed_flags(has_bias, mask is not None, not single, dtype, num_heads, periods, n)
     scale_grad = scale_grad and cosine
     plan = BackwardPlan(tiles, single, num_windows, n, head_dim, periods, per_period, mask_regions, flags, scale_grad,
                         _grid_args(grid))

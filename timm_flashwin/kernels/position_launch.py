@@ -1,7 +1,7 @@
 """Host side of the position-bias kernels: the bias gathered from its table and the table's
 gradient (kernels/position_bias.py), and the position MLP's table and weight gradients
 (kernels/position_mlp.py). Launched as ``launch.py``'s attention kernels are
-(``launch.launcher``), traceable by torch.compile."""
+(``launcher.launcher``), traceable by torch.compile."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import config
-from .launch import compiler_options, launcher
+from .launcher import compiler_options, launcher
 from .position_bias import relative_bias_gather_kernel, relative_bias_table_grad_kernel
 from .position_mlp import position_mlp_bwd_kernel, position_mlp_fwd_kernel
 

@@ -322,7 +322,7 @@ def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols
                    BIAS_LOG2E: tl.constexpr):
     """(B[h] + M[w]) * log2(e) for one (rows, cols) tile, fp32; -inf on padded columns.
 
-    BIAS_LOG2E: the bias read is already B * log2(e) (``launch.streamed_bias``'s float16
+    BIAS_LOG2E: the bias read is already B * log2(e) (``bias_mask.streamed_bias``'s float16
     copy, which the kernels that stream key blocks read with 16-bit inputs; where it holds
     the mask too, those kernels are launched without HAS_MASK and their bias pointer steps
     to window w's slice): one multiply per logit fewer.

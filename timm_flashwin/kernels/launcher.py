@@ -1,0 +1,96 @@
+"""How the host launches a Triton kernel: ``launcher(kernel)[grid](*args, **kwargs)``.
+
+Two roads. While torch.compile traces a ``torch.library.triton_op`` (and under the
+interpreter) the launch goes through ``wrap_triton``, which records it in the graph;
+otherwise it is a direct launch on the device of its first tensor (``fast_launch``),
+without Triton's per-launch argument binding. ``compiler_options`` and
+``launch_options`` give the keyword arguments every launch passes (warps, stages,
+register cap, FMA contraction), which differ between the two roads.
+
+Used by the attention kernels' host side (``launch``, ``bias_mask``), the position-bias
+and local-attention launchers and the dropout kernel's.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import config, fast_launch
+
+if config.INTERPRET or not hasattr(torch.library, "wrap_triton"):
+    # interpreted kernels are plain Python, launched as they are (on CPU tensors); torch
+    # before 2.6 has no wrap_triton and launches kernels directly too
+    def wrap_triton(kernel):
+        return kernel
+
+    def traced_launch() -> bool:
+        return False
+else:
+    from torch.library import wrap_triton
+    # whether wrap_triton records launches for tracing (else they run as they are); where
+    # a torch cannot say, launches count as traced
+    traced_launch = getattr(getattr(torch._library, "triton", None), "is_wrap_triton_enabled", lambda: True)
+
+
+def launcher(kernel):
+    """``launcher(kernel)[grid](*args, **kwargs)``: the kernel's launch as ``wrap_triton``
+    records it while torch.compile traces (and as the interpreter runs it), else a direct
+    launch that skips Triton's per-launch binding where it can (``fast_launch``)."""
+    return _Launcher(kernel)
+
+
+class _Launcher:
+    """What ``launcher`` returns: indexed by the grid, the function that launches the kernel."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        if config.INTERPRET or traced_launch():
+            return wrap_triton(self.kernel)[grid]
+        return lambda *args, **kwargs: _launch_on_device(self.kernel, grid, args, kwargs)
+
+
+def _launch_on_device(kernel, grid, args, kwargs) -> None:
+    """A direct launch on the device of the first argument (every launcher's first argument
+    is a tensor): Triton launches on the current CUDA device, which a model moved to
+    another GPU (``.to("cuda:1")``) does not change. Traced launches get inductor's own
+    device guard."""
+    device = args[0].device.index
+    if device == torch.cuda.current_device():
+        fast_launch.launch(kernel, grid, args, kwargs, device)
+    else:
+        with torch.cuda.device(device):
+            fast_launch.launch(kernel, grid, args, kwargs, device)
+
+
+def compiler_options(num_warps: int = 4) -> dict:
+    """Warps and, where the kernel is launched directly, ``enable_fp_fusion=True``: the
+    kernels were written and measured with the compiler contracting a multiply and an add
+    into one FMA (one instruction per logit fewer in several places; the precision notes
+    assume its single rounding), which Triton did by default up to 3.9 and says it will
+    not from 3.10 (it warns where a launch leaves the option unset). Traced launches
+    (torch.compile) go without it: inductor takes a user kernel's warps and stages only,
+    and compiles it with the Triton default."""
+    options = dict(num_warps=num_warps)
+    if not traced_launch():
+        options["enable_fp_fusion"] = True
+    return options
+
+
+def launch_options(tiles: config.LaunchConfig, dropout: bool) -> dict:
+    """Warps, stages and, where the kernel is launched directly, the register cap and FMA
+    contraction (``compiler_options``).
+
+    A launch traced for torch.compile ends in inductor's own launcher, which takes a user
+    kernel's warps and stages but not ``maxnreg`` (torch 2.11 to 2.14: config_to_dict
+    drops it), so traced launches go without it: compiled models run those kernels at the
+    compiler's register count. Nor with attention dropout: its random numbers keep more
+    registers live, and under the cap 0.4 to 2.2 KB per thread would spill (sm_90 build,
+    tests/sm90_build.py).
+    """
+    options = dict(compiler_options(tiles.num_warps), num_stages=tiles.num_stages)
+    if tiles.maxnreg is not None and not dropout and not traced_launch():
+        options["maxnreg"] = tiles.maxnreg
+    return options
