@@ -219,7 +219,7 @@ class TableBias(NamedTuple):
     autograd node: no node, no torch.autograd.Function call and no autograd bookkeeping of
     a gather of its own (host time, which eager training steps of the tiny models are bound
     by); where a window is one tile of the kernels (N <= 64) they read the table themselves
-    (``kernels.tiles.load_table_bias_mask``: no gather launched, no dense bias kept between
+    (``kernels.bias_mask_tiles.load_table_bias_mask``: no gather launched, no dense bias kept between
     the passes), else a gather kernel writes the bias for them. Elsewhere (torch.compile, dispatch modes, tensor
     subclasses, PyTorch's path) the op takes ``dense()``. A NamedTuple: torch.compile
     traces it as it traces a tuple.

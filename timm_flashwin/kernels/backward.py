@@ -37,9 +37,9 @@ both paths give bit-for-bit reproducible gradients.
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_qk, load_table_bias_mask, load_window_qk,
-                    load_window_rows, logit_scale_grad, logits_tile, mma, normalize_backward, store_rows,
-                    store_window_rows, window_rows, window_run)
+from .bias_mask_tiles import load_bias_mask, load_table_bias_mask
+from .tiles import (LOG2E, dropout_factor, head_scale, load_window_qk, load_window_rows, logit_scale_grad, logits_tile,
+                    mma, normalize_backward, store_rows, store_window_rows, window_rows, window_run)
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def window_attention_bwd_fused_kernel(
     dscale_partial_ptr, both stride_partial_group apart from group to group (the launcher
     lays the two out in one buffer, which one reduction sums).
     BIAS_TABLE: the bias read from its table through the index at bias_index_ptr, as the
-    forward reads it (``tiles.load_table_bias_mask``); its gradient is still the dense (H, N, N)
+    forward reads it (``bias_mask_tiles.load_table_bias_mask``); its gradient is still the dense (H, N, N)
     partial sums, which the table's gradient kernel sums per table row."""
     pid = tl.program_id(0)
     h = pid % H

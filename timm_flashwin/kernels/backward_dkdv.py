@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 
 from .backward import input_grad, load_rbar, load_row_stats, program_block, scale_grad_terms, softmax_backward_tile
-from .tiles import (LOG2E, head_scale, load_bias_mask, load_qk, load_rows, logit_scale_grad, mask_kind_launch, mma,
-                    row_norms, store_rows, window_in_one_region, window_run)
+from .bias_mask_tiles import load_bias_mask, mask_kind_launch, window_in_one_region
+from .tiles import LOG2E, head_scale, load_qk, load_rows, logit_scale_grad, mma, row_norms, store_rows, window_run
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def window_attention_bwd_dkdv_kernel(
 
     ONE_REGION_LOOP: the work (``dkdv_windows``) is built twice, with and without the
     mask, and a program whose mask window is one region takes the copy without it
-    (``tiles.window_in_one_region``; config.backward_config says where).
+    (``bias_mask_tiles.window_in_one_region``; config.backward_config says where).
 
     FLAT_LOOP: one loop over (window, query block) steps (``dkdv_windows``)."""
     NUM_KEY_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N

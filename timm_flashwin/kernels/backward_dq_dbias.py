@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 
 from .backward import load_rbar, load_row_stats, program_block, scale_grad_terms, softmax_backward_tile, store_dq
-from .tiles import (LOG2E, head_scale, load_bias_mask, load_bias_mask_either, load_mask_regions, load_qk, load_rows,
-                    logit_scale_grad, mask_kind_launch, mma, window_run)
+from .bias_mask_tiles import load_bias_mask, load_bias_mask_either, load_mask_regions, mask_kind_launch
+from .tiles import LOG2E, head_scale, load_qk, load_rows, logit_scale_grad, mma, window_run
 
 
 @triton.jit

@@ -163,7 +163,7 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
     Returns regions (nW, N) int32 (region_i = the first j with M[w, i, j] == 0) and info
     (2 + nW,) fp32: [1.0 if the mask is exactly that structure else 0.0, value, then per
-    window 1.0 if it is all one region (its mask all 0: ``tiles.window_in_one_region``)
+    window 1.0 if it is all one region (its mask all 0: ``bias_mask_tiles.window_in_one_region``)
     else 0.0], where value is the mask's minimum. "Exactly": the kernels' formula,
     where(same region, 0, value), reproduces every element (NaN never does). Checked on
     the device, with no host synchronization: the kernels read ``info`` and fall back to
@@ -222,7 +222,7 @@ def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int
 def mask_kinds_to_launch(mask_regions: bool, mask: Optional[torch.Tensor]) -> Tuple[bool, ...]:
     """The FROM_REGIONS of each launch of a kernel that streams key or query blocks. With
     region ids (``mask_regions_used``), each kernel is built once per kind of mask
-    (``tiles.mask_kind_launch``): where the host knows the mask's kind (eager calls with a
+    (``bias_mask_tiles.mask_kind_launch``): where the host knows the mask's kind (eager calls with a
     kept mask structure, ``kept_mask_structure``), one launch of that kind; else two, one
     per kind, the programs of the launch whose kind the mask is not returning at once (the
     kind is then only on the device). The launch of the other kind took 6.7 to 6.9 us per
@@ -245,7 +245,7 @@ def bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], q
     (``streamed_bias``), and of the mask (nW, N, N); ``qkv`` as a dummy where absent. The
     bias's strides are (window, head, row, column), 0 along a dimension of one (a bias
     without windows serves every window, a folded mask without a bias every head). ``table``: the
-    bias is a table (T, H) read through an index (``tiles.load_table_bias_mask``): its head
+    bias is a table (T, H) read through an index (``bias_mask_tiles.load_table_bias_mask``): its head
     stride and its rows' stride in the head and row places."""
     if table:
         return bias, mask if mask is not None else qkv, (0, bias.stride(1), bias.stride(0), 0), (

@@ -47,7 +47,7 @@ class LaunchConfig:
     #: ``plan.dbias_slots``; never in deterministic mode)
     dbias_slots: int = 0
     #: kernels that stream key blocks over the region ids of a mask: a second copy of the key
-    #: loop, built without a mask, for the windows of one region (``tiles.window_in_one_region``)
+    #: loop, built without a mask, for the windows of one region (``bias_mask_tiles.window_in_one_region``)
     one_region_loop: bool = False
     #: the forward and the dkdv kernel: one loop over (window, key block) steps rather than a
     #: loop over blocks per window (``forward.forward_windows``, ``backward_dkdv.dkdv_windows``)

@@ -11,9 +11,9 @@ product with V is dropped (O = (P * keep / (1 - p)) V, as timm's attn_drop appli
 import triton
 import triton.language as tl
 
-from .tiles import (LOG2E, dropout_factor, head_scale, load_bias_mask, load_table_bias_mask, load_window_qk,
-                    load_window_rows, logits_tile, mask_kind_launch, mma, row_norms, store_window_rows,
-                    window_in_one_region, window_rows, window_run)
+from .bias_mask_tiles import load_bias_mask, load_table_bias_mask, mask_kind_launch, window_in_one_region
+from .tiles import (LOG2E, dropout_factor, head_scale, load_window_qk, load_window_rows, logits_tile, mma, row_norms,
+                    store_window_rows, window_rows, window_run)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "map_windows",
@@ -40,7 +40,7 @@ def window_attention_fwd_kernel(
     and, with
     BIAS_TABLE (windows of one key block): the bias read from its table (T, H) at bias_ptr,
     rows stride_bias_i apart, heads stride_bias_h, through the (N, N) index at
-    bias_index_ptr, BIAS_SIGMOID its sigmoid scale or 0 (``tiles.load_table_bias_mask``); and, with
+    bias_index_ptr, BIAS_SIGMOID its sigmoid scale or 0 (``bias_mask_tiles.load_table_bias_mask``); and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
     row max of the log2 logits, stats[1] 1 / sum(exp2(logits - max)), each (B_, H, N),
     and for cosine attention stats[2] the rows' P-weighted mean score
