@@ -59,7 +59,7 @@ def test_verify_mismatch_exits_1(capsys, monkeypatch):
 def test_timm_second_run_moves_every_pixel_one_ulp():
     """verify runs timm a second time on jittered images; its error is a second draw of
     timm's rounding noise, and the larger of the two is the one the tolerance uses."""
-    from timm_flashwin.verify import compare, jitter_images, larger_error
+    from timm_flashwin.comparison import compare, jitter_images, larger_error
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     moved = jitter_images(x)
     assert torch.equal(jitter_images(x), moved)  # the same images for timm on every run

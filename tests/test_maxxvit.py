@@ -20,8 +20,8 @@ from conftest import KERNEL_DEVICE
 from opcases import relative_error
 from test_patching import flashwin_ops, images, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
-from timm_flashwin.verify import (GRADIENT_FACTOR, compare, group_error, jitter_images, larger_error, perturb_,
-                                  verify_model)
+from timm_flashwin.comparison import compare, group_error, jitter_images, larger_error
+from timm_flashwin.verify import GRADIENT_FACTOR, perturb_, verify_model
 
 MAXXVIT = timm.models.maxxvit
 ATTENTION = (MAXXVIT.AttentionCl, MAXXVIT.Attention2d)

@@ -18,7 +18,8 @@ from timm_flashwin.adapters import ADAPTERS, WindowAttentionAdapter
 from timm_flashwin.adapters.base import BLOCK_GRID_ATTR
 from timm_flashwin.patching import FlashSwinTransformerBlock
 from timm_flashwin.window_grid import WindowGrid
-from timm_flashwin.verify import GRADIENT_FACTOR, compare, group_error, jitter_images, larger_error, perturb_
+from timm_flashwin.comparison import compare, group_error, jitter_images, larger_error
+from timm_flashwin.verify import GRADIENT_FACTOR, perturb_
 
 SWIN_V1 = timm.models.swin_transformer.WindowAttention
 SWIN_V2 = timm.models.swin_transformer_v2.WindowAttention

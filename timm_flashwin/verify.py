@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from .adapters import ADAPTERS
+from .comparison import Comparison, compare, group_error, jitter_images, larger_error
 from .op import uses_kernels
 from .factory import timm_create_model
 from .patching import _attention_modules, patch_model, patch_report
@@ -125,20 +126,10 @@ def attention_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 # --------------------------------------------------------------------------- results
 @dataclass
-class Comparison:
-    """One compared tensor: an attention layer's output, the model output, a gradient."""
-
-    name: str
-    err_timm: float
-    err_ours: float
-    diff: float
-    max_abs: float  # max |patched - timm|
-    passed: bool
-    ill_conditioned: bool = False  # timm's own error >= 100 %: reported, not judged
-
-
-@dataclass
 class VerifyResult:
+    """What ``verify_model`` found: a ``Comparison`` per attention layer, of the output and,
+    with ``train``, of every parameter's gradient; ``passed`` when all of them pass."""
+
     model: str
     settings: Dict
     backend: str  # what ran the patched attention: "triton", "triton-interpreter", "pytorch"
@@ -172,41 +163,6 @@ class VerifyResult:
                     f"({self.patched_modules} attention modules patched, {self.settings['dtype']}, {self.backend})")
         return (f"FAIL {self.model}: {len(self.failures())} of {len(self.layers) + len(self.grads) + 1} compared "
                 f"tensors beyond tolerance ({self.settings['dtype']}, {self.backend})")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def jitter_images(images: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """``images`` with every element moved one ulp up or down at random (its own dtype):
-    the input of timm's second run, whose error is a second draw of timm's rounding noise."""
-    up = torch.rand(images.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
-    towards = torch.where(up, math.inf, -math.inf).to(images.device, images.dtype)
-    return torch.nextafter(images, towards)
-
-
-def larger_error(first: float, second: Optional[float]) -> float:
-    """The larger of timm's errors in its two runs; a non-finite second run is not counted."""
-    return second if second is not None and math.isfinite(second) and second > first else first
-
-
-def compare(name: str, ours: torch.Tensor, timm_out: torch.Tensor, ref: torch.Tensor, rtol: float,
-            atol: float, err_floor: float = 0.0, factor: float = 2.0,
-            timm_again: Optional[torch.Tensor] = None) -> Comparison:
-    """err_ours <= max(rtol, factor * err_timm, 2 * err_floor) + atol / rms(ref);
-    ``err_floor``: timm's error on a whole group the tensor belongs to (all gradients);
-    ``timm_again``: timm's output from its second run (jittered images), if any; err_timm
-    is then the larger of the two runs' errors."""
-    err_timm = larger_error(_rel(timm_out, ref), None if timm_again is None else _rel(timm_again, ref))
-    err_ours = _rel(ours, ref)
-    rms = ref.detach().double().pow(2).mean().sqrt().clamp_min(1e-30).item()
-    bound = max(rtol, factor * err_timm, 2 * err_floor) + atol / rms
-    ill = bool(err_timm >= 1.0)
-    return Comparison(name, err_timm, err_ours, _rel(ours, timm_out),
-                      (ours.detach().double() - timm_out.detach().double()).abs().max().item(),
-                      bool(ill and math.isfinite(err_ours)) or bool(err_ours <= bound), ill)  # NaN fails
 
 
 # --------------------------------------------------------------------------- building
@@ -269,13 +225,6 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
         details = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()] or [str(exc)]
         more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
         raise UsageError(f"--checkpoint {path} does not fit {type(model).__name__}: {details[0][:300]}{more}") from None
-
-
-def group_error(tensors: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]) -> float:
-    """Relative error of a group of tensors taken together (all gradients of a model)."""
-    names = sorted(reference)
-    return _rel(torch.cat([tensors[n].detach().double().flatten() for n in names]),
-                torch.cat([reference[n].detach().double().flatten() for n in names]))
 
 
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
@@ -399,5 +348,5 @@ def verify_model(
     return result
 
 
-__all__ = ["GRADIENT_FACTOR", "attention_layers", "group_error", "jitter_images", "larger_error", "Comparison", "RTOL", "ATOL",
-           "UsageError", "VerifyResult", "perturb_", "verify_model", "build_model", "compare"]
+__all__ = ["ATOL", "Comparison", "GRADIENT_FACTOR", "RTOL", "UsageError", "VerifyResult", "attention_layers",
+           "build_model", "perturb_", "verify_model"]
