@@ -34,7 +34,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -276,12 +276,14 @@ def _time_pass(fn: Callable, inputs, forward_only: bool, rep: int) -> float:
     return _time_ms(lambda: fn(q, k, v).backward(do), [q, k, v], rep=rep)
 
 
-def tune(spec: str, rep: int) -> List[Dict]:
-    """Time launch plans of each of our kernels on one case (forward plans by the forward,
-    backward ones by forward+backward), the others at their defaults."""
+def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
+    """Time launch plans of our kernels ``kinds`` on one case (forward plans by the forward,
+    backward ones by forward+backward), the others at their defaults. The case's length
+    decides which plans it tunes: those of short or of long rows (``local_launch.long_rows``)."""
     from timm_flashwin.kernels import local_launch
     name, seq_len = spec.split(":")
     case, seq_len = CASES[name], int(seq_len)
+    long = local_launch.long_rows(astuple(case.pattern), seq_len)
     inputs = make_inputs(case, seq_len)
     fn = ours(case.pattern)
     warps_stages = ((4, 3), (4, 4), (8, 2), (8, 3))
@@ -291,16 +293,17 @@ def tune(spec: str, rep: int) -> List[Dict]:
     candidates = {kind: [(m, n, w, s) for m, n in pairs for w, s in warps_stages]
                   for kind, pairs in tile_pairs.items()}
     rows = []
-    for kind, plans in candidates.items():
-        key = (kind, case.head_dim, torch.bfloat16)
-        default = local_launch.plan(kind, case.head_dim, torch.bfloat16)
+    for kind in kinds:
+        plans = candidates[kind]
+        key = (kind, case.head_dim, torch.bfloat16, long)
+        default = local_launch.plan(kind, case.head_dim, torch.bfloat16, long)
         for tiles in [default] + [local_launch.Plan(*p) for p in plans]:
             local_launch.OVERRIDES[key] = tiles
             try:
                 ms, result = _time_pass(fn, inputs, forward_only=kind == "fwd", rep=rep), {}
             except Exception as exc:  # a plan that does not fit (shared memory) is reported
                 ms, result = float("nan"), dict(error=f"{type(exc).__name__}")
-            rows.append(dict(case=name, S=seq_len, kind=kind, plan=tiles.__dict__, ms=ms, default=tiles == default,
+            rows.append(dict(case=name, S=seq_len, kind=kind, long_rows=long, plan=tiles.__dict__, ms=ms, default=tiles == default,
                              **{k: v for k, v in result.items() if k == "error"}))
             print(f"{kind:5s} {tiles} {ms:8.3f} ms{' (default)' if tiles == default else ''}", flush=True)
         local_launch.OVERRIDES.pop(key)
@@ -319,6 +322,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="the largest dense bool mask sdpa_mask builds (S * S bytes)")
     parser.add_argument("--tune", metavar="CASE:S", nargs="+", default=None,
                         help="time launch plans of our kernels on these cases instead")
+    parser.add_argument("--tune-kinds", nargs="+", default=["fwd", "dq", "dkdv"], choices=["fwd", "dq", "dkdv"],
+                        help="the kernels --tune times")
     parser.add_argument("--out", default=None, help="write the results as JSON here (and the plots next to it)")
     args = parser.parse_args(argv)
     rep = 30 if args.quick else 100
@@ -331,7 +336,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 quick=args.quick)
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['code']}", flush=True)
     if args.tune:
-        rows = [row for spec in args.tune for row in tune(spec, rep)]
+        rows = [row for spec in args.tune for row in tune(spec, rep, args.tune_kinds)]
         if args.out:
             write_json(args.out, dict(meta=meta, tune=rows))
         return

@@ -48,8 +48,9 @@ CASES = [
     (256, torch.float32, False, False, ()),
 ]
 QUICK = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[5], CASES[6]]
-#: the one case of the test suite (tests/test_local_attention.py): every constexpr branch
-SMOKE = [(128, torch.float16, True, True, SLIDING)]
+#: the one case of the test suite (tests/test_local_attention.py): every constexpr branch, and
+#: at head_dim 64 the forward plans of short and of long rows differ (two builds)
+SMOKE = [(64, torch.float16, True, True, SLIDING)]
 POINTERS_IN_DTYPE = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr", "dq_ptr", "dk_ptr", "dv_ptr"}
 
 
@@ -107,12 +108,13 @@ def main() -> int:
                      HAS_SINK=sink, HAS_DROPOUT=dropout, PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
         for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
                              ("dq", local_attention_bwd_dq_kernel)):
-            tiles = local_launch.plan(kind, head_dim, dtype)
-            ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n),
-                        tiles.num_warps, tiles.num_stages, ones)
-        rows = local_launch.plan("dq", head_dim, dtype)
-        ok &= build(local_attention_bwd_delta_kernel, dtype,
-                    dict(D=head_dim, BLOCK_M=rows.block_m, BLOCK_D=flags["BLOCK_D"]), 4, 1, ones)
+            # the plans of short and of long rows (local_launch.long_rows), each once
+            for tiles in dict.fromkeys(local_launch.plan(kind, head_dim, dtype, long) for long in (False, True)):
+                ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n),
+                            tiles.num_warps, tiles.num_stages, ones)
+        for rows in dict.fromkeys(local_launch.plan("dq", head_dim, dtype, long) for long in (False, True)):
+            ok &= build(local_attention_bwd_delta_kernel, dtype,
+                        dict(D=head_dim, BLOCK_M=rows.block_m, BLOCK_D=flags["BLOCK_D"]), 4, 1, ones)
     return 0 if ok else 1
 
 

@@ -172,6 +172,27 @@ def test_kernels_visit_only_tiles_with_visible_pairs(pattern, visible):
         assert forward == list(by_query) and dq == list(by_query_dq) and dkdv == list(by_key)
 
 
+LONG = local_launch.LONG_ROW_KEYS
+
+
+@pytest.mark.parametrize("pattern,seq_len,long", [
+    (LocalPattern.sliding(None, 0), LONG, True),  # causal: the last row sees all S keys
+    (LocalPattern.sliding(None, 0), LONG - 1, False),
+    (LocalPattern.sliding(None, None), LONG, True),
+    (LocalPattern.sliding(512, 512), 1 << 20, False),
+    (LocalPattern.sliding(LONG // 2, LONG // 2), 1 << 20, True),  # LONG + 1 keys
+    (LocalPattern.sliding(LONG // 2 - 1, LONG // 2 - 1), 1 << 20, False),  # LONG - 1 keys
+    (LocalPattern.blocks(256, 16), 1 << 20, False),  # 16 frames: 4096 keys
+    (LocalPattern.blocks(256, 32), 1 << 20, True),  # the last query of a frame: 32 frames
+    (LocalPattern.blocks(256, 4, LONG), 1 << 20, True),  # the sink's keys count
+])
+def test_long_row_plans_follow_the_widest_row(pattern, seq_len, long):
+    """Which plans a pattern takes (long rows: taller query tiles on the GPU) depends on the
+    most keys one of its rows may see, sink included, never more than S."""
+    numbers = (pattern.period, pattern.before, pattern.after, pattern.sink)
+    assert local_launch.long_rows(numbers, seq_len) is long
+
+
 def test_rows_without_keys_give_zero_not_nan():
     """An empty pattern (the API refuses one; the kernels take it from the launchers):
     output 0, log-sum-exp +inf, every gradient 0, nothing NaN."""
@@ -378,13 +399,14 @@ def test_inputs_on_two_devices_are_refused():
 def test_kernels_compile_for_sm90():
     """What the interpreter cannot see (constexpr branches, loop-carried types, the plan's
     shared memory): the four kernels with sink, dropout and a sliding window's period built
-    for sm_90 (tests/local_sm90_build.py --smoke; the whole set without --smoke)."""
+    for sm_90, the forward with the plans of short and of long rows (tests/local_sm90_build.py
+    --smoke; the whole set without --smoke)."""
     script = Path(__file__).with_name("local_sm90_build.py")
     env = dict(os.environ, TRITON_INTERPRET="0")
     result = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("registers") == 4, result.stdout
+    assert result.stdout.count("registers") == 5, result.stdout  # the forward twice
 
 
 # ----------------------------------------------------------------------- on a GPU
@@ -400,6 +422,8 @@ def _compare_on_gpu(fn, visible, shape, dtype, chunk=None, scale=None):
     pytest.param(sliding((512, 512)), sliding_window_visible(512, 512), (1, 4, 2, 16384, 128), id="window-512-S16k"),
     pytest.param(sliding((250, 249)), sliding_window_visible(250, 249), (2, 4, 4, 8192, 64), id="sliding500"),
     pytest.param(sliding((None, None), True), sliding_window_visible(None, 0), (1, 2, 2, 8192, 64), id="causal-8k"),
+    pytest.param(sliding((None, None)), sliding_window_visible(None, None), (1, 2, 2, 16384, 128),
+                 id="global-d128-S16k"),
     pytest.param(blocks(256, 4, 64), block_window_visible(256, 4, 64), (1, 12, 12, 32768, 64),
                  id="frames-256-4-sink64-S32k"),
     pytest.param(blocks(1560, 2), block_window_visible(1560, 2), (1, 4, 1, 12000, 128), id="frames-1560-mqa"),

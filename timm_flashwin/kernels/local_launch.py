@@ -2,9 +2,9 @@
 
 Written with torch operations and ``launch.launcher`` launches only, so that
 ``torch.library.triton_op`` traces them under torch.compile. The launch plan (tiles, warps,
-stages) is decided once per (pass, head_dim, dtype) and cached (``plan``): nothing of it
-depends on B, S, the pattern or the scale, which are run-time arguments of the kernels (a
-new sequence length or window never recompiles).
+stages) is decided once per (pass, head_dim, dtype, long rows or not) and cached (``plan``):
+B, S, the pattern and the scale are run-time arguments of the kernels (a new sequence length
+or window never recompiles); S and the pattern only pick between two plans (``long_rows``).
 
 A tensor a kernel writes goes to its launch under one parameter only, and an unused pointer
 (the tile counts, outside tests) is None, never another argument. A traced launch is a
@@ -48,9 +48,22 @@ class Plan:
     num_stages: int
 
 
-#: ("fwd" | "dkdv" | "dq", head_dim, dtype) -> Plan, consulted before the defaults
+#: ("fwd" | "dkdv" | "dq", head_dim, dtype, long_rows) -> Plan, consulted before the defaults
 #: (benchmarks/bench_local.py --tune fills it to compare plans)
-OVERRIDES: Dict[Tuple[str, int, torch.dtype], Plan] = {}
+OVERRIDES: Dict[Tuple[str, int, torch.dtype, bool], Plan] = {}
+
+#: a query row that may see at least this many keys takes the long-row plans: taller query
+#: tiles load each key tile for more rows, which pays where rows are long (global and causal
+#: attention over long sequences); on windows the taller tile's masked edge costs more
+LONG_ROW_KEYS = 8192
+
+
+def long_rows(pattern: Pattern, seq_len: int) -> bool:
+    """Whether a query row of ``pattern`` over ``seq_len`` tokens may see LONG_ROW_KEYS keys
+    or more (the widest row: a block pattern's last query of a block, a causal row's last)."""
+    period, before, after, sink = pattern
+    width = (seq_len if before < 0 else before) + (seq_len if after < 0 else after) + period - 1
+    return min(seq_len, width + sink) >= LONG_ROW_KEYS
 
 
 def block_d(head_dim: int) -> int:
@@ -58,9 +71,10 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def plan(kind: str, head_dim: int, dtype: torch.dtype) -> Plan:
-    found = OVERRIDES.get((kind, int(head_dim), dtype))
-    return found if found is not None else _default_plan(kind, block_d(int(head_dim)), dtype)
+def plan(kind: str, head_dim: int, dtype: torch.dtype, long: bool = False) -> Plan:
+    """The launch of kernel ``kind`` ("fwd", "dq", "dkdv"); ``long``: ``long_rows``."""
+    found = OVERRIDES.get((kind, int(head_dim), dtype, long))
+    return found if found is not None else _default_plan(kind, block_d(int(head_dim)), dtype, long)
 
 
 #: (kind, padded head dim) -> (BLOCK_M, BLOCK_N, warps, stages) for 16-bit inputs on the GPU;
@@ -69,11 +83,18 @@ def plan(kind: str, head_dim: int, dtype: torch.dtype) -> Plan:
 #: sliding500:8192 window512_d128:16384``, 2026-11-26). Against the earlier plans (128 query
 #: rows, 8 warps; ``bench_local.py --quick``): forward -10% to -25% but +7% on global
 #: attention at head_dim 128 (128 rows suit its long rows of keys), forward+backward -27% to
-#: -46%. 256: built, not timed
+#: -46%. 256: built, not timed. Rows of ``LONG_ROW_KEYS`` keys or more: ``_LONG_ROWS_16BIT``
 _PLANS_16BIT = {
     ("fwd", 64): (64, 64, 4, 3), ("fwd", 128): (64, 64, 4, 3), ("fwd", 256): (64, 32, 8, 2),
     ("dq", 64): (64, 64, 4, 3), ("dq", 128): (128, 64, 8, 3), ("dq", 256): (64, 32, 8, 2),
     ("dkdv", 64): (64, 64, 4, 3), ("dkdv", 128): (32, 64, 4, 3), ("dkdv", 256): (32, 32, 8, 2),
+}
+#: the plans of ``_PLANS_16BIT`` that long rows replace (``LONG_ROW_KEYS``). Timed on an H200
+#: (``bench_local.py --tune causal:16384 global_d128:16384 --tune-kinds fwd``, 2026-11-26):
+#: causal at head_dim 64, 128 keys a tile: 3.18 -> 2.66 ms (128 x 64 with 8 warps: 3.17);
+#: global at head_dim 128 kept 64 x 64 (4.22 ms; 128 x 128 with 8 warps 4.38, 128 x 64 4.61)
+_LONG_ROWS_16BIT = {
+    ("fwd", 64): (64, 128, 4, 3),
 }
 #: the same for float32 inputs (3xTF32 products, ``precision``). Not the dkdv kernel with 8
 #: warps and 16 query rows at head_dim 65 to 128: triton 3.6 builds it into an illegal memory
@@ -87,7 +108,7 @@ _PLANS_32BIT = {
 
 
 @functools.lru_cache(maxsize=None)
-def _default_plan(kind: str, width: int, dtype: torch.dtype) -> Plan:
+def _default_plan(kind: str, width: int, dtype: torch.dtype, long: bool) -> Plan:
     """Under the interpreter (CI): tiles of 16, so that small sequences still take the
     multi-block paths (window edges, partial blocks, the sink's blocks) at low cost.
 
@@ -98,8 +119,10 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype) -> Plan:
     (``OVERRIDES``)."""
     if config.INTERPRET:
         return Plan(16, 16, 4, 1)
-    plans = _PLANS_32BIT if dtype == torch.float32 else _PLANS_16BIT
-    return Plan(*plans[kind, max(64, width)])
+    key = kind, max(64, width)
+    if dtype == torch.float32:
+        return Plan(*_PLANS_32BIT[key])
+    return Plan(*(_LONG_ROWS_16BIT.get(key) if long and key in _LONG_ROWS_16BIT else _PLANS_16BIT[key]))
 
 
 def precision(dtype: torch.dtype) -> int:
@@ -130,7 +153,7 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
     int64 tensor, with dropout_p > 0. ``counts``: tests only, an int32 (2,) tensor to which
     the tiles visited without and with a mask are added."""
     B, H, S, D = q.shape
-    tiles = plan("fwd", D, q.dtype)
+    tiles = plan("fwd", D, q.dtype, long_rows(pattern, S))
     out = torch.empty_like(q)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
     grid = (triton.cdiv(S, tiles.block_m) * B * H,)
@@ -155,14 +178,15 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     H_kv = k.shape[1]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = q.new_empty((B, H, S), dtype=torch.float32)
-    rows = plan("dq", D, q.dtype)
+    long = long_rows(pattern, S)
+    rows = plan("dq", D, q.dtype, long)
     launcher(local_attention_bwd_delta_kernel)[(triton.cdiv(S, rows.block_m) * B * H,)](
         out, dout, delta, S, H, *out.stride(), *dout.stride(),
         D=D, BLOCK_M=rows.block_m, BLOCK_D=block_d(D), **compiler_options(4),
     )
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)
     seed_ptr = seed if dropout_p > 0 else q
-    cols = plan("dkdv", D, q.dtype)
+    cols = plan("dkdv", D, q.dtype, long)
     launcher(local_attention_bwd_dkdv_kernel)[(triton.cdiv(S, cols.block_n) * B * H_kv,)](
         q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts,
         scale * LOG2E, scale, dropout_p, S, H_kv, H // H_kv, *pattern,
