@@ -36,8 +36,8 @@ from .factory import CreatedModel, patch_timm, patched_timm, unpatch_timm
 from .local_attention import block_sliding_window_attention, sliding_window_attention
 from .op import window_attention
 from .position_bias import TableBias
-from .patching import (ModuleStatus, PatchError, PatchReport, is_patched, patch_model, patch_report, patched,
-                       unpatch_model)
+from .patching import PatchError, is_patched, patch_model, patch_report, patched, unpatch_model
+from .report import ModuleStatus, PatchReport
 from .reference import window_attention_reference
 from .window_grid import WindowGrid
 

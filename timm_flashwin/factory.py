@@ -34,12 +34,11 @@ import sys
 import threading
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import wrapt
 
-if TYPE_CHECKING:  # patching imports timm: imported where it is used
-    from .patching import PatchReport
+from .report import PatchReport  # not from patching.py, which imports timm: that is imported where it is used
 
 logger = logging.getLogger("timm_flashwin")
 
@@ -60,7 +59,7 @@ class CreatedModel:
     """A model timm's factory returned while ``patched_timm`` was open."""
 
     name: str  # the model name the factory was called with
-    report: "PatchReport"  # the model's window-attention modules as the factory returned it
+    report: PatchReport  # the model's window-attention modules as the factory returned it
 
     def __str__(self) -> str:
         if not self.report.modules:
@@ -69,7 +68,7 @@ class CreatedModel:
 
 
 # ----------------------------------------------------------------------- the wrapper
-def _patch_created(model: Any, settings: Dict[str, Any]) -> "PatchReport":
+def _patch_created(model: Any, settings: Dict[str, Any]) -> PatchReport:
     from .patching import patch_model, patch_report
     report = patch_report(model)
     if not report.modules:

@@ -36,8 +36,7 @@ import contextlib
 import logging
 import types
 import warnings
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -46,6 +45,7 @@ from .adapters import ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
 from .adapters.rel_pos import KEPT_ATTR
 from .hooks import runs_hooks
+from .report import ModuleStatus, PatchReport
 from .tracing import runs_timm
 
 logger = logging.getLogger("timm_flashwin")
@@ -177,54 +177,7 @@ for _family, _name in (("swin", "FlashSwinTransformerBlock"), ("swinv2", "FlashS
     PATCHED_BLOCK_CLASSES[_family] = globals()[_name] = _patched_block_class(ADAPTERS[_family], _name)
 
 
-# ----------------------------------------------------------------------------- report
-@dataclass
-class ModuleStatus:
-    """One window-attention module of a model."""
-
-    name: str  # qualified name in the model, "" for the model itself
-    family: str  # "swin", "swinv2", "swinv2_cr"
-    patched: bool
-    reason: Optional[str] = None  # why not patched
-
-
-@dataclass
-class PatchReport:
-    """What ``patch_model`` did to a model, module by module."""
-
-    model: str  # the model's class name
-    modules: List[ModuleStatus] = field(default_factory=list)
-
-    @property
-    def patched(self) -> List[ModuleStatus]:
-        return [m for m in self.modules if m.patched]
-
-    @property
-    def skipped(self) -> List[ModuleStatus]:
-        return [m for m in self.modules if not m.patched]
-
-    def summary(self) -> str:
-        families: Dict[str, int] = {}
-        for m in self.patched:
-            families[m.family] = families.get(m.family, 0) + 1
-        by_family = ", ".join(f"{k}: {v}" for k, v in families.items()) or "none"
-        text = (f"patched {len(self.patched)} of {len(self.modules)} window-attention modules of {self.model} "
-                f"({by_family})")
-        if self.skipped:
-            text += f"; {len(self.skipped)} kept timm's forward"
-        return text
-
-    def to_dict(self) -> Dict:
-        return dict(model=self.model, summary=self.summary(), modules=[asdict(m) for m in self.modules])
-
-    def __str__(self) -> str:
-        lines = [self.summary()]
-        for m in self.modules:
-            state = "patched" if m.patched else f"skipped: {m.reason}"
-            lines.append(f"  {m.name or '<model>'} [{m.family}] {state}")
-        return "\n".join(lines)
-
-
+# ------------------------------------------------------------------ strict mode
 class PatchError(ValueError):
     """strict=True and some modules cannot be served; ``reasons`` maps name -> reason."""
 

@@ -1,0 +1,56 @@
+"""What ``patch_model`` did to a model, module by module: the ``PatchReport`` that
+``patch_report(model)`` returns (and ``patch_timm`` keeps for every model it patched),
+one ``ModuleStatus`` per window-attention module."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class ModuleStatus:
+    """One window-attention module of a model."""
+
+    name: str  # qualified name in the model, "" for the model itself
+    family: str  # the adapter's: "swin", "swinv2", "swinv2_cr", "maxxvit", ...
+    patched: bool
+    reason: Optional[str] = None  # why not patched
+
+
+@dataclass
+class PatchReport:
+    """What ``patch_model`` did to a model, module by module."""
+
+    model: str  # the model's class name
+    modules: List[ModuleStatus] = field(default_factory=list)
+
+    @property
+    def patched(self) -> List[ModuleStatus]:
+        return [m for m in self.modules if m.patched]
+
+    @property
+    def skipped(self) -> List[ModuleStatus]:
+        return [m for m in self.modules if not m.patched]
+
+    def summary(self) -> str:
+        """One line: how many modules are patched, per family, and how many kept timm's forward."""
+        families: Dict[str, int] = {}
+        for m in self.patched:
+            families[m.family] = families.get(m.family, 0) + 1
+        by_family = ", ".join(f"{k}: {v}" for k, v in families.items()) or "none"
+        text = (f"patched {len(self.patched)} of {len(self.modules)} window-attention modules of {self.model} "
+                f"({by_family})")
+        if self.skipped:
+            text += f"; {len(self.skipped)} kept timm's forward"
+        return text
+
+    def to_dict(self) -> Dict:
+        """The report as plain values (JSON): model, summary and one dict per module."""
+        return dict(model=self.model, summary=self.summary(), modules=[asdict(m) for m in self.modules])
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        for m in self.modules:
+            state = "patched" if m.patched else f"skipped: {m.reason}"
+            lines.append(f"  {m.name or '<model>'} [{m.family}] {state}")
+        return "\n".join(lines)
