@@ -12,6 +12,8 @@ and local-attention launchers and the dropout kernel's.
 """
 from __future__ import annotations
 
+from typing import Any, Callable, Dict, Sequence, Tuple
+
 import torch
 
 from . import config, fast_launch
@@ -31,8 +33,8 @@ else:
     traced_launch = getattr(getattr(torch._library, "triton", None), "is_wrap_triton_enabled", lambda: True)
 
 
-def launcher(kernel):
-    """``launcher(kernel)[grid](*args, **kwargs)``: the kernel's launch as ``wrap_triton``
+def launcher(kernel: Any) -> "_Launcher":
+    """``launcher(kernel)[grid](*args, **kwargs)``, ``kernel`` a ``@triton.jit`` function: the kernel's launch as ``wrap_triton``
     records it while torch.compile traces (and as the interpreter runs it), else a direct
     launch that skips Triton's per-launch binding where it can (``fast_launch``)."""
     return _Launcher(kernel)
@@ -43,16 +45,16 @@ class _Launcher:
 
     __slots__ = ("kernel",)
 
-    def __init__(self, kernel):
+    def __init__(self, kernel: Any):
         self.kernel = kernel
 
-    def __getitem__(self, grid):
+    def __getitem__(self, grid: Tuple[int, ...]) -> Callable[..., Any]:
         if config.INTERPRET or traced_launch():
             return wrap_triton(self.kernel)[grid]
         return lambda *args, **kwargs: _launch_on_device(self.kernel, grid, args, kwargs)
 
 
-def _launch_on_device(kernel, grid, args, kwargs) -> None:
+def _launch_on_device(kernel: Any, grid: Tuple[int, ...], args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
     """A direct launch on the device of the first argument (every launcher's first argument
     is a tensor): Triton launches on the current CUDA device, which a model moved to
     another GPU (``.to("cuda:1")``) does not change. Traced launches get inductor's own

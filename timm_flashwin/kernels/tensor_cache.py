@@ -9,23 +9,12 @@ extra key, differ.
 """
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 
 
-def _kept_key(tensor: torch.Tensor, key: tuple) -> tuple:
-    return (tensor._version, tensor.data_ptr(), tensor.shape, tensor.stride(), *key)
-
-
-def kept(tensor: torch.Tensor, name: str, *key):
-    """What ``kept_on`` keeps on ``tensor`` under ``name`` for the tensor's present state
-    (version, storage, shape, strides, ``key``), or None; computes nothing."""
-    if tensor.is_inference():
-        return None
-    entry = tensor.__dict__.get(name)
-    return entry[1] if entry is not None and entry[0] == _kept_key(tensor, key) else None
-
-
-def kept_on(tensor: torch.Tensor, name: str, compute, *key):
+def kept_on(tensor: torch.Tensor, name: str, compute: Callable[[], Any], *key: Any) -> Any:
     """``compute()``, kept on ``tensor`` (in its ``__dict__`` under ``name``) and computed
     again when the tensor's version counter (in-place changes), storage, shape or strides,
     or ``key``, differ from those it was computed for. Inference tensors (made under
@@ -38,3 +27,16 @@ def kept_on(tensor: torch.Tensor, name: str, compute, *key):
         tensor.__dict__[name] = (_kept_key(tensor, key), value)
     return value
 
+
+def kept(tensor: torch.Tensor, name: str, *key: Any) -> Optional[Any]:
+    """What ``kept_on`` keeps on ``tensor`` under ``name`` for the tensor's present state
+    (version, storage, shape, strides, ``key``), or None; computes nothing."""
+    if tensor.is_inference():
+        return None
+    entry = tensor.__dict__.get(name)
+    return entry[1] if entry is not None and entry[0] == _kept_key(tensor, key) else None
+
+
+def _kept_key(tensor: torch.Tensor, key: tuple) -> tuple:
+    """What a kept value was computed for: the tensor's version, storage, shape, strides, ``key``."""
+    return (tensor._version, tensor.data_ptr(), tensor.shape, tensor.stride(), *key)
