@@ -102,23 +102,32 @@ class WindowGrid:
         return maps
 
     def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(index, inverse), both (H*W,) int64: ``index[k]``, the map row of window-order
+        token k; ``inverse[p]``, the window-order token of map row p. Index arithmetic only
+        (no argsort): where a compiled graph computes them, inductor folds it into the
+        gathers that read them."""
         (wh, ww), (sh, sw) = self.window, self.shift
+        height, width = self.height, self.width
         # shifted position p reads the map at (p + shift) mod size, as torch.roll(x, -shift) does
-        y = (torch.arange(self.height, device=device) + sh) % self.height
-        x = (torch.arange(self.width, device=device) + sw) % self.width
-        rows = (y[:, None] * self.width + x[None, :])  # (H, W): map row of each shifted position
-        rows = rows.view(self.height // wh, wh, self.width // ww, ww).permute(0, 2, 1, 3)
-        index = rows.reshape(-1).contiguous()
-        return index, torch.argsort(index)
+        y = (torch.arange(height, device=device) + sh) % height
+        x = (torch.arange(width, device=device) + sw) % width
+        rows = (y[:, None] * width + x[None, :])  # (H, W): map row of each shifted position
+        index = rows.view(height // wh, wh, width // ww, ww).permute(0, 2, 1, 3).reshape(-1)
+        # map row (r, c) holds shifted position ((r - sh) mod H, (c - sw) mod W)
+        ys = (torch.arange(height, device=device) - sh) % height
+        xs = (torch.arange(width, device=device) - sw) % width
+        window_of = (ys // wh)[:, None] * (width // ww) + (xs // ww)[None, :]
+        inverse = window_of * (wh * ww) + (ys % wh)[:, None] * ww + (xs % ww)[None, :]
+        return index, inverse.reshape(-1)
 
 
 @torch.compiler.assume_constant_result
 def _constant_maps(height: int, width: int, wh: int, ww: int, sh: int, sw: int,
                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``WindowGrid._compute_maps`` as constants of a graph torch.compile traces (dynamo
-    calls it with the grid's ints): computed in the graph, they cost every compiled
-    training step of SwinV2-tiny 12 sorts (argsort) with their copies and index arithmetic
-    (an H100's profile at batch 64, 2026-11-26, benchmarks/RESULTS.md)."""
+    calls it with the grid's ints). Where a torch still computes them in the graph (torch
+    2.11's compiled SwinV2-tiny training step on an H200 did, 2026-11-26), they are index
+    arithmetic only, since an argsort there cost every step 12 sorts."""
     return WindowGrid(height, width, (wh, ww), (sh, sw))._compute_maps(device)
 
 
