@@ -76,9 +76,10 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
     its attention and any kernel "matches"; its logit scales all start at ln 10 and its
     bias tables near 0. This sets LayerNorm weights to 1 + 0.1 N(0,1) (biases
     0.05 N(0,1)), logit scales log-uniform in [ln 2, ln 120] (about 1 head in 20 above
-    the clamp at ln 100), V1 bias tables to N(0,1), and adds 0.02 N(0,1) to every other
-    floating parameter. (Uniform scales up to 150 made SwinV2-CR so chaotic that timm's
-    own bfloat16 output was 20 % off float64 on CPU; this gives 9 %, SwinV2 2 %.)
+    the clamp at ln 100), V1 bias tables (and TinyViT's, zeros) to N(0,1), and adds
+    0.02 N(0,1) to every other floating parameter. (Uniform scales up to 150 made
+    SwinV2-CR so chaotic that timm's own bfloat16 output was 20 % off float64 on CPU;
+    this gives 9 %, SwinV2 2 %.)
     """
     g = torch.Generator().manual_seed(seed)
 
@@ -97,7 +98,7 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
         if name.endswith("logit_scale"):
             u = torch.rand(p.shape, generator=g) * (math.log(120.0) - math.log(2.0)) + math.log(2.0)
             p.copy_(u.to(p.device, p.dtype))
-        elif name.endswith("relative_position_bias_table"):
+        elif name.endswith(("relative_position_bias_table", "attention_biases")):
             p.copy_(noise(p))
         else:
             p.add_(0.02 * noise(p))
@@ -193,7 +194,15 @@ def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoin
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = timm_create_model()(name, pretrained=pretrained, **kwargs)
+            try:
+                model = timm_create_model()(name, pretrained=pretrained, **kwargs)
+            except TypeError as exc:
+                if "img_size" not in kwargs or "img_size" not in str(exc):
+                    raise
+                # a model of any input size (TinyViT, DaViT) takes none: the images set it
+                kwargs.pop("img_size")
+                torch.manual_seed(seed)
+                model = timm_create_model()(name, pretrained=pretrained, **kwargs)
     except TypeError as exc:
         raise UsageError(f"{name}: cannot build with {kwargs}: {exc}") from None
     except (OSError, RuntimeError, ValueError) as exc:
