@@ -17,10 +17,11 @@ from timm.layers import RelPosBias, RelPosBiasTf, RelPosMlp
 from torch import nn
 
 from conftest import KERNEL_DEVICE
+from model_checks import compiled_against_timm
 from opcases import relative_error
 from test_patching import flashwin_ops, images, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
-from timm_flashwin.comparison import compare, group_error, jitter_images, larger_error
+from timm_flashwin.comparison import compare
 from timm_flashwin.verify import GRADIENT_FACTOR, perturb_, verify_model
 
 MAXXVIT = timm.models.maxxvit
@@ -282,35 +283,9 @@ def test_gpu_full_resolution_autocast(name, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["maxvit_tiny_rw_224", "maxvit_rmlp_nano_rw_256", "coatnet_0_rw_224"])
 def test_gpu_torch_compile_inference_and_training(name):
-    """torch.compile(fullgraph=True, inductor) of the patched model, float32: graphs that call
-    the op once per module; the eval output and a training step's gradients judged as verify
-    judges them, against float64 with timm's own eager float32 error (the larger of two draws)
-    as the yardstick. Not against the eager patched model: inductor rounds the other layers
-    otherwise, and these perturbed models amplify rounding (H200, torch 2.11: maxvit_tiny's
-    eval logits moved by up to 3e-3 between the compiled and the eager patched model,
-    coatnet_0's gradient of a first-stage norm weight by 16%)."""
-    torch._dynamo.reset()
+    """torch.compile(fullgraph=True, inductor) of the patched model, float32: the eval output
+    and a training step's gradients against timm's (model_checks.compiled_against_timm)."""
     torch._inductor.config.fallback_random = True  # RelPosMlp's dropout: eager's random numbers
     torch.manual_seed(0)
-    model = perturb_(timm.create_model(name, drop_path_rate=0.0)).cuda()
-    reference, again_model = copy.deepcopy(model).double(), copy.deepcopy(model)  # BatchNorm: each its own stats
-    patched_model = patch_model(copy.deepcopy(model), strict=True)
-    graphs = []
-    compiled = torch.compile(patched_model, fullgraph=True, backend=recording_backend(graphs, "inductor"))
-    x = images(4, model.pretrained_cfg["input_size"][1:], device="cuda")
-    runs = []
-    for net, params, images_in in ((compiled, patched_model, x), (model, model, x), (reference, reference, x.double()),
-                                   (again_model, again_model, jitter_images(x))):
-        with torch.no_grad():
-            evaluated = net.eval()(images_in)
-        torch.manual_seed(0)
-        net.train()(images_in).square().mean().backward()
-        runs.append((evaluated, {n: p.grad for n, p in params.named_parameters() if p.grad is not None}))
-    (ours, our_grads), (timm_out, timm_grads), (ref, ref_grads), (again, again_grads) = runs
-    assert graphs and all(flashwin_ops([g]) == len(patch_report(patched_model).patched) for g in graphs)
-    checks = [compare("<output>", ours, timm_out, ref, 1e-4, 1e-6, timm_again=again)]
-    floor = larger_error(group_error(timm_grads, ref_grads), group_error(again_grads, ref_grads))
-    checks += [compare(n, our_grads[n], timm_grads[n], ref_grads[n], 1e-4, 1e-6, floor, GRADIENT_FACTOR,
-                       again_grads[n]) for n in ref_grads]
-    failed = [c for c in checks if not c.passed]
+    failed = compiled_against_timm(perturb_(timm.create_model(name, drop_path_rate=0.0)))
     assert not failed, "\n".join(map(str, failed[:10]))

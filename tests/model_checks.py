@@ -1,0 +1,60 @@
+"""A patched model against timm's, judged as ``verify`` judges it, for tests that run the
+models themselves (torch.compile of the patched model; models timm's factory cannot make
+small): each run's output and gradients against a float64 copy's, with timm's own float32
+error (the larger of two draws: the images moved by one ulp, ``jitter_images``) as the
+yardstick."""
+import copy
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from test_patching import flashwin_ops, images, recording_backend
+from timm_flashwin import patch_model, patch_report
+from timm_flashwin.comparison import Comparison, compare, group_error, jitter_images, larger_error
+from timm_flashwin.verify import GRADIENT_FACTOR
+
+#: one run: (output, {parameter name: gradient})
+Run = Tuple[torch.Tensor, Dict[str, torch.Tensor]]
+
+
+def judge(ours: Run, timm_run: Run, reference: Run, again: Run) -> List[Comparison]:
+    """The failed comparisons (verify's rule, float32 tolerances) of the patched model's run
+    against timm's, the float64 copy's and timm's second (jittered) one."""
+    (our_out, our_grads), (timm_out, timm_grads), (ref, ref_grads), (again_out, again_grads) = (
+        ours, timm_run, reference, again)
+    floor = larger_error(group_error(timm_grads, ref_grads), group_error(again_grads, ref_grads))
+    checks = [compare("<output>", our_out, timm_out, ref, 1e-4, 1e-6, timm_again=again_out)]
+    checks += [compare(n, our_grads[n], timm_grads[n], ref_grads[n], 1e-4, 1e-6, floor, GRADIENT_FACTOR,
+                       again_grads[n]) for n in ref_grads]
+    assert len(checks) == len(ref_grads) + 1 and set(our_grads) == set(ref_grads)
+    return [c for c in checks if not c.passed]
+
+
+def compiled_against_timm(model: nn.Module, strict: bool = True, device: str = "cuda",
+                          backend: str = "inductor") -> List[Comparison]:
+    """torch.compile(fullgraph=True) of a patched copy of ``model`` (perturbed, float32;
+    ``strict``: patch_model's):
+    its eval output, then a training step's gradients, judged (``judge``); the compiled
+    graphs call the op once per patched module. Not against the eager patched model:
+    inductor rounds the other layers otherwise, and perturbed models amplify rounding (H200,
+    torch 2.11: maxvit_tiny's eval logits moved by up to 3e-3 between the compiled and the
+    eager patched model, coatnet_0's gradient of a first-stage norm weight by 16%)."""
+    torch._dynamo.reset()
+    model = model.to(device)
+    reference, again_model = copy.deepcopy(model).double(), copy.deepcopy(model)  # BatchNorm: each its own stats
+    patched_model = patch_model(copy.deepcopy(model), strict=strict)
+    graphs: List = []
+    compiled = torch.compile(patched_model, fullgraph=True, backend=recording_backend(graphs, backend))
+    x = images(4, model.pretrained_cfg["input_size"][1:], device=device)
+    runs = []
+    for net, params, images_in in ((compiled, patched_model, x), (model, model, x), (reference, reference, x.double()),
+                                   (again_model, again_model, jitter_images(x))):
+        with torch.no_grad():
+            evaluated = net.eval()(images_in)
+        torch.manual_seed(0)
+        net.train()(images_in).square().mean().backward()
+        runs.append((evaluated, {n: p.grad for n, p in params.named_parameters() if p.grad is not None}))
+    assert graphs and all(flashwin_ops([g]) == len(patch_report(patched_model).patched) > 0 for g in graphs)
+    return judge(*runs)
+
