@@ -17,14 +17,16 @@ from .patching import _attention_modules
 class ModelInfo:
     name: str
     families: List[str]  # adapter families of its window-attention modules
-    stage_windows: List[Optional[Tuple[int, int]]]  # window size of each stage, in order (None: any)
+    stage_windows: List[Optional[Tuple[int, int]]]  # window size of each stage, in order (None: any; a
+    # model without stage containers: each of its windows once)
     modules: int  # window-attention modules patched by patch_model
 
 
-def _stage(name: str) -> str:
-    """'layers.2.blocks.1.attn' -> 'layers.2' (timm's stage containers)."""
-    match = re.match(r"^(.*?(?:layers|stages)[._]\d+)", name)
-    return match.group(1) if match else name
+def _stage(name: str) -> Optional[str]:
+    """'layers.2.blocks.1.attn' -> 'layers.2' (timm's stage containers: NesT's levels, Twins'
+    blocks.i.j); None where the model has none (Hiera's blocks.i)."""
+    match = re.match(r"^(.*?(?:layers|stages|levels)[._]\d+|blocks[._]\d+(?=[._]\d))", name)
+    return match.group(1) if match else None
 
 
 def describe(name: str) -> ModelInfo:
@@ -36,13 +38,15 @@ def describe(name: str) -> ModelInfo:
     stages: dict = {}
     count = 0
     for mod_name, module, adapter, family in _attention_modules(model):
-        if adapter is None:
+        if adapter is None or adapter.unsupported(module) is not None:
             continue
         count += 1
         if family not in families:
             families.append(family)
         window = adapter.window_size(module)
-        stages.setdefault(_stage(mod_name), tuple(window) if window is not None else None)
+        window = tuple(window) if window is not None else None
+        # without stage containers: each window once, in order
+        stages.setdefault(_stage(mod_name) or ("window", window), window)
     return ModelInfo(name, families, list(stages.values()), count)
 
 

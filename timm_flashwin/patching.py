@@ -3,7 +3,8 @@
 Mechanism: patching swaps a module's ``__class__`` to a subclass of its timm class
 defined here (``FlashSwinWindowAttention``, ``FlashSwinV2WindowAttention``,
 ``FlashSwinV2CrWindowMultiHeadAttention``, ``FlashMaxxVitAttentionCl``,
-``FlashMaxxVitAttention2d``) whose ``forward`` calls the family's adapter.
+``FlashMaxxVitAttention2d``, ``FlashTinyVitAttention``, ...; ``PATCHED_CLASSES``) whose
+``forward`` calls the family's adapter.
 The subclass adds no state (``recompute_qkv`` sets one plain instance attribute, a bool): it
 survives ``copy.deepcopy``,
 ``torch.save(model)`` / ``torch.load`` (with timm_flashwin importable) and ``state_dict``
@@ -94,7 +95,24 @@ def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
             return timm_forward(self, x, shared_rel_pos)
         return adapter.forward(self, x, shared_rel_pos)
 
-    forwards = {"mask": forward, "shared_rel_pos": _renamed(forward_shared_rel_pos, "forward")}
+    # x alone (TinyViT, DaViT, NesT, Hiera)
+    def forward_x(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x)
+        if runs_timm(x):
+            return timm_forward(self, x)
+        return adapter.forward(self, x)
+
+    # Twins' LocallyGroupedAttn: x and its map's (H, W)
+    def forward_size(self, x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x, size)
+        if runs_timm(x):
+            return timm_forward(self, x, size)
+        return adapter.forward(self, x, size)
+
+    forwards = {"mask": forward, "shared_rel_pos": _renamed(forward_shared_rel_pos, "forward"),
+                None: _renamed(forward_x, "forward"), "size": _renamed(forward_size, "forward")}
 
     def extra_repr(self) -> str:
         text = timm_class.extra_repr(self)
@@ -150,7 +168,10 @@ def _feature_map_grid(block: nn.Module, adapter: WindowAttentionAdapter, x: torc
 PATCHED_CLASSES: Dict[str, type] = {}
 for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSwinV2WindowAttention"),
                        ("swinv2_cr", "FlashSwinV2CrWindowMultiHeadAttention"),
-                       ("maxxvit", "FlashMaxxVitAttentionCl"), ("maxxvit_2d", "FlashMaxxVitAttention2d")):
+                       ("maxxvit", "FlashMaxxVitAttentionCl"), ("maxxvit_2d", "FlashMaxxVitAttention2d"),
+                       ("tiny_vit", "FlashTinyVitAttention"), ("davit", "FlashDaVitWindowAttention"),
+                       ("twins", "FlashTwinsLocallyGroupedAttn"), ("nest", "FlashNestAttention"),
+                       ("hiera", "FlashHieraMaskUnitAttention")):
     PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
 
 

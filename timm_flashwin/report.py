@@ -12,7 +12,7 @@ class ModuleStatus:
     """One window-attention module of a model."""
 
     name: str  # qualified name in the model, "" for the model itself
-    family: str  # the adapter's: "swin", "swinv2", "swinv2_cr", "maxxvit", ...
+    family: str  # the adapter's: "swin", "swinv2", "swinv2_cr", "maxxvit", "tiny_vit", ...
     patched: bool
     reason: Optional[str] = None  # why not patched
 

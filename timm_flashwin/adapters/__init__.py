@@ -4,14 +4,20 @@ from typing import Dict, Optional
 from torch import nn
 
 from .base import WindowAttentionAdapter
+from .davit import DaVitAdapter
+from .hiera import HieraAdapter
 from .maxxvit import MaxxVit2dAdapter, MaxxVitAdapter
+from .nest import NestAdapter
 from .swin import SwinAdapter
 from .swinv2 import SwinV2Adapter
 from .swinv2_cr import SwinV2CRAdapter
+from .tiny_vit import TinyVitAdapter
+from .twins import TwinsAdapter
 
 #: family name -> adapter
-ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (SwinAdapter(), SwinV2Adapter(), SwinV2CRAdapter(),
-                                                                     MaxxVitAdapter(), MaxxVit2dAdapter())}
+ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
+    SwinAdapter(), SwinV2Adapter(), SwinV2CRAdapter(), MaxxVitAdapter(), MaxxVit2dAdapter(), TinyVitAdapter(),
+    DaVitAdapter(), TwinsAdapter(), NestAdapter(), HieraAdapter())}
 
 
 def adapter_for(module: nn.Module) -> Optional[WindowAttentionAdapter]:

@@ -30,13 +30,14 @@ class WindowAttentionAdapter:
     load_state_dict, in-place edits, ``.to()`` and set_input_size() all take effect.
     """
 
-    #: short name used in reports: "swin", "swinv2", "swinv2_cr", "maxxvit", "maxxvit_2d"
+    #: short name used in reports: "swin", "swinv2", "swinv2_cr", "maxxvit", "tiny_vit", ...
     family: str = ""
     #: attributes the forward reads; a timm version without them is not patched
     required: Sequence[str] = ()
-    #: the name of the second argument of timm's forward (the patched forward keeps timm's
-    #: signature: blocks pass it by keyword, TorchScript compiles it)
-    forward_arg: str = "mask"
+    #: the name of the second argument of timm's forward, None where it takes x alone (the
+    #: patched forward keeps timm's signature: blocks pass it by keyword, TorchScript compiles
+    #: it; ``patching._patched_class`` has one forward per name)
+    forward_arg: Optional[str] = "mask"
     #: the method of the family's block (``block_type``) that rolls, partitions, calls the
     #: module, merges and rolls back; ``block_attention`` does its work on the feature map
     block_method: str = "_attn"
@@ -173,7 +174,12 @@ class WindowAttentionAdapter:
                              context_fn=_save_attention_outputs)
         else:
             out = self._attention(module, x, bias, mask, dropout_p, grid)
-        return module.proj_drop(module.proj(self.proj_input(module, out, x)))
+        return self.project(module, self.proj_input(module, out, x))
+
+    def project(self, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        """The module's output projection of ``y`` (the proj input, ``proj_input``'s), and its
+        dropout where the module has one."""
+        return module.proj_drop(module.proj(y))
 
     def _attention(self, module: nn.Module, x: torch.Tensor, bias: Union[TableBias, torch.Tensor],
                    mask: Optional[torch.Tensor], dropout_p: float, grid: Optional[WindowGrid] = None) -> torch.Tensor:
@@ -181,6 +187,28 @@ class WindowAttentionAdapter:
         the qkv projection and the op."""
         return window_attention(self.qkv(module, x), self.num_heads(module), bias=bias, mask=mask,
                                 dropout_p=dropout_p, grid=grid, **self.score_scale(module))
+
+
+class UnbiasedAdapter(WindowAttentionAdapter):
+    """Modules that compute softmax(scale * Q K^T) V with the module's ``scale`` and no bias
+    (DaViT, Twins, NesT, Hiera)."""
+
+    def position_bias(self, module: nn.Module) -> None:
+        return None
+
+    def score_scale(self, module: nn.Module) -> Dict:
+        return dict(scale=float(module.scale))
+
+
+class WithoutDropout:
+    """A mixin for adapters of modules with neither attn_drop nor proj_drop (TinyViT, DaViT,
+    Hiera): placed before the adapter class among the bases."""
+
+    def attn_drop(self, module: nn.Module) -> float:
+        return 0.0
+
+    def project(self, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        return module.proj(y)
 
 
 def _keep_attention_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
