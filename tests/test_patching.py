@@ -5,6 +5,7 @@ import io
 import logging
 import math
 import os
+import sys
 
 import pytest
 import timm
@@ -535,7 +536,7 @@ def test_dtype_moves_and_set_input_size():
         torch.testing.assert_close(ours(y), model(y), rtol=1e-4, atol=1e-5)
 
 
-def test_features_only_and_user_module_and_ddp(tmp_path):
+def test_features_only_and_user_module_and_ddp(tmp_path, monkeypatch):
     feats = create("swin_tiny_patch4_window7_224", features_only=True, img_size=56, depths=(2, 2),
                    num_heads=(2, 4), embed_dim=32, out_indices=(0, 1))
     ours = patch_model(copy.deepcopy(feats))
@@ -560,6 +561,8 @@ def test_features_only_and_user_module_and_ddp(tmp_path):
     import torch.distributed as dist
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
+    # init_process_group prefixes sys.excepthook's tracebacks with "[rank0]: " for good: restored after the test
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/pg")
     try:
         ddp = nn.parallel.DistributedDataParallel(tiny_swin())
