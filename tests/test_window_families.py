@@ -40,13 +40,6 @@ MODELS = {
     # 8x8 mask units, 4x4 ones, global attention; the three q-pooling blocks keep timm's forward
     "hiera": ("hiera_tiny_224", dict(embed_dim=32, num_heads=1, stages=(1, 2, 2, 1)), 64),
 }
-#: a training step off for want of a one-line op fix (see ``NO_BIAS_COMPILED_BACKWARD``)
-NO_BIAS_COMPILED_BACKWARD = pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="op: where neither a bias nor a cosine scale takes a gradient, the one-tile backward "
-           "(kernels/launch.py) returns one empty tensor as both dbias and dscale, which the registered "
-           "operator's aliasing check refuses (torch.compile, and recompute_qkv's checkpoint, which runs the "
-           "registered operators); op._backward_impl must clone it")
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -115,7 +108,7 @@ def some_x(batch: int = 2) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case, recompute_qkv", [(c, False) for c in MODULE_CASES] + [("tiny_vit", True)] + [
-    pytest.param(c, True, marks=NO_BIAS_COMPILED_BACKWARD) for c in MODULE_CASES if c != "tiny_vit"])
+    (c, True) for c in MODULE_CASES if c != "tiny_vit"])
 def test_module_matches_timm(case, recompute_qkv):
     """Each class and layout in training mode: output and every gradient (input and
     parameters) against timm's module in float32 and float64, verify's rule; with
@@ -235,7 +228,7 @@ def test_state_dict_unpatch_deepcopy_script_and_torch_save():
 
 @pytest.mark.parametrize("families, train", [
     (tuple(CLASSES), False), (("tiny_vit",), True),
-    pytest.param(("davit", "twins", "nest", "hiera"), True, marks=NO_BIAS_COMPILED_BACKWARD)])
+    (("davit", "twins", "nest", "hiera"), True)])
 def test_compiles_without_graph_break(families, train):
     """torch.compile(fullgraph=True): one graph that calls the op once per module and holds
     no softmax nor SDPA of timm's; its output and gradients are the eager patched model's."""
@@ -348,8 +341,7 @@ def test_gpu_full_resolution_autocast(name, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["tiny_vit_21m_224", pytest.param("davit_tiny", marks=NO_BIAS_COMPILED_BACKWARD),
-                                  pytest.param("hiera_tiny_224", marks=NO_BIAS_COMPILED_BACKWARD)])
+@pytest.mark.parametrize("name", ["tiny_vit_21m_224", "davit_tiny", "hiera_tiny_224"])
 def test_gpu_torch_compile_inference_and_training(name):
     """torch.compile(fullgraph=True, inductor) of the patched model, float32: the eval output
     and a training step's gradients against timm's (model_checks.compiled_against_timm)."""

@@ -159,9 +159,10 @@ def attention_backward(
             partials.stride(0), *windows, plan.per_chunk["fused"], *plan.grid_args, **kwargs,
         )
         sums = partials.sum(0) if bias_grad or scale_grad else partials.new_empty((0,))
-        empty = sums.new_empty((0,))
-        return (dqkv, sums[:bias_size].view(num_heads, n, n) if bias_grad else empty,
-                sums[bias_size:] if scale_grad else empty)
+        # an empty tensor of its own for each gradient not asked for: a registered operator's
+        # outputs may not alias each other (torch.compile and checkpointing check it)
+        return (dqkv, sums[:bias_size].view(num_heads, n, n) if bias_grad else sums.new_empty((0,)),
+                sums[bias_size:] if scale_grad else sums.new_empty((0,)))
 
     if stats.dim() != 4:  # (0,): not (2 or 3, B_, H, N); a static check, no guard when traced
         raise RuntimeError("window_attention backward: the forward saved no softmax statistics (it ran where "
