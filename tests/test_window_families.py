@@ -336,7 +336,9 @@ def test_gpu_full_resolution_autocast(name, dtype):
     (TinyViT-512's 32x32), Hiera's global attention over 196 and 256."""
     result = verify_model(name, batch=2, dtype=dtype, device="cuda", train=True)
     assert result.passed, "\n".join(map(str, result.failures()[:10]))
-    assert result.backend == "triton" and result.patched_modules == len(result.layers) > 0
+    # verify compares Hiera's three q-pooling blocks too, which keep timm's forward
+    kept = 3 if name.startswith("hiera") else 0
+    assert result.backend == "triton" and result.patched_modules == len(result.layers) - kept > 0
     assert result.top1_ours_vs_float64 >= result.top1_timm_vs_float64 - 0.5
 
 
