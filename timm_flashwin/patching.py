@@ -44,6 +44,7 @@ from torch import nn
 
 from .adapters import ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
+from .adapters.gcvit import q_global_forward
 from .adapters.rel_pos import KEPT_ATTR
 from .hooks import runs_hooks
 from .report import ModuleStatus, PatchReport
@@ -112,7 +113,8 @@ def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
         return adapter.forward(self, x, size)
 
     forwards = {"mask": forward, "shared_rel_pos": _renamed(forward_shared_rel_pos, "forward"),
-                None: _renamed(forward_x, "forward"), "size": _renamed(forward_size, "forward")}
+                None: _renamed(forward_x, "forward"), "size": _renamed(forward_size, "forward"),
+                "q_global": q_global_forward(adapter, timm_forward)}  # GCViT's (x, q_global)
 
     def extra_repr(self) -> str:
         text = timm_class.extra_repr(self)
@@ -171,7 +173,7 @@ for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSw
                        ("maxxvit", "FlashMaxxVitAttentionCl"), ("maxxvit_2d", "FlashMaxxVitAttention2d"),
                        ("tiny_vit", "FlashTinyVitAttention"), ("davit", "FlashDaVitWindowAttention"),
                        ("twins", "FlashTwinsLocallyGroupedAttn"), ("nest", "FlashNestAttention"),
-                       ("hiera", "FlashHieraMaskUnitAttention")):
+                       ("hiera", "FlashHieraMaskUnitAttention"), ("gcvit", "FlashGcVitWindowAttentionGlobal")):
     PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
 
 

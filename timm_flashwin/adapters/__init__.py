@@ -5,6 +5,7 @@ from torch import nn
 
 from .base import WindowAttentionAdapter
 from .davit import DaVitAdapter
+from .gcvit import GcVitAdapter
 from .hiera import HieraAdapter
 from .maxxvit import MaxxVit2dAdapter, MaxxVitAdapter
 from .nest import NestAdapter
@@ -17,7 +18,7 @@ from .twins import TwinsAdapter
 #: family name -> adapter
 ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
     SwinAdapter(), SwinV2Adapter(), SwinV2CRAdapter(), MaxxVitAdapter(), MaxxVit2dAdapter(), TinyVitAdapter(),
-    DaVitAdapter(), TwinsAdapter(), NestAdapter(), HieraAdapter())}
+    DaVitAdapter(), TwinsAdapter(), NestAdapter(), HieraAdapter(), GcVitAdapter())}
 
 
 def adapter_for(module: nn.Module) -> Optional[WindowAttentionAdapter]:
