@@ -44,7 +44,6 @@ from torch import nn
 
 from .adapters import ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
-from .adapters.gcvit import q_global_forward
 from .adapters.rel_pos import KEPT_ATTR
 from .hooks import runs_hooks
 from .report import ModuleStatus, PatchReport
@@ -112,9 +111,17 @@ def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
             return timm_forward(self, x, size)
         return adapter.forward(self, x, size)
 
+    # GCViT's WindowAttentionGlobal: x and its image's global query
+    def forward_q_global(self, x: torch.Tensor, q_global: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x, q_global)
+        if runs_timm(x):
+            return timm_forward(self, x, q_global)
+        return adapter.forward(self, x, q_global)
+
     forwards = {"mask": forward, "shared_rel_pos": _renamed(forward_shared_rel_pos, "forward"),
                 None: _renamed(forward_x, "forward"), "size": _renamed(forward_size, "forward"),
-                "q_global": q_global_forward(adapter, timm_forward)}  # GCViT's (x, q_global)
+                "q_global": _renamed(forward_q_global, "forward")}
 
     def extra_repr(self) -> str:
         text = timm_class.extra_repr(self)

@@ -30,7 +30,6 @@ from torch import nn
 
 from ..op import window_attention
 from ..position_bias import TableBias
-from ..tracing import runs_timm
 from .base import WindowAttentionAdapter
 from .rel_pos import rel_pos_bias, unsupported_rel_pos
 
@@ -139,16 +138,3 @@ class GcVitAdapter(WindowAttentionAdapter):
         qkv = module.qkv(x) if q_global is None else self.global_qkv(module, x, q_global)
         return window_attention(qkv, module.num_heads, bias=bias, dropout_p=dropout_p, **self.score_scale(module))
 
-
-def q_global_forward(adapter: GcVitAdapter, timm_forward: Callable) -> Callable:
-    """The patched class's forward under timm's signature (x, q_global), as
-    ``patching._patched_class`` makes the others: TorchScript compiles timm's forward."""
-
-    def forward(self, x: torch.Tensor, q_global: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if torch.jit.is_scripting():
-            return self._flashwin_timm_forward(x, q_global)
-        if runs_timm(x):
-            return timm_forward(self, x, q_global)
-        return adapter.forward(self, x, q_global)
-
-    return forward
