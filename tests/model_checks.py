@@ -3,14 +3,16 @@ models themselves (torch.compile of the patched model; models timm's factory can
 small): each run's output and gradients against a float64 copy's, with timm's own float32
 error (the larger of two draws: the images moved by one ulp, ``jitter_images``) as the
 yardstick."""
+import contextlib
 import copy
-from typing import Dict, List, Tuple
+import io
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
 
 from test_patching import flashwin_ops, images, recording_backend
-from timm_flashwin import patch_model, patch_report
+from timm_flashwin import is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.comparison import Comparison, compare, group_error, jitter_images, larger_error
 from timm_flashwin.verify import GRADIENT_FACTOR
 
@@ -58,3 +60,26 @@ def compiled_against_timm(model: nn.Module, strict: bool = True, device: str = "
     assert graphs and all(flashwin_ops([g]) == len(patch_report(patched_model).patched) > 0 for g in graphs)
     return judge(*runs)
 
+
+
+@contextlib.contextmanager
+def patched_in_place(model: nn.Module, x: torch.Tensor, patched: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """Under no_grad: ``model`` patched in place (strict), which keeps its state_dict's keys
+    and values; a deepcopy and a torch.save / torch.load of it patch ``patched`` modules
+    and compute its output. Yields (timm's output, the patched output) for the caller's
+    own checks of the patched model, then unpatches it and checks timm's output again."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        expected = model(x)
+        patch_model(model, strict=True)
+        assert list(model.state_dict()) == list(before)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        patched_out = model(x)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+            assert len(patch_report(other).patched) == patched and torch.equal(other(x), patched_out)
+        yield expected, patched_out
+        unpatch_model(model)
+        assert not is_patched(model) and torch.equal(model(x), expected)

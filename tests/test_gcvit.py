@@ -9,7 +9,6 @@ the GPU tests run the models as timm makes them.
 """
 import copy
 import inspect
-import io
 from typing import Optional
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from model_checks import compiled_against_timm, judge
+from model_checks import compiled_against_timm, judge, patched_in_place
 from opcases import relative_error
 from test_patching import flashwin_ops, images, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
@@ -165,19 +164,8 @@ class Pair(nn.Module):
 
 def test_state_dict_unpatch_deepcopy_script_and_torch_save():
     model = tiny_model().eval().to(KERNEL_DEVICE)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     x = images(2, (56, 56), device=KERNEL_DEVICE)
-    with torch.no_grad():
-        expected = model(x)
-        patch_model(model, strict=True)
-        assert list(model.state_dict()) == list(before)
-        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-        patched_out = model(x)
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
-            assert len(patch_report(other).patched) == 4 and torch.equal(other(x), patched_out)
+    with patched_in_place(model, x, patched=4) as (expected, patched_out):
         module = model.stages[0].blocks[1].attn
         assert "flashwin=gcvit" in repr(module)
         assert list(inspect.signature(type(module).forward).parameters) == ["self", "x", "q_global"]
@@ -189,8 +177,6 @@ def test_state_dict_unpatch_deepcopy_script_and_torch_save():
                                    module._flashwin_timm_forward(windows, q_global), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(module(x=windows, q_global=q_global), module._flashwin_timm_forward(windows, q_global),
                                    rtol=1e-4, atol=1e-5)
-        unpatch_model(model)
-        assert not is_patched(model) and torch.equal(model(x), expected)
     assert not torch.equal(patched_out, expected)  # the kernels really ran while patched
     torch.testing.assert_close(patched_out, expected, rtol=1e-4, atol=1e-5)
 

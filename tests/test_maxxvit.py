@@ -7,7 +7,6 @@ configurations are tiny (one 14x14 stage: four 7x7 block windows and a 7x7 grid 
 2; CoAtNet's transformer stage on a 7x7 map); the GPU tests run the models as timm makes them.
 """
 import copy
-import io
 from functools import partial
 
 import pytest
@@ -17,12 +16,12 @@ from timm.layers import RelPosBias, RelPosBiasTf, RelPosMlp
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from model_checks import compiled_against_timm
+from model_checks import compiled_against_timm, patched_in_place
 from opcases import relative_error
 from test_patching import flashwin_ops, images, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.comparison import compare
-from timm_flashwin.verify import GRADIENT_FACTOR, perturb_, verify_model
+from timm_flashwin.verify import perturb_, verify_model
 
 MAXXVIT = timm.models.maxxvit
 ATTENTION = (MAXXVIT.AttentionCl, MAXXVIT.Attention2d)
@@ -129,23 +128,9 @@ def test_every_registered_model_is_fully_patched_on_meta():
 # ------------------------------------------------------------------------ behaviour
 def test_state_dict_unpatch_deepcopy_and_torch_save():
     model = tiny("rw").eval().to(KERNEL_DEVICE)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     x = images(1, (SIZE, SIZE), device=KERNEL_DEVICE)
-    with torch.no_grad():
-        expected = model(x)
-        patch_model(model, strict=True)
-        assert [k for k in model.state_dict()] == list(before)
-        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-        patched_out = model(x)
-        clone = copy.deepcopy(model)
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        for other in (clone, torch.load(buf, weights_only=False)):
-            assert len(patch_report(other).patched) == 2 and torch.equal(other(x), patched_out)
+    with patched_in_place(model, x, patched=2) as (expected, patched_out):
         assert "flashwin=maxxvit" in repr(model)
-        unpatch_model(model)
-        assert not is_patched(model) and torch.equal(model(x), expected)
     assert not torch.equal(patched_out, expected)  # the kernels really ran while patched
     torch.testing.assert_close(patched_out, expected, rtol=1e-4, atol=1e-5)
 

@@ -8,7 +8,6 @@ Under the interpreter the configurations are tiny (one or two blocks a stage, 64
 whose maps are padded to whole windows); the GPU tests run the models as timm makes them.
 """
 import copy
-import io
 
 import pytest
 import timm
@@ -16,7 +15,7 @@ import torch
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from model_checks import compiled_against_timm, judge
+from model_checks import compiled_against_timm, judge, patched_in_place
 from opcases import relative_error
 from test_patching import flashwin_ops, images, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
@@ -202,26 +201,13 @@ def test_list_shows_families_and_windows(no_tiny_vit_index):
 # ------------------------------------------------------------------------ behaviour
 def test_state_dict_unpatch_deepcopy_script_and_torch_save():
     model = OneOfEach().eval().to(KERNEL_DEVICE)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     x = some_x().to(KERNEL_DEVICE)
-    with torch.no_grad():
-        expected = model(x)
-        patch_model(model, strict=True)
-        assert list(model.state_dict()) == list(before)
-        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-        patched_out = model(x)
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
-            assert len(patch_report(other).patched) == 6 and torch.equal(other(x), patched_out)
+    with patched_in_place(model, x, patched=6) as (expected, patched_out):
         assert all(f"flashwin={MODULE_CASES[case]}" in repr(module) for case, module in model.parts.items())
         for case in ("tiny_vit", "twins_padded"):  # the patched forwards of x alone and of Twins' (x, size)
             module = model.parts[case]  # TorchScript compiles timm's forward
             torch.testing.assert_close(torch.jit.script(module)(*case_inputs(case, x)),
                                        module._flashwin_timm_forward(*case_inputs(case, x)), rtol=1e-6, atol=1e-7)
-        unpatch_model(model)
-        assert not is_patched(model) and torch.equal(model(x), expected)
     assert not torch.equal(patched_out, expected)  # the kernels really ran while patched
     torch.testing.assert_close(patched_out, expected, rtol=1e-5, atol=1e-6)
 
