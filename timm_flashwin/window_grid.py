@@ -108,14 +108,13 @@ class WindowGrid:
         gathers that read them."""
         (wh, ww), (sh, sw) = self.window, self.shift
         height, width = self.height, self.width
+        r, c = torch.arange(height, device=device), torch.arange(width, device=device)
         # shifted position p reads the map at (p + shift) mod size, as torch.roll(x, -shift) does
-        y = (torch.arange(height, device=device) + sh) % height
-        x = (torch.arange(width, device=device) + sw) % width
+        y, x = (r + sh) % height, (c + sw) % width
         rows = (y[:, None] * width + x[None, :])  # (H, W): map row of each shifted position
         index = rows.view(height // wh, wh, width // ww, ww).permute(0, 2, 1, 3).reshape(-1)
         # map row (r, c) holds shifted position ((r - sh) mod H, (c - sw) mod W)
-        ys = (torch.arange(height, device=device) - sh) % height
-        xs = (torch.arange(width, device=device) - sw) % width
+        ys, xs = (r - sh) % height, (c - sw) % width
         window_of = (ys // wh)[:, None] * (width // ww) + (xs // ww)[None, :]
         inverse = window_of * (wh * ww) + (ys % wh)[:, None] * ww + (xs % ww)[None, :]
         return index, inverse.reshape(-1)

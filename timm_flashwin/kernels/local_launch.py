@@ -122,7 +122,7 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype, long: bool) -> Plan
     key = kind, max(64, width)
     if dtype == torch.float32:
         return Plan(*_PLANS_32BIT[key])
-    return Plan(*(_LONG_ROWS_16BIT.get(key) if long and key in _LONG_ROWS_16BIT else _PLANS_16BIT[key]))
+    return Plan(*(_LONG_ROWS_16BIT if long and key in _LONG_ROWS_16BIT else _PLANS_16BIT)[key])
 
 
 def precision(dtype: torch.dtype) -> int:
