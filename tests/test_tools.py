@@ -259,6 +259,34 @@ def test_export_keeps_the_op(family, train, grad, strict):
             torch.testing.assert_close(p.grad, grads[n], rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["swin", "swinv2"])
+def test_compile_is_not_export(family):
+    """Under torch.compile (not export) the patched model takes the compiled road: each
+    block's position-bias pairs, sorted by table row, and its window maps are constants
+    of the graph, not computed in it at every step. Dynamo up to torch 2.11 answered True
+    to ``torch.compiler.is_exporting()`` under torch.compile too (pytorch#176347), which
+    put 12 sorts and 24 aranges into a compiled SwinV2-tiny step (``tracing.exporting``)."""
+    from timm_flashwin.tracing import exporting
+    flags = []
+
+    def seen(x):
+        flags.append(exporting())
+        return x + 1
+    torch.compile(seen, backend="eager", fullgraph=True)(torch.zeros(1))
+    assert flags == [False]
+    _, model = pair(family)
+    model.train()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    torch.compile(model, backend=backend, fullgraph=True)(images(model, batch=2)).sum().backward()
+    targets = [t for gm in graphs for t in graph_targets(gm)]
+    assert any(t.startswith(OP) for t in targets)
+    assert not any(name in t for t in targets for name in ("sort", "arange", "searchsorted")), targets
+
+
 # --------------------------------------------------------------------------------- ONNX
 def onnx_exporting(function):
     """``function`` run as torch.onnx.export's dynamo exporter runs torch.export (with its
