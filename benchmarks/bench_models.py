@@ -2,9 +2,9 @@
 
     python benchmarks/bench_models.py --out results/models.json [--compile] [--train]
 
-Models and batch sizes of the performance issue: the three tiny models at batch 128
-(inference, bf16 weights) and 64 (AMP-bf16 training steps), and
-swinv2_base_window12to24_192to384 at 32 / 16. Uses timm_flashwin.bench (the same code
+Models and batch sizes of the performance issues: the three tiny Swin models and one model
+of each other window-attention family at batch 128 (inference, bf16 weights) and 64
+(AMP-bf16 training steps), and swinv2_base_window12to24_192to384 at 32 / 16. Uses timm_flashwin.bench (the same code
 as ``timm-flashwin bench``).
 """
 from __future__ import annotations
@@ -22,6 +22,12 @@ MODELS = {  # name: (inference batch, training batch)
     "swinv2_tiny_window8_256": (128, 64),
     "swinv2_cr_tiny_224": (128, 64),
     "swinv2_base_window12to24_192to384": (32, 16),
+    # the other window-attention families (issue: MaxViT, CoAtNet, GCViT, TinyViT, DaViT)
+    "maxvit_tiny_tf_224": (128, 64),
+    "coatnet_0_rw_224": (128, 64),
+    "gcvit_tiny": (128, 64),
+    "tiny_vit_21m_224": (128, 64),
+    "davit_tiny": (128, 64),
 }
 
 
