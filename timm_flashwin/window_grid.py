@@ -124,10 +124,9 @@ class WindowGrid:
 def _constant_maps(height: int, width: int, wh: int, ww: int, sh: int, sw: int,
                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``WindowGrid._compute_maps`` as constants of a graph torch.compile traces (dynamo
-    calls it with the grid's ints). Where a torch computes them in the graph anyway, they
-    are index arithmetic only: a compiled SwinV2-tiny training step (torch 2.11, H200,
-    2026-11-26) ran 12 sorts per step, one per block, which an argsort here would explain
-    (not pinned down: the step was not profiled with stacks)."""
+    calls it with the grid's ints). Where a graph computes them (under torch.export,
+    ``WindowGrid._maps``), they are index arithmetic only, which inductor folds into the
+    gathers that read them."""
     return WindowGrid(height, width, (wh, ww), (sh, sw))._compute_maps(device)
 
 
