@@ -15,6 +15,8 @@ mode's own. Columns, per variant (median over the rounds):
   step call alone): the host's work per step. A step whose host ms is at or above its
   GPU ms is bound by the host.
 * ``GPU ms`` and ``launches``: the kernels' time and count per step under torch.profiler.
+* ``speedup_rounds``: patched / timm speed within each round (their median, beside the
+  ratio of the medians: a host that drifts between rounds moves both variants of a round).
 * ``peak MiB``: the variant's peak memory as if it ran alone: the allocator's peak during
   its steps, less what was allocated before them, plus its own parameters and AdamW's
   moments (both variants stay resident for the alternating rounds).
@@ -87,6 +89,11 @@ def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmu
                          peak_mib=_peak_mib(model, step), wall_ms_rounds=timings[variant][0],
                          host_ms_rounds=timings[variant][1], host_ops=host_ops, gpu_kernels=gpu_kernels,
                          device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version()))
+    # each round times both variants back to back: the ratio within a round shares the
+    # host's state of the moment, which drifts between rounds (H200: one variant's wall
+    # time read 22 to 34 ms across 5 rounds of one run)
+    ratios = [t / p for t, p in zip(timings["timm"][0], timings["flashwin"][0])]
+    rows[-1].update(speedup_rounds=ratios, speedup_round_median=statistics.median(ratios))
     del variants
     torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -120,8 +127,10 @@ def main() -> None:
                         print(f"      host {op['self_cpu_us_per_step']:9.0f} us {op['calls_per_step']:6.0f}x  "
                               f"{op['name'][:90]}")
                 timm, ours = group
+                low, high = min(ours["speedup_rounds"]), max(ours["speedup_rounds"])
                 print(f"{'':30s} {batch:4d} {mode:15s} patched/timm: {ours['images_per_s'] / timm['images_per_s']:.2f}x "
-                      f"speed, {ours['peak_mib'] / timm['peak_mib']:.2f}x peak, host {ours['host_ms']:.1f} vs "
+                      f"speed (rounds {low:.2f}x to {high:.2f}x, median {ours['speedup_round_median']:.2f}x), "
+                      f"{ours['peak_mib'] / timm['peak_mib']:.2f}x peak, host {ours['host_ms']:.1f} vs "
                       f"{timm['host_ms']:.1f} ms", flush=True)
                 if args.out:
                     write_json(args.out, rows)
