@@ -61,6 +61,12 @@ SHAPES = {
     "w12_s1_b32": (512, 4, 144, 32, 16),  # not in the issue's list: window 12 (SwinV2 *_window12_*)
     "w16_s1_b32": (512, 3, 256, 32, 16),
     "w24_s1_b16": (256, 4, 576, 32, 16),
+    # the other families at 224 and batch 64, no shift mask (nW 0): MaxViT-tiny's stage-1
+    # blocks and grids (and GCViT-tiny's, DaViT-tiny's 3-head ones), TinyViT-21m's stage 2,
+    # whole 14x14 maps (CoAtNet-0's stage 3; GCViT's and TinyViT's have 8 and 12 heads)
+    "maxvit_s1_b64": (4096, 2, 49, 32, 0),
+    "tinyvit_s2_b64": (1024, 6, 49, 32, 0),
+    "coatnet_s3_b64": (64, 12, 196, 32, 0),
 }
 IMPLS = ["eager", "sdpa", "compile", "flex", "ours"]
 PUBLISHED = {"fwa": "v1", "fwa2": "cosine"}  # the published kernels, and the one kind each computes
@@ -92,7 +98,7 @@ def make_inputs(shape, cosine: bool, device="cuda", masked: bool = True):
     win = math.isqrt(n)
     bias = torch.randn((2 * win - 1) ** 2, heads, device=device, generator=g).requires_grad_()  # the table
     logit_scale = torch.log(torch.full((heads,), 20.0, device=device)).requires_grad_() if cosine else None
-    mask = timm_mask(num_windows, n, device) if masked else None
+    mask = timm_mask(num_windows, n, device) if masked and num_windows else None
     grad = torch.randn(windows, n, heads * head_dim, device=device, dtype=torch.bfloat16, generator=g)
     return dict(qkv=qkv, bias=bias, logit_scale=logit_scale, mask=mask, heads=heads, head_dim=head_dim,
                 scale=head_dim ** -0.5, grad=grad)
@@ -356,7 +362,8 @@ def bench_one(impl: str, shape, cosine: bool, passes: List[str], masked: bool = 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=[name for name, shape in SHAPES.items() if shape[4]],
+                        choices=list(SHAPES), help="default: the Swin shapes (those with a shift mask)")
     parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"], choices=["v1", "cosine"])
     parser.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS + list(PUBLISHED),
                         help="default: all but the published kernels (fwa, fwa2)")
@@ -388,7 +395,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             for impl in args.impls:
                 if PUBLISHED.get(impl, kind) != kind:
                     continue
-                masked = not args.no_mask and impl not in PUBLISHED_NO_MASK
+                masked = not args.no_mask and impl not in PUBLISHED_NO_MASK and shape[4] > 0
                 torch._dynamo.reset()
                 res = bench_one(impl, shape, kind == "cosine", args.passes, masked, args.accuracy)
                 row = dict(shape=shape_name, B_=windows, H=heads, N=n, D=head_dim, kind=kind, impl=impl,

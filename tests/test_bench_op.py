@@ -47,3 +47,13 @@ def test_the_mask_free_kernel_refuses_a_mask():
     inp = bench_op.make_inputs(CASE, False, device="cpu")
     with pytest.raises(ValueError, match="no mask"):
         bench_op.fwa_math(inp["qkv"], inp["bias"], inp["mask"], None, inp["heads"], inp["scale"])
+
+
+def test_family_shapes_have_no_shift_mask():
+    """The other families' shapes (nW 0) run without a mask even where masks are asked for."""
+    family = [name for name, shape in bench_op.SHAPES.items() if shape[4] == 0]
+    assert family and "coatnet_s3_b64" in family
+    inp = bench_op.make_inputs((8, 2, 16, 16, 0), False, device="cpu", masked=True)
+    assert inp["mask"] is None
+    errors = bench_op.relative_errors(bench_op.implementation("ours"), inp)
+    assert all(0 <= e < BF16_BOUND for e in errors.values()), errors
