@@ -33,6 +33,19 @@ def judge(ours: Run, timm_run: Run, reference: Run, again: Run) -> List[Comparis
     return [c for c in checks if not c.passed]
 
 
+def training_step_runs(model: nn.Module, ours: nn.Module, x: torch.Tensor) -> List[Run]:
+    """One backward of a fixed random output gradient each, in ``judge``'s order: the patched
+    model ``ours``, timm's ``model``, a float64 copy of it and ``model`` again on the images
+    moved by one ulp (``jitter_images``)."""
+    runs = []
+    for net, x_in in ((ours, x), (model, x), (copy.deepcopy(model).double(), x.double()), (model, jitter_images(x))):
+        net.zero_grad(set_to_none=True)
+        out = net(x_in)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
+        runs.append((out.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}))
+    return runs
+
+
 def compiled_against_timm(model: nn.Module, strict: bool = True, device: str = "cuda",
                           backend: str = "inductor") -> List[Comparison]:
     """torch.compile(fullgraph=True) of a patched copy of ``model`` (perturbed, float32;

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from model_checks import compiled_against_timm, judge, patched_in_place
+from model_checks import compiled_against_timm, judge, patched_in_place, training_step_runs
 from opcases import relative_error
 from test_patching import flashwin_ops, images, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
-from timm_flashwin.comparison import compare, jitter_images
+from timm_flashwin.comparison import compare
 from timm_flashwin.verify import perturb_, verify_model
 
 M = timm.models
@@ -62,12 +62,7 @@ def test_nest_model_matches_timm():
                                  depths=(1, 1, 1), num_classes=10)).train()
     ours = patch_model(copy.deepcopy(model), strict=True)
     x = images(1, (32, 32))
-    runs = []
-    for net, x_in in ((ours, x), (model, x), (copy.deepcopy(model).double(), x.double()), (model, jitter_images(x))):
-        net.zero_grad(set_to_none=True)
-        out = net(x_in)
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
-        runs.append((out.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}))
+    runs = training_step_runs(model, ours, x)
     assert len(patch_report(ours).patched) == 3 and len(runs[2][1]) == len(list(model.parameters()))
     failed = judge(*runs)
     assert not failed, "\n".join(map(str, failed))
