@@ -217,6 +217,7 @@ EXPORT_CASES = [  # (family, train, grad enabled, strict)
     ("swin", False, True, False),  # how users call it: eval mode, grad enabled
     ("swin", False, False, True),
     ("swin", True, True, False),
+    ("swin", True, False, False),  # train mode under no_grad: the forward alone, dropout live
     ("swinv2", True, True, False),
     ("swinv2_cr", True, True, False),  # meta_mlp dropout
     ("swinv2_cr", False, False, True),
@@ -316,7 +317,7 @@ def test_onnx_export_matches_the_unpatched_model(dynamo):
     """torch.onnx.export of a patched model gives the unpatched model's ONNX graph, node for
     node (the TorchScript exporter: the same bytes), and onnxruntime computes timm's
     outputs with it. Needs the onnx package (and onnxscript for the dynamo exporter,
-    onnxruntime for the outputs), which CI does not install."""
+    onnxruntime for the outputs): the test extra installs them."""
     onnx = pytest.importorskip("onnx", reason="the onnx package is not installed")
     if dynamo:
         pytest.importorskip("onnxscript", reason="the dynamo ONNX exporter needs onnxscript")
