@@ -264,6 +264,22 @@ def test_float64_and_plain_cpu_take_pytorch(monkeypatch):
                              names=NAMES)
 
 
+def test_pytorch_path_takes_long_sequences_a_chunk_of_queries_at_a_time(monkeypatch):
+    """The PyTorch path computes REFERENCE_CHUNK query rows at a time, over the keys they
+    see (no S x S scores): the same output and gradients as the whole, and no chunk's
+    scores larger than chunk x (chunk + window)."""
+    from timm_flashwin import local_attention
+    monkeypatch.setattr(local_attention, "REFERENCE_CHUNK", 64)
+    widest = []
+    softmax = torch.Tensor.softmax
+    monkeypatch.setattr(torch.Tensor, "softmax", lambda t, *a, **kw: widest.append(t.shape[-1]) or softmax(t, *a, **kw))
+    q, k, v, do = make_inputs(1, 2, 1, 300, 8, dtype=torch.float64)
+    ours = forward_backward(sliding((20, 5)), q, k, v, do)
+    assert widest and max(widest) <= 64 + 25 and len(widest) == 5, widest
+    monkeypatch.setattr(torch.Tensor, "softmax", softmax)
+    assert_matches_reference(ours, reference(sliding_window_visible(20, 5), q, k, v, do), 1e-12, names=NAMES)
+
+
 # ----------------------------------------------------------------------- operators
 def test_eager_path_equals_the_operator(monkeypatch):
     """In eager mode the kernels launch without the operator dispatch; outputs and gradients

@@ -27,6 +27,9 @@ MAX_TOKENS = 1 << 20
 MAX_HEAD_DIM = 256
 #: window sizes beyond this are unlimited to the kernels (they clamp every bound to S)
 _UNLIMITED = 1 << 30
+#: query rows the PyTorch path (float64, plain CPU tensors) computes at a time, each chunk
+#: over the keys its rows see: memory O(S * visible keys per row), not O(S^2)
+REFERENCE_CHUNK = 1024
 
 
 # --------------------------------------------------------------------------- operators
@@ -98,7 +101,8 @@ class _EagerLocalAttention(torch.autograd.Function):
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: LocalPattern, visible: Visible,
             scale: float, dropout_p: float) -> torch.Tensor:
     if not uses_kernels(q) or q.numel() == 0:
-        return local_attention_reference(q, k, v, visible, scale, dropout_p)
+        chunk = REFERENCE_CHUNK if q.shape[2] > REFERENCE_CHUNK else None
+        return local_attention_reference(q, k, v, visible, scale, dropout_p, chunk=chunk)
     seed = draw_dropout_seed(q.device) if dropout_p > 0 else None
     inputs = (q, k, v, pattern.period, pattern.before, pattern.after, pattern.sink, scale, dropout_p, seed)
     if not (dispatch_free(q) and dispatch_free(k) and dispatch_free(v)):
