@@ -39,6 +39,19 @@ def deterministic_algorithms(monkeypatch):
         torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request):
+    """After each GPU test, its tensors freed and the allocator's cached blocks given back:
+    parallel workers (``-n``) share one GPU, and a worker that kept the blocks of its
+    largest model starved the others (an H100's 80 GB, 12 to 14 workers: out-of-memory
+    failures in every full-resolution file)."""
+    yield
+    if HAS_CUDA and "cuda" in request.keywords:
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
