@@ -1,0 +1,172 @@
+"""The registered operators and the roads to the kernels: softmax statistics saved only
+for a backward, opcheck, the eager direct path against the operator, fake tensors,
+torch.compile without graph break, the plain-CPU and float64 PyTorch paths."""
+
+import pytest
+import torch
+
+from conftest import KERNEL_DEVICE
+from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
+from timm_flashwin import window_attention
+from timm_flashwin.op import uses_kernels, window_attention_fwd
+
+
+def _record_stats_shapes(monkeypatch):
+    """The shape of the softmax statistics of every forward the op launches."""
+    from timm_flashwin import op as op_module
+    shapes = []
+    real = op_module.attention_forward
+
+    def forward(*args):
+        result = real(*args)
+        shapes.append(tuple(result[1].shape))
+        return result
+    monkeypatch.setattr(op_module, "attention_forward", forward)
+    return shapes
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_forward_saves_softmax_statistics_only_for_a_backward(cosine, monkeypatch):
+    """Windows over 64 tokens: the forward saves the softmax statistics (and, for cosine
+    attention, sums the rows' mean score) only where a gradient can follow; the output is
+    the same either way, and a backward without them is refused by name."""
+    from timm_flashwin.kernels.launch import attention_backward, attention_forward
+    shapes = _record_stats_shapes(monkeypatch)
+    case = make_case(4, 2, 3, 144, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    saved = (4 if cosine else 2, 4, 3, 144)
+    kwargs = case.kwargs()
+    qkv = case.qkv.detach()
+    with_grad = window_attention(qkv.clone().requires_grad_(), 3, **kwargs)
+    with torch.no_grad():
+        no_grad = window_attention(qkv.clone().requires_grad_(), 3, **kwargs)
+    nothing_requires_grad = window_attention(qkv, 3, **{k: v.detach() if torch.is_tensor(v) else v
+                                                        for k, v in kwargs.items()})
+    only_bias = window_attention(qkv, 3, **dict(kwargs, bias=case.bias.detach().requires_grad_()))
+    assert shapes == [saved, (0,), (0,), saved]
+    for out in (no_grad, nothing_requires_grad, only_bias):
+        torch.testing.assert_close(out, with_grad.detach(), rtol=1e-6, atol=1e-7)
+    _, stats, regions, mask_info = attention_forward(qkv, 3, case.bias, case.mask, None, 0.25, False, 0.0, None, False)
+    with pytest.raises(RuntimeError, match="saved no softmax statistics"):
+        attention_backward(case.grad_out, qkv, with_grad.detach(), stats, regions, mask_info, case.bias, case.mask,
+                           None, 3, 0.25, False, True, False)
+
+
+def test_lse_output_is_not_differentiable_and_op_is_registered():
+    assert hasattr(torch.ops.timm_flashwin, "window_attention_fwd")
+    assert hasattr(torch.ops.timm_flashwin, "window_attention_bwd")
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_opcheck(cosine):
+    """Schema, fake tensor, autograd registration and AOT dispatch of the operator."""
+    case = make_case(2, 2, 2, 9, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    logit_scale = case.logit_scale.reshape(2).requires_grad_() if cosine else None
+    args = (case.qkv.requires_grad_(), 2, case.bias.requires_grad_(), case.mask, logit_scale,
+            case.scale or 1.0, cosine, 0.0, None)
+    torch.library.opcheck(window_attention_fwd, args)
+    seed = torch.tensor([1234], dtype=torch.int64, device=KERNEL_DEVICE)  # with attention dropout
+    torch.library.opcheck(window_attention_fwd, args[:-2] + (0.25, seed))
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_eager_path_equals_the_operator(cosine, monkeypatch):
+    """In eager mode the kernels run through an autograd.Function without the operator
+    dispatch; its outputs and every gradient are bit-equal to the registered operator's,
+    and it leaves no graph for a second backward."""
+    from timm_flashwin import op
+    case = make_case(4, 2, 3, 16, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    ops_called = []
+    real_op = op.window_attention_fwd
+    monkeypatch.setattr(op, "window_attention_fwd", lambda *a: ops_called.append(1) or real_op(*a))
+    eager = forward_backward(window_attention, case)
+    assert not ops_called
+    monkeypatch.setattr(op, "dispatch_free", lambda qkv: False)
+    dispatched = forward_backward(window_attention, case)
+    assert ops_called
+    assert all(torch.equal(a, b) for a, b in zip(eager, dispatched))
+    qkv = case.qkv.detach().requires_grad_()
+    monkeypatch.undo()
+    out = window_attention(qkv, 3, **case.kwargs())
+    (grad,) = torch.autograd.grad(out.square().sum(), qkv, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()
+
+
+@pytest.mark.parametrize("n", [16, 144], ids=["one-tile", "multi-block"])
+def test_eager_forward_without_gradients_skips_autograd(n, monkeypatch):
+    """Where nothing can take a gradient (no_grad, or no input requiring one) the eager
+    forward runs without a torch.autograd.Function (host time of small inference calls):
+    no autograd node, and the output bit-equal to the forward that saves statistics for a
+    backward."""
+    from timm_flashwin import op
+    case = make_case(4, 2, 3, n, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    applied = []
+    real_apply = op._EagerWindowAttention.apply
+    monkeypatch.setattr(op._EagerWindowAttention, "apply", lambda *a: applied.append(1) or real_apply(*a))
+    qkv = case.qkv.detach().requires_grad_()
+    with_grad = window_attention(qkv, 3, **case.kwargs())
+    assert applied and with_grad.grad_fn is not None
+    applied.clear()
+    with torch.no_grad():
+        no_grad = window_attention(qkv, 3, **case.kwargs())
+    plain = window_attention(case.qkv.detach(), 3, **{k: v.detach() if isinstance(v, torch.Tensor) else v
+                                                     for k, v in case.kwargs().items()})
+    assert not applied and no_grad.grad_fn is None and plain.grad_fn is None
+    assert torch.equal(no_grad, with_grad.detach()) and torch.equal(plain, with_grad.detach())
+
+
+def test_fake_tensors_take_the_operator():
+    """Under FakeTensorMode (shape propagation, memory estimates) the registered
+    operator's fake implementation answers; no kernel runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from timm_flashwin.dispatch import dispatch_free
+    case = make_case(4, 2, 3, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    assert dispatch_free(case.qkv)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        qkv = mode.from_tensor(case.qkv)
+        assert not dispatch_free(qkv)
+        out = window_attention(qkv, 3, bias=mode.from_tensor(case.bias), mask=mode.from_tensor(case.mask),
+                               logit_scale=mode.from_tensor(case.logit_scale))
+    assert out.shape == (4, 16, 48)
+
+
+def test_compiles_without_graph_break():
+    """dynamo traces a function calling the op in one graph (fullgraph) and autograd
+    goes through the registered backward."""
+    case = make_case(4, 2, 3, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    fn = torch.compile(window_attention, fullgraph=True, backend="aot_eager")
+    results = forward_backward(fn, case)
+    assert_matches_reference(results, reference_forward_backward(case), 1e-4)
+
+
+def test_compiled_inference_saves_no_statistics(monkeypatch):
+    """Compiled under no_grad, the multi-block forward is traced without softmax
+    statistics (the grad mode is a guard of the graph); trained, with them."""
+    shapes = _record_stats_shapes(monkeypatch)
+    case = make_case(4, 2, 3, 144, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    torch._dynamo.reset()
+    fn = torch.compile(window_attention, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        out = fn(case.qkv, 3, **case.kwargs())
+    assert shapes and all(shape == (0,) for shape in shapes)
+    shapes.clear()
+    results = forward_backward(fn, case)
+    assert (4, 4, 3, 144) in shapes
+    torch.testing.assert_close(out, results[0].detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_plain_cpu_path_matches_reference(monkeypatch):
+    """Without the interpreter, CPU tensors go through PyTorch with the same result."""
+    from timm_flashwin import op
+    monkeypatch.setattr(op, "uses_kernels", lambda qkv: False)
+    case = make_case(4, 2, 3, 49, 16, cosine=True, masked=True, dtype=torch.float32, device="cpu")
+    # PyTorch's own float32 math: its logit-scale gradient, a cancelling sum, is 1.0e-5 off
+    # float64 on this case, the rest within 2.5e-6
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case), 2e-5)
+
+
+def test_float64_runs_in_pytorch():
+    case = make_case(4, 2, 3, 9, 16, cosine=False, masked=True, dtype=torch.float64, device=KERNEL_DEVICE,
+                     param_dtype=torch.float64)
+    assert not uses_kernels(case.qkv)
+    assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case), 1e-12)
