@@ -18,7 +18,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 #: Logit scales below and above the clamp at ln(100), per head. Exactly float32(ln 100) is
 #: left out here: torch.clamp passes the gradient there on CUDA and not on CPU, and the
-#: float64 reference always clamps (test_op.py tests that point against torch.clamp).
+#: float64 reference always clamps (test_op_edge_cases.py tests that point against torch.clamp).
 LOGIT_SCALES = [math.log(5.0), math.log(200.0), math.log(30.0), math.log(90.0), 0.0, math.log(60.0)]
 
 
@@ -94,13 +94,13 @@ def bias_as_read(case: Case) -> Case:
     reference keeps the mask exact: where it is 0 the copy rounds the bias alone, as here;
     where it is large (timm's -100) the copy's rounding moves logits whose probabilities
     are e^-100 of their row's largest, and other masks' rounding stays within the 16-bit
-    tolerances (test_op.py's folded-mask test).
+    tolerances (test_op_bias_mask.py's folded-mask test).
 
     The float64 reference takes this bias, so that it checks the kernels' arithmetic. The
     rounding (|error| <= |bias * log2(e)| * 2^-12) moves the output and the qkv and bias
     gradients far less than the 16-bit tolerances, but the logit-scale gradient, a sum whose
     terms cancel, by up to a few 1e-2 of its value where that value is small (H200 and CPU,
-    N = 144: -1.08 against -1.04); test_op.py's test of the float16 bias copy bounds that
+    N = 144: -1.08 against -1.04); test_op_bias_mask.py's test of the float16 bias copy bounds that
     effect against the exact bias."""
     if case.bias is None or case.qkv.dtype not in (torch.float16, torch.bfloat16):
         return case
