@@ -11,7 +11,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
-from test_patching import flashwin_ops, images, recording_backend
+from model_cases import flashwin_ops, images, recording_backend
 from timm_flashwin import is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.comparison import Comparison, compare, group_error, jitter_images, larger_error
 from timm_flashwin.verify import GRADIENT_FACTOR

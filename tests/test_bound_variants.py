@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from common import gathered_bias  # noqa: E402
 from profile_step import WINDOW_METHODS, attention_free, window_free  # noqa: E402
 
-from test_patching import autograd_nodes  # noqa: E402
+from model_cases import autograd_nodes  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 

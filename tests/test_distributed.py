@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from test_patching import images, tiny_swin
+from model_cases import images, tiny_swin
 from timm_flashwin import is_patched, patch_model, patch_report
 from timm_flashwin.kernels import config
 

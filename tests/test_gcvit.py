@@ -18,8 +18,8 @@ from torch import nn
 
 from conftest import KERNEL_DEVICE
 from model_checks import compiled_against_timm, judge, patched_in_place, training_step_runs
+from model_cases import flashwin_ops, images, recording_backend
 from opcases import relative_error
-from test_patching import flashwin_ops, images, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.adapters import gcvit as adapter
 from timm_flashwin.comparison import compare

@@ -17,8 +17,8 @@ from torch import nn
 
 from conftest import KERNEL_DEVICE
 from model_checks import compiled_against_timm, patched_in_place
+from model_cases import flashwin_ops, images, recording_backend
 from opcases import relative_error
-from test_patching import flashwin_ops, images, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.comparison import compare
 from timm_flashwin.verify import perturb_, verify_model

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import KERNEL_DEVICE
+from model_cases import create, images, tiny_swin
 from opcases import forward_backward, make_case
-from test_patching import create, images, tiny_swin
 from timm_flashwin import is_patched, patch_model, patch_report, window_attention
 from timm_flashwin.kernels import config
 from timm_flashwin.op import uses_kernels

@@ -8,7 +8,7 @@ built them, with no warning; ``strict`` applies to the Swin models.
 
 How: one ``wrapt.FunctionWrapper`` around the function ``timm.models._factory`` defines.
 The factory runs outside any compiled region, so dynamo's handling of wrapt proxies
-(``tests/test_patching.py::test_why_not_wrapt``, why modules are patched by class) does
+(``tests/test_patching_compile.py::test_why_not_wrapt``, why modules are patched by class) does
 not apply to it. Activation puts the wrapper at every module-level name that holds timm's
 function: ``timm.models._factory.create_model``, ``timm.models.create_model``,
 ``timm.create_model``, and the globals of any module already loaded (``__main__``

@@ -17,7 +17,7 @@ as every attention module in a model is, dynamo calls the function a wrapt wrapp
 (timm's forward), not the wrapper, and compiles timm's attention with no graph break and no
 error; eager mode runs the wrapper. Seen on torch 2.14.1 with wrapt 2.1.2 and on torch 2.11
 (the compiled "patched" model's graph held timm's softmax and no timm_flashwin op);
-``tests/test_patching.py::test_why_not_wrapt`` checks it on whatever versions run the tests.
+``tests/test_patching_compile.py::test_why_not_wrapt`` checks it on whatever versions run the tests.
 A plain method on a subclass is what dynamo traces, and because dynamo guards on module
 types, a patched and an unpatched copy of one model never share a graph (with an instance
 attribute as the mark, they did).
