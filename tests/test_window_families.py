@@ -324,7 +324,7 @@ def test_gpu_full_resolution_autocast(name, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["tiny_vit_21m_224", "davit_tiny", "hiera_tiny_224"])
+@pytest.mark.parametrize("name", ["tiny_vit_21m_224", "davit_tiny", "twins_svt_small", "nest_tiny", "hiera_tiny_224"])
 def test_gpu_torch_compile_inference_and_training(name):
     """torch.compile(fullgraph=True, inductor) of the patched model, float32: the eval output
     and a training step's gradients against timm's (model_checks.compiled_against_timm)."""
