@@ -6,7 +6,7 @@ yardstick."""
 import contextlib
 import copy
 import io
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from torch import nn
 from model_cases import flashwin_ops, images, recording_backend
 from timm_flashwin import is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.comparison import Comparison, compare, group_error, jitter_images, larger_error
-from timm_flashwin.verify import GRADIENT_FACTOR
+from timm_flashwin.verify import GRADIENT_FACTOR, verify_model
 
 #: one run: (output, {parameter name: gradient})
 Run = Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -96,3 +96,17 @@ def patched_in_place(model: nn.Module, x: torch.Tensor, patched: int) -> Iterato
         yield expected, patched_out
         unpatch_model(model)
         assert not is_patched(model) and torch.equal(model(x), expected)
+
+
+def full_resolution_passes(name: str, dtype: str, batch: int = 2, kept: Optional[int] = None) -> None:
+    """verify's AMP training run of ``name`` at its full resolution on the GPU (``dtype``
+    "bfloat16" or "float16"): it passes verify's rule and ran the kernels; where ``kept``
+    is given, every attention module verify compares but ``kept`` of them is patched; and
+    its top-1 agreement with float64 is within half a point of timm's own (perturbed
+    models are chaotic in low precision: top-1 is judged against timm's)."""
+    result = verify_model(name, batch=batch, dtype=dtype, device="cuda", train=True)
+    assert result.passed, "\n".join(map(str, result.failures()[:10]))
+    assert result.backend == "triton"
+    if kept is not None:
+        assert result.patched_modules == len(result.layers) - kept > 0
+    assert result.top1_ours_vs_float64 >= result.top1_timm_vs_float64 - 0.5

@@ -6,7 +6,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_op  # noqa: E402

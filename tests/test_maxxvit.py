@@ -16,7 +16,7 @@ from timm.layers import RelPosBias, RelPosBiasTf, RelPosMlp
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from model_checks import compiled_against_timm, patched_in_place
+from model_checks import compiled_against_timm, full_resolution_passes, patched_in_place
 from model_cases import flashwin_ops, images, recording_backend
 from opcases import relative_error
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
@@ -259,10 +259,7 @@ GPU_MODELS = ["maxvit_tiny_rw_224", "maxvit_tiny_tf_224", "maxvit_tiny_tf_512", 
 def test_gpu_full_resolution_autocast(name, dtype):
     """Full resolution, AMP, forward and every gradient: windows of 49 to 576 tokens (the
     kernels that stream key blocks from 144 on)."""
-    result = verify_model(name, batch=2, dtype=dtype, device="cuda", train=True)
-    assert result.passed, "\n".join(map(str, result.failures()[:10]))
-    assert result.backend == "triton"
-    assert result.top1_ours_vs_float64 >= result.top1_timm_vs_float64 - 0.5
+    full_resolution_passes(name, dtype)
 
 
 @pytest.mark.cuda

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from model_checks import compiled_against_timm, judge, patched_in_place, training_step_runs
+from model_checks import compiled_against_timm, full_resolution_passes, judge, patched_in_place, training_step_runs
 from model_cases import flashwin_ops, images, recording_backend
 from opcases import relative_error
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
@@ -315,12 +315,8 @@ GPU_MODELS = ["tiny_vit_21m_224", "tiny_vit_21m_512", "davit_tiny", "davit_base_
 def test_gpu_full_resolution_autocast(name, dtype):
     """Full resolution, AMP, forward and every gradient: windows of 16 to 1024 tokens
     (TinyViT-512's 32x32), Hiera's global attention over 196 and 256."""
-    result = verify_model(name, batch=2, dtype=dtype, device="cuda", train=True)
-    assert result.passed, "\n".join(map(str, result.failures()[:10]))
     # verify compares Hiera's three q-pooling blocks too, which keep timm's forward
-    kept = 3 if name.startswith("hiera") else 0
-    assert result.backend == "triton" and result.patched_modules == len(result.layers) - kept > 0
-    assert result.top1_ours_vs_float64 >= result.top1_timm_vs_float64 - 0.5
+    full_resolution_passes(name, dtype, kept=3 if name.startswith("hiera") else 0)
 
 
 @pytest.mark.cuda
