@@ -126,6 +126,34 @@ def test_every_registered_model_is_fully_patched_on_meta():
 
 
 # ------------------------------------------------------------------------ behaviour
+def test_partitions_are_read_from_the_map(monkeypatch):
+    """MaxViT's block and grid windows ((3, H, D) qkv, the tf models) are read where they lie
+    in the (B, H, W, C) map, no window_partition / grid_partition copies: the partitioned
+    op's output bit for bit, and its gradients (the projections' weight gradients sum the
+    tokens in another order); head-first qkv (the rw models) keeps timm's partition."""
+    from timm_flashwin.adapters.maxxvit import MaxxVitAdapter
+    from timm_flashwin.window_grid import WindowGrid
+    grids = []
+    real = MaxxVitAdapter.block_attention
+    monkeypatch.setattr(MaxxVitAdapter, "block_attention",
+                        lambda self, block, x, grid: grids.append(grid) or real(self, block, x, grid))
+    x = images(1, (SIZE, SIZE), device=KERNEL_DEVICE)
+    results = []
+    for feature_map in (True, False):
+        model = patch_model(tiny("tf").to(KERNEL_DEVICE), feature_map=feature_map)
+        out = model(x)
+        out.square().sum().backward()
+        results.append([out] + [p.grad for p in model.parameters()])
+    # one 14x14 stage: 2x2 block windows of 7x7, then a 7x7 grid strided by 2
+    assert grids == [WindowGrid(14, 14, (7, 7)), WindowGrid(14, 14, (7, 7), strided=True)]
+    assert torch.equal(results[0][0], results[1][0])
+    for on_map, partitioned in zip(*results):
+        torch.testing.assert_close(on_map, partitioned, rtol=1e-5, atol=1e-7)
+    grids.clear()
+    patch_model(tiny("rw").to(KERNEL_DEVICE))(x)
+    assert grids == []
+
+
 def test_state_dict_unpatch_deepcopy_and_torch_save():
     model = tiny("rw").eval().to(KERNEL_DEVICE)
     x = images(1, (SIZE, SIZE), device=KERNEL_DEVICE)

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from timm.models.maxxvit import grid_partition, grid_reverse
 from timm.models.swin_transformer import window_partition
 
 from conftest import KERNEL_DEVICE
@@ -19,10 +20,14 @@ from timm_flashwin.window_grid import WindowGrid
 #: axes, none; the last is swin_tiny's last-but-one stage (49 tokens, 2 x 1 windows)
 GRIDS = [WindowGrid(4, 6, (2, 3), (1, 1)), WindowGrid(6, 4, (3, 2), (0, 1)), WindowGrid(4, 4, (2, 2)),
          WindowGrid(14, 7, (7, 7), (3, 3))]
+#: MaxViT's grid windows (timm's grid_partition): 2 x 3 windows of 3 x 2 tokens strided over a
+#: 6 x 6 map, 4 x 2 windows of 2 x 3 over 8 x 6
+STRIDED_GRIDS = [WindowGrid(6, 6, (3, 2), strided=True), WindowGrid(8, 6, (2, 3), strided=True)]
 
 
 def _grid_id(grid: WindowGrid) -> str:
-    return f"{grid.height}x{grid.width}-w{grid.window[0]}x{grid.window[1]}-s{grid.shift[0]}{grid.shift[1]}"
+    return (f"{grid.height}x{grid.width}-w{grid.window[0]}x{grid.window[1]}-"
+            + ("strided" if grid.strided else f"s{grid.shift[0]}{grid.shift[1]}"))
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=_grid_id)
@@ -39,12 +44,25 @@ def test_partition_is_timms_roll_and_window_partition(grid):
     assert torch.equal(token_map.view(-1).sort().values, torch.arange(grid.height * grid.width, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("grid", STRIDED_GRIDS, ids=_grid_id)
+def test_strided_partition_is_timms_grid_partition(grid):
+    batch, channels = 2, 5
+    x = torch.randn(batch, grid.height, grid.width, channels)
+    timm_windows = grid_partition(x, list(grid.window)).reshape(-1, grid.tokens, channels)
+    flat = x.reshape(batch, -1, channels)
+    assert torch.equal(grid.partition(flat), timm_windows)
+    reversed_map = grid_reverse(timm_windows.view(-1, *grid.window, channels), list(grid.window),
+                                [grid.height, grid.width])
+    assert torch.equal(grid.merge(timm_windows), reversed_map.reshape(batch, -1, channels))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(height=5, width=4, window=(2, 2)), "multiple of `window`"),
     (dict(height=4, width=4, window=(2, 2), shift=(2, 0)), "`shift` must be below"),
     (dict(height=4, width=4, window=(2,)), "`window` must be a pair"),
     (dict(height=4, width=4, window=(2, 2), shift=(-1, 0)), "`shift` must be a pair of ints >= 0"),
     (dict(height=0, width=4, window=(2, 2)), "`height` must be a positive int"),
+    (dict(height=4, width=4, window=(2, 2), shift=(1, 0), strided=True), "strided .* no shift"),
 ])
 def test_bad_grids_are_refused_naming_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -82,7 +100,7 @@ def _reference(grid: WindowGrid, case: Case) -> Reference:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
-@pytest.mark.parametrize("grid", GRIDS, ids=_grid_id)
+@pytest.mark.parametrize("grid", GRIDS + STRIDED_GRIDS[:1], ids=_grid_id)
 def test_feature_map_layout_matches_float64_reference(grid, cosine, masked, dtype, monkeypatch):
     case = _map_case(grid, heads=2, head_dim=8, cosine=cosine, masked=masked, dtype=dtype, seed=1)
     reference = _reference(grid, case)

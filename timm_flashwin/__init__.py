@@ -22,7 +22,8 @@ The window-attention op
                      mask (nW, N, N), scale | logit_scale (H,), dropout_p, grid)
         -> (B_, N, H*D); with grid=WindowGrid(...), qkv (B, H*W, 3*H*D) -> (B, H*W, H*D)
     TableBias(table (T, H), index (N, N), sigmoid_scale): a bias read from its table
-    WindowGrid(height, width, window, shift): a block's shifted window partition
+    WindowGrid(height, width, window, shift, strided): a block's (shifted) window partition, or
+        MaxViT's strided grid windows
     window_attention_reference(...): the same math in PyTorch (the tests' oracle)
 Local attention, q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D)
     sliding_window_attention(q, k, v, *, window=(left, right), causal, scale, dropout_p)

@@ -203,7 +203,7 @@ _register_fx_leaves()
 #: family -> the class the block holding a patched module takes (``adapter.block_type``)
 PATCHED_BLOCK_CLASSES: Dict[str, type] = {}
 for _family, _name in (("swin", "FlashSwinTransformerBlock"), ("swinv2", "FlashSwinTransformerV2Block"),
-                       ("swinv2_cr", "FlashSwinTransformerV2CrBlock")):
+                       ("swinv2_cr", "FlashSwinTransformerV2CrBlock"), ("maxxvit", "FlashMaxxVitPartitionAttentionCl")):
     PATCHED_BLOCK_CLASSES[_family] = globals()[_name] = _patched_block_class(ADAPTERS[_family], _name)
 
 

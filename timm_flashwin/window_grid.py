@@ -35,15 +35,19 @@ def _pair(name: str, value, minimum: int) -> Tuple[int, int]:
 class WindowGrid:
     """A (height, width) feature map cut into windows of ``window`` = (wh, ww) tokens after
     a cyclic shift by -``shift`` (timm's ``torch.roll(x, -shift)``), as timm's Swin blocks
-    (V1, V2, V2-CR) cut theirs. height and width must be multiples of the window (timm
-    pads otherwise, and its padded tokens take part in the attention: not a permutation),
-    and 0 <= shift < window.
+    (V1, V2, V2-CR) and MaxViT's block attention cut theirs; or, ``strided``, into MaxViT's
+    grid windows (timm's ``grid_partition``): window (wy, wx) of the (H / wh, W / ww)
+    windows takes the tokens (i * H / wh + wy, j * W / ww + wx), i < wh, j < ww, spread over
+    the whole map. height and width must be multiples of the window (timm pads otherwise,
+    and its padded tokens take part in the attention: not a permutation), and 0 <= shift <
+    window (0 where strided).
     """
 
     height: int
     width: int
     window: Tuple[int, int]
     shift: Tuple[int, int] = (0, 0)
+    strided: bool = False
 
     def __post_init__(self):
         for name in ("height", "width"):
@@ -58,6 +62,10 @@ class WindowGrid:
                              f"{window}")
         if shift[0] >= window[0] or shift[1] >= window[1]:
             raise ValueError(f"WindowGrid: `shift` must be below the window {window}, got {shift}")
+        if not isinstance(self.strided, bool):
+            raise ValueError(f"WindowGrid: `strided` must be a bool, got {self.strided!r}")
+        if self.strided and shift != (0, 0):
+            raise ValueError(f"WindowGrid: strided (grid) windows take no shift, got {shift}")
 
     @property
     def num_windows(self) -> int:
@@ -95,7 +103,7 @@ class WindowGrid:
         if torch.compiler.is_compiling():
             if exporting():  # torch.export: the exported graph computes them
                 return self._compute_maps(device)
-            return _constant_maps(self.height, self.width, *self.window, *self.shift, device)
+            return _constant_maps(self.height, self.width, *self.window, *self.shift, self.strided, device)
         maps = _MAPS.get((self, device))
         if maps is None:
             maps = _MAPS[(self, device)] = self._compute_maps(device)
@@ -109,6 +117,13 @@ class WindowGrid:
         (wh, ww), (sh, sw) = self.window, self.shift
         height, width = self.height, self.width
         r, c = torch.arange(height, device=device), torch.arange(width, device=device)
+        if self.strided:  # window (wy, wx)'s token (i, j) at (i * nWy + wy, j * nWx + wx)
+            rows = r[:, None] * width + c[None, :]  # (H, W) = (wh, nWy, ww, nWx)
+            index = rows.view(wh, height // wh, ww, width // ww).permute(1, 3, 0, 2).reshape(-1)
+            # map row (y, x) is window (y % nWy, x % nWx)'s token (y // nWy, x // nWx)
+            window_of = (r % (height // wh))[:, None] * (width // ww) + (c % (width // ww))[None, :]
+            inverse = window_of * (wh * ww) + (r // (height // wh))[:, None] * ww + (c // (width // ww))[None, :]
+            return index, inverse.reshape(-1)
         # shifted position p reads the map at (p + shift) mod size, as torch.roll(x, -shift) does
         y, x = (r + sh) % height, (c + sw) % width
         rows = (y[:, None] * width + x[None, :])  # (H, W): map row of each shifted position
@@ -121,13 +136,13 @@ class WindowGrid:
 
 
 @torch.compiler.assume_constant_result
-def _constant_maps(height: int, width: int, wh: int, ww: int, sh: int, sw: int,
+def _constant_maps(height: int, width: int, wh: int, ww: int, sh: int, sw: int, strided: bool,
                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``WindowGrid._compute_maps`` as constants of a graph torch.compile traces (dynamo
     calls it with the grid's ints). Where a graph computes them (under torch.export,
     ``WindowGrid._maps``), they are index arithmetic only, which inductor folds into the
     gathers that read them."""
-    return WindowGrid(height, width, (wh, ww), (sh, sw))._compute_maps(device)
+    return WindowGrid(height, width, (wh, ww), (sh, sw), strided)._compute_maps(device)
 
 
 class _PermuteRows(torch.autograd.Function):

@@ -144,10 +144,13 @@ class WindowAttentionAdapter:
         module, merge and roll back give, with the op reading each window's rows of the qkv
         projection of the map where they lie (``window_attention(..., grid=)``) and writing
         its output there: no copies of the map around the attention."""
-        mask = block.get_attn_mask(x) if getattr(block, "dynamic_mask", False) else block.attn_mask
         batch, height, width, channels = x.shape
-        out = self._project(block.attn, x.reshape(batch, height * width, channels), mask, grid)
+        out = self._project(block.attn, x.reshape(batch, height * width, channels), self.block_mask(block, x), grid)
         return out.view(batch, height, width, out.shape[-1])
+
+    def block_mask(self, block: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The mask ``block`` hands its module for the map x: a Swin block's shift mask."""
+        return block.get_attn_mask(x) if getattr(block, "dynamic_mask", False) else block.attn_mask
 
     def proj_input(self, module: nn.Module, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """What the module's proj takes, from the op's output (B_, N, H*D) for the input x."""

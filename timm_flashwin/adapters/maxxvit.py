@@ -6,7 +6,11 @@ module's ``rel_pos`` (``rel_pos.py``: RelPosBias, RelPosBiasTf, RelPosMlp), or o
 come partitioned: a block's windows (``window_partition``) or its strided grid
 (``grid_partition``), both (B * nW, wh, ww, C) to ``AttentionCl`` (PartitionAttentionCl,
 ParallelPartitionAttention), (B * nW, C, wh, ww) to ``Attention2d``; CoAtNet's
-TransformerBlock2d hands ``Attention2d`` its whole (B, C, H, W) map, one window.
+TransformerBlock2d hands ``Attention2d`` its whole (B, C, H, W) map, one window. In eager
+mode the PartitionAttentionCl around an ``AttentionCl`` with (3, H, D) qkv channels (the tf
+models) has the op read its block or grid windows from the (B, H, W, C) map instead
+(``block_grid``: a ``WindowGrid``, ``strided`` for the grid), without timm's partition and
+reverse copies.
 
 qkv is read where timm's layers leave it, as a view (``window_attention`` takes a
 (B_, N, 3, H, D) one): ``head_first`` puts each head's q, k and v side by side, channels
@@ -24,7 +28,8 @@ from torch import nn
 
 from ..kernels.config import MAX_TOKENS
 from ..position_bias import TableBias
-from .base import WindowAttentionAdapter
+from ..window_grid import WindowGrid
+from .base import BLOCK_GRID_ATTR, WindowAttentionAdapter
 from .rel_pos import rel_pos_bias, rel_pos_tokens, rel_pos_window, unsupported_rel_pos
 
 
@@ -34,11 +39,46 @@ class MaxxVitAdapter(WindowAttentionAdapter):
     family = "maxxvit"
     forward_arg = "shared_rel_pos"
     required = ("qkv", "proj", "proj_drop", "attn_drop", "scale", "num_heads", "dim_head", "head_first", "rel_pos")
+    block_method = "_partition_attn"
+    block_required = ("attn", "partition_size", "partition_block")
 
     @staticmethod
     def module_type() -> Type[nn.Module]:
         from timm.models.maxxvit import AttentionCl
         return AttentionCl
+
+    @staticmethod
+    def block_type() -> Optional[Type[nn.Module]]:
+        from timm.models.maxxvit import PartitionAttentionCl
+        return PartitionAttentionCl
+
+    def block_grid(self, block: nn.Module, x: torch.Tensor) -> Optional[WindowGrid]:
+        """How ``block`` (a PartitionAttentionCl) cuts x (B, H, W, C): its block windows
+        (``window_partition``) or its strided grid windows (``grid_partition``), or None where
+        the op cannot read them from the map: H or W not a multiple of the partition, a
+        partition other than the module's rel_pos window, more tokens than the kernels take,
+        qkv channels (H, 3, D) (``head_first``: read as a 5-D view, which the map layout does
+        not take). Kept on the block for its present map size and partition."""
+        if x.dim() != 4 or any(not hasattr(block, name) for name in self.block_required):
+            return None
+        size, block_windows = block.__dict__.get("partition_size"), block.__dict__.get("partition_block")
+        key = (x.shape[1], x.shape[2], size, block_windows)
+        kept = block.__dict__.get(BLOCK_GRID_ATTR)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        if size is None or block_windows is None:
+            return None
+        height, width, window = x.shape[1], x.shape[2], tuple(size)
+        module_window = self.window_size(block.attn)
+        grid = None
+        if (not block.attn.head_first and module_window in (None, window) and window[0] * window[1] <= MAX_TOKENS
+                and height % window[0] == 0 and width % window[1] == 0):
+            grid = WindowGrid(height, width, window, strided=not block_windows)
+        block.__dict__[BLOCK_GRID_ATTR] = (key, grid)
+        return grid
+
+    def block_mask(self, block: nn.Module, x: torch.Tensor) -> None:
+        return None  # MaxViT's windows have no mask
 
     def window_size(self, module: nn.Module) -> Optional[Tuple[int, int]]:
         return rel_pos_window(module.rel_pos) if module.rel_pos is not None else None
@@ -107,6 +147,10 @@ class MaxxVit2dAdapter(MaxxVitAdapter):
     def module_type() -> Type[nn.Module]:
         from timm.models.maxxvit import Attention2d
         return Attention2d
+
+    @staticmethod
+    def block_type() -> Optional[Type[nn.Module]]:
+        return None  # its blocks (PartitionAttention2d, TransformerBlock2d) keep timm's partition
 
     def tokens(self, module: nn.Module, x: torch.Tensor) -> int:
         channels = module.qkv.in_channels

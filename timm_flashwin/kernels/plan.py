@@ -130,8 +130,11 @@ def _grid_args(grid: Optional[WindowGrid]) -> Tuple[int, ...]:
 
 
 def _layout_flags(grid: Optional[WindowGrid]) -> dict:
-    """The constexprs of the layout: MAPPED, and the window's width (``tiles.window_rows``)."""
-    return dict(MAPPED=grid is not None, WINDOW_W=grid.window[1] if grid is not None else 1)
+    """The constexprs of the layout (``tiles.window_rows``): MAPPED, 0 partitioned, 1 the
+    feature map's block windows, 2 its strided grid windows; the window's width."""
+    if grid is None:
+        return dict(MAPPED=0, WINDOW_W=1)
+    return dict(MAPPED=2 if grid.strided else 1, WINDOW_W=grid.window[1])
 
 
 def _fp32_dot(dtype: torch.dtype) -> bool:

@@ -99,19 +99,23 @@ def window_rows(b, tokens, map_windows, windows_x, map_height, map_width, shift_
     """(image, rows): where the tokens ``tokens`` of window b lie, as the rows ``rows`` of
     image ``image`` of qkv, the output and their gradients.
 
-    Partitioned layout: (b, tokens). MAPPED (the feature-map layout; windows of N / WINDOW_W
-    x WINDOW_W tokens, nW = ``map_windows`` per image and nWx = ``windows_x`` per map row,
-    a (``map_height``, ``map_width``) map, its shift: ``WindowGrid.kernel_args``): window b
-    is window w = b % nW of image b // nW, at (wy, wx) = (w // nWx, w % nWx), and its token t
-    at (i, j) = (t // WINDOW_W, t % WINDOW_W) reads the map at ((wy * wh + i + shift_h) mod H,
-    (wx * ww + j + shift_w) mod W), where timm's roll by -shift and partition put it.
+    MAPPED 0, the partitioned layout: (b, tokens). Else the feature-map layout (windows of
+    N / WINDOW_W x WINDOW_W tokens, nW = ``map_windows`` per image and nWx = ``windows_x`` per
+    map row, a (``map_height``, ``map_width``) map, its shift: ``WindowGrid.kernel_args``):
+    window b is window w = b % nW of image b // nW, at (wy, wx) = (w // nWx, w % nWx), and its
+    token t at (i, j) = (t // WINDOW_W, t % WINDOW_W) reads the map, with MAPPED 1 (block
+    windows), at ((wy * wh + i + shift_h) mod H, (wx * ww + j + shift_w) mod W), where timm's
+    roll by -shift and partition put it; with MAPPED 2 (MaxViT's grid windows, no shift) at
+    (i * nWy + wy, j * nWx + wx), nWy = nW / nWx, where timm's grid_partition takes it.
     Computed from the token numbers and run-time scalars (a few integer operations per row,
     which the compiler redoes in each layout the loads and stores take), not read from a
     table (a (nW, N) table: the one-tile backward 255 registers and a spill, against 193),
     nor from a tensor of the geometry (passed down as a tuple it made torch 2.11's analysis
     of which tensors a user kernel writes give up and take every input for written).
     Padded tokens (t >= N) get rows out of range: the loads and stores mask them by token."""
-    if MAPPED:
+    if MAPPED == 0:
+        return b, tokens
+    else:
         WINDOW_H: tl.constexpr = N // WINDOW_W
         # int32 division: int64 division by a run-time value is a long routine (with it, the
         # one-tile backward took 255 registers and spilled, against 188 partitioned)
@@ -119,13 +123,16 @@ def window_rows(b, tokens, map_windows, windows_x, map_height, map_width, shift_
         image = window // map_windows
         w = window - image * map_windows
         wy = w // windows_x
-        y = wy * WINDOW_H + tokens // WINDOW_W + shift_h
-        x = (w - wy * windows_x) * WINDOW_W + tokens % WINDOW_W + shift_w
-        y = tl.where(y >= map_height, y - map_height, y)  # mod H: y < H + wh <= 2 H
-        x = tl.where(x >= map_width, x - map_width, x)
+        wx = w - wy * windows_x
+        if MAPPED == 2:
+            y = (tokens // WINDOW_W) * (map_windows // windows_x) + wy
+            x = (tokens % WINDOW_W) * windows_x + wx
+        else:
+            y = wy * WINDOW_H + tokens // WINDOW_W + shift_h
+            x = wx * WINDOW_W + tokens % WINDOW_W + shift_w
+            y = tl.where(y >= map_height, y - map_height, y)  # mod H: y < H + wh <= 2 H
+            x = tl.where(x >= map_width, x - map_width, x)
         return image.to(tl.int64), y * map_width + x
-    else:
-        return b, tokens
 
 
 @triton.jit
