@@ -31,7 +31,6 @@ def _stage(name: str) -> Optional[str]:
 
 def describe(name: str) -> ModelInfo:
     """Build ``name`` on the meta device (no memory, no weights) and describe it."""
-    import timm
     with torch.device("meta"):
         model = timm_create_model()(name)
     families: List[str] = []
