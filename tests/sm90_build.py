@@ -137,8 +137,9 @@ def main() -> int:
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
     for n, head_dim, dtype, cosine, dropout in CASES:
-        # the partitioned layout, or the feature-map layout of square windows (every case's N is a square)
-        layout = lambda mapped: dict(MAPPED=mapped, WINDOW_W=math.isqrt(n) if mapped else 1)  # noqa: E731
+        # the partitioned layout (MAPPED 0), or the feature-map layout of square windows (every
+        # case's N is a square): block windows (1), MaxViT's strided grid windows (2)
+        layout = lambda mapped: dict(MAPPED=int(mapped), WINDOW_W=math.isqrt(n) if mapped else 1)  # noqa: E731
         # V1's table read as it is, SwinV2's through 16 * sigmoid
         bias_table = lambda table: dict(BIAS_TABLE=table, BIAS_SIGMOID=16.0 if table and cosine else 0.0)  # noqa: E731
         print(f"N={n} head_dim={head_dim} {TRITON_TYPES[dtype]} {'cosine' if cosine else 'v1'}"
@@ -151,8 +152,10 @@ def main() -> int:
         streamed = n > fwd.block_n
         # the partitioned and the feature-map layout, and where the kernels of both passes read a
         # position bias from its table (plan.reads_table), the latter with the table too
-        layouts = ((False, False), (True, False)) + (((True, True),) if reads_table(n, head_dim, dtype, cosine, dropout)
-                                                      else ())
+        table = reads_table(n, head_dim, dtype, cosine, dropout)
+        layouts = ((0, False), (1, False)) + (((1, True),) if table else ())
+        if n in (49, 64) and head_dim == 32:  # MaxViT's windows: its grid windows too
+            layouts += ((2, table),)
         # kernels that stream key blocks read, with 16-bit inputs, a float16 copy of bias + mask
         # times log2(e) and no mask of their own where that copy is small (bias_mask.streamed_bias),
         # else the bias (float16 copy with 16-bit inputs) and the mask's region ids, one build
