@@ -18,7 +18,7 @@ from ..window_grid import WindowGrid
 #: instance attribute of a patched module whose training forward recomputes its qkv
 #: projection in the backward (``patch_model(..., recompute_qkv=True)``)
 RECOMPUTE_QKV_ATTR = "_flashwin_recompute_qkv"
-#: instance attribute of a block: ((H, W, window, shift), its WindowGrid or None), ``block_grid``
+#: instance attribute of a block: ((H, W, *its partition attributes), its WindowGrid or None), ``block_grid``
 BLOCK_GRID_ATTR = "_flashwin_grid"
 
 
@@ -115,28 +115,36 @@ class WindowAttentionAdapter:
                              f"(x of shape {tuple(x.shape)})")
         return self._project(module, x, mask)
 
+    #: the block attributes that, with the map's height and width, decide its grid
+    #: (``block_grid``'s key; timm's blocks hold them as plain attributes)
+    block_partition: Sequence[str] = ("window_size", "shift_size")
+
     def block_grid(self, block: nn.Module, x: torch.Tensor) -> Optional[WindowGrid]:
-        """How ``block`` cuts x (B, H, W, C) into windows, or None where the op cannot read
-        them from the map: H or W not a multiple of the window (timm pads, and its padded
-        tokens take part in the attention), a block window other than its module's, a
-        block without the attributes read. Kept on the block for its present map size,
-        window and shift (this runs per block and step: 10 us to compute on a CPU)."""
+        """How ``block`` cuts x (B, H, W, C) into windows (``new_grid``), or None where the op
+        cannot read them from the map, or the block lacks an attribute read. Kept on the
+        block for its present map size and ``block_partition`` attributes (this runs per
+        block and step: 10 us to compute on a CPU)."""
         if x.dim() != 4:
             return None
-        # timm's blocks hold window_size and shift_size as plain attributes (tuples)
-        key = (x.shape[1], x.shape[2], block.__dict__.get("window_size"), block.__dict__.get("shift_size"))
+        key = (x.shape[1], x.shape[2], *(block.__dict__.get(name) for name in self.block_partition))
         kept = block.__dict__.get(BLOCK_GRID_ATTR)
         if kept is not None and kept[0] == key:
             return kept[1]
         if any(not hasattr(block, name) for name in self.block_required) or None in key:
             return None
-        height, width, window, shift = key[0], key[1], tuple(key[2]), tuple(key[3])
-        grid = None
-        if not (window != tuple(self.window_size(block.attn)) or height % window[0] or width % window[1]
-                or not all(0 <= s < w for s, w in zip(shift, window))):
-            grid = WindowGrid(height, width, window, shift)
+        grid = self.new_grid(block, *key)
         block.__dict__[BLOCK_GRID_ATTR] = (key, grid)
         return grid
+
+    def new_grid(self, block: nn.Module, height: int, width: int, window, shift) -> Optional[WindowGrid]:
+        """A Swin block's shifted windows of the (height, width) map, or None: H or W not a
+        multiple of the window (timm pads, and its padded tokens take part in the
+        attention), a block window other than its module's, a shift out of range."""
+        window, shift = tuple(window), tuple(shift)
+        if (window != tuple(self.window_size(block.attn)) or height % window[0] or width % window[1]
+                or not all(0 <= s < w for s, w in zip(shift, window))):
+            return None
+        return WindowGrid(height, width, window, shift)
 
     def block_attention(self, block: nn.Module, x: torch.Tensor, grid: WindowGrid) -> torch.Tensor:
         """Replacement of the block's window method (``block_method``) where ``block_grid``

@@ -9,7 +9,7 @@ ParallelPartitionAttention), (B * nW, C, wh, ww) to ``Attention2d``; CoAtNet's
 TransformerBlock2d hands ``Attention2d`` its whole (B, C, H, W) map, one window. In eager
 mode the PartitionAttentionCl around an ``AttentionCl`` with (3, H, D) qkv channels (the tf
 models) has the op read its block or grid windows from the (B, H, W, C) map instead
-(``block_grid``: a ``WindowGrid``, ``strided`` for the grid), without timm's partition and
+(``new_grid``: a ``WindowGrid``, ``strided`` for the grid), without timm's partition and
 reverse copies.
 
 qkv is read where timm's layers leave it, as a view (``window_attention`` takes a
@@ -29,7 +29,7 @@ from torch import nn
 from ..kernels.config import MAX_TOKENS
 from ..position_bias import TableBias
 from ..window_grid import WindowGrid
-from .base import BLOCK_GRID_ATTR, WindowAttentionAdapter
+from .base import WindowAttentionAdapter
 from .rel_pos import rel_pos_bias, rel_pos_tokens, rel_pos_window, unsupported_rel_pos
 
 
@@ -41,6 +41,7 @@ class MaxxVitAdapter(WindowAttentionAdapter):
     required = ("qkv", "proj", "proj_drop", "attn_drop", "scale", "num_heads", "dim_head", "head_first", "rel_pos")
     block_method = "_partition_attn"
     block_required = ("attn", "partition_size", "partition_block")
+    block_partition = ("partition_size", "partition_block")
 
     @staticmethod
     def module_type() -> Type[nn.Module]:
@@ -52,30 +53,19 @@ class MaxxVitAdapter(WindowAttentionAdapter):
         from timm.models.maxxvit import PartitionAttentionCl
         return PartitionAttentionCl
 
-    def block_grid(self, block: nn.Module, x: torch.Tensor) -> Optional[WindowGrid]:
-        """How ``block`` (a PartitionAttentionCl) cuts x (B, H, W, C): its block windows
-        (``window_partition``) or its strided grid windows (``grid_partition``), or None where
-        the op cannot read them from the map: H or W not a multiple of the partition, a
-        partition other than the module's rel_pos window, more tokens than the kernels take,
-        qkv channels (H, 3, D) (``head_first``: read as a 5-D view, which the map layout does
-        not take). Kept on the block for its present map size and partition."""
-        if x.dim() != 4 or any(not hasattr(block, name) for name in self.block_required):
+    def new_grid(self, block: nn.Module, height: int, width: int, window, block_windows: bool
+                 ) -> Optional[WindowGrid]:
+        """The (height, width) map's block windows (``window_partition``) or, not
+        ``block_windows``, its strided grid windows (``grid_partition``) of a
+        PartitionAttentionCl, or None: H or W not a multiple of the partition, a partition
+        other than the module's rel_pos window, more tokens than the kernels take, qkv
+        channels (H, 3, D) (``head_first``: read as a 5-D view, which the map layout does not
+        take)."""
+        window, attn = tuple(window), block.attn
+        if (attn.head_first or self.window_size(attn) not in (None, window) or window[0] * window[1] > MAX_TOKENS
+                or height % window[0] or width % window[1]):
             return None
-        size, block_windows = block.__dict__.get("partition_size"), block.__dict__.get("partition_block")
-        key = (x.shape[1], x.shape[2], size, block_windows)
-        kept = block.__dict__.get(BLOCK_GRID_ATTR)
-        if kept is not None and kept[0] == key:
-            return kept[1]
-        if size is None or block_windows is None:
-            return None
-        height, width, window = x.shape[1], x.shape[2], tuple(size)
-        module_window = self.window_size(block.attn)
-        grid = None
-        if (not block.attn.head_first and module_window in (None, window) and window[0] * window[1] <= MAX_TOKENS
-                and height % window[0] == 0 and width % window[1] == 0):
-            grid = WindowGrid(height, width, window, strided=not block_windows)
-        block.__dict__[BLOCK_GRID_ATTR] = (key, grid)
-        return grid
+        return WindowGrid(height, width, window, strided=not block_windows)
 
     def block_mask(self, block: nn.Module, x: torch.Tensor) -> None:
         return None  # MaxViT's windows have no mask
