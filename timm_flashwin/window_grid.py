@@ -118,11 +118,12 @@ class WindowGrid:
         height, width = self.height, self.width
         r, c = torch.arange(height, device=device), torch.arange(width, device=device)
         if self.strided:  # window (wy, wx)'s token (i, j) at (i * nWy + wy, j * nWx + wx)
+            windows_y, windows_x = height // wh, width // ww
             rows = r[:, None] * width + c[None, :]  # (H, W) = (wh, nWy, ww, nWx)
-            index = rows.view(wh, height // wh, ww, width // ww).permute(1, 3, 0, 2).reshape(-1)
+            index = rows.view(wh, windows_y, ww, windows_x).permute(1, 3, 0, 2).reshape(-1)
             # map row (y, x) is window (y % nWy, x % nWx)'s token (y // nWy, x // nWx)
-            window_of = (r % (height // wh))[:, None] * (width // ww) + (c % (width // ww))[None, :]
-            inverse = window_of * (wh * ww) + (r // (height // wh))[:, None] * ww + (c // (width // ww))[None, :]
+            window_of = (r % windows_y)[:, None] * windows_x + (c % windows_x)[None, :]
+            inverse = window_of * (wh * ww) + (r // windows_y)[:, None] * ww + (c // windows_x)[None, :]
             return index, inverse.reshape(-1)
         # shifted position p reads the map at (p + shift) mod size, as torch.roll(x, -shift) does
         y, x = (r + sh) % height, (c + sw) % width
