@@ -1,10 +1,12 @@
 """What the model tests share: small seeded timm models perturbed as ``verify`` perturbs
-them, images, and inspectors of what ran (autograd nodes, compiled graphs' calls)."""
+them, images, and inspectors of what ran (autograd nodes, compiled graphs' calls, the
+blocks whose windows the op read from the feature map)."""
 
 import timm
 import torch
 from torch import nn
 
+from timm_flashwin.adapters import WindowAttentionAdapter
 from timm_flashwin.verify import perturb_
 
 
@@ -66,3 +68,17 @@ def run_step(model, x, train, seed=0):
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype)
     (out * g).sum().backward()
     return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def maps_read_in_place(monkeypatch) -> list:
+    """The grids of the block calls whose windows the op read from the feature map (the
+    others ran timm's roll, partition, module call, merge and roll back)."""
+    grids = []
+    real = WindowAttentionAdapter.block_attention
+
+    def spy(self, block, x, grid):
+        grids.append(grid)
+        return real(self, block, x, grid)
+
+    monkeypatch.setattr(WindowAttentionAdapter, "block_attention", spy)
+    return grids

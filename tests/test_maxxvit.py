@@ -17,7 +17,7 @@ from torch import nn
 
 from conftest import KERNEL_DEVICE
 from model_checks import compiled_against_timm, full_resolution_passes, patched_in_place
-from model_cases import flashwin_ops, images, recording_backend
+from model_cases import flashwin_ops, images, maps_read_in_place, recording_backend
 from opcases import relative_error
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.comparison import compare
@@ -131,12 +131,8 @@ def test_partitions_are_read_from_the_map(monkeypatch):
     in the (B, H, W, C) map, no window_partition / grid_partition copies: the partitioned
     op's output bit for bit, and its gradients (the projections' weight gradients sum the
     tokens in another order); head-first qkv (the rw models) keeps timm's partition."""
-    from timm_flashwin.adapters.maxxvit import MaxxVitAdapter
     from timm_flashwin.window_grid import WindowGrid
-    grids = []
-    real = MaxxVitAdapter.block_attention
-    monkeypatch.setattr(MaxxVitAdapter, "block_attention",
-                        lambda self, block, x, grid: grids.append(grid) or real(self, block, x, grid))
+    grids = maps_read_in_place(monkeypatch)
     x = images(1, (SIZE, SIZE), device=KERNEL_DEVICE)
     results = []
     for feature_map in (True, False):

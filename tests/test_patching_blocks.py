@@ -9,10 +9,9 @@ import timm
 import torch
 from torch import nn
 
-from model_cases import autograd_nodes, create, images, run_step, tiny_swin
+from model_cases import autograd_nodes, create, images, maps_read_in_place, run_step, tiny_swin
 from opcases import relative_error
 from timm_flashwin import is_patched, patch_model, patched, unpatch_model
-from timm_flashwin.adapters import WindowAttentionAdapter
 from timm_flashwin.adapters.base import BLOCK_GRID_ATTR
 from timm_flashwin.patching import FlashSwinTransformerBlock
 from timm_flashwin.window_grid import WindowGrid
@@ -22,26 +21,12 @@ from timm_flashwin.window_grid import WindowGrid
 SWIN_V1_BLOCK = timm.models.swin_transformer.SwinTransformerBlock
 
 
-def _maps_read_in_place(monkeypatch) -> list:
-    """The grids of the block calls whose windows the op read from the feature map (the
-    others ran timm's roll, partition, module call, merge and roll back)."""
-    grids = []
-    real = WindowAttentionAdapter.block_attention
-
-    def spy(self, block, x, grid):
-        grids.append(grid)
-        return real(self, block, x, grid)
-
-    monkeypatch.setattr(WindowAttentionAdapter, "block_attention", spy)
-    return grids
-
-
 def test_blocks_read_their_windows_from_the_map_until_unpatched(monkeypatch):
     model = tiny_swin().eval()
     ours = patch_model(copy.deepcopy(model))
     blocks = [m for m in ours.modules() if isinstance(m, SWIN_V1_BLOCK)]
     assert [type(b) for b in blocks] == [FlashSwinTransformerBlock] * 4
-    grids = _maps_read_in_place(monkeypatch)
+    grids = maps_read_in_place(monkeypatch)
     x = images()
     with torch.no_grad():
         torch.testing.assert_close(ours(x), model(x), rtol=1e-5, atol=1e-6)
@@ -125,7 +110,7 @@ def test_padded_maps_and_dynamic_masks(train, monkeypatch):
     pads to 14 x 14 (its padded tokens take part in the attention): timm's method."""
     model = tiny_swin(dynamic_img_size=True)
     ours = patch_model(copy.deepcopy(model))
-    grids = _maps_read_in_place(monkeypatch)
+    grids = maps_read_in_place(monkeypatch)
     x = images(size=(84, 84))
     timm_out, timm_grads = run_step(model, x, train)
     our_out, our_grads = run_step(ours, x, train)
@@ -140,7 +125,7 @@ def test_hooked_modules_are_called_by_their_blocks(monkeypatch):
     place: that block calls the module, as timm's method does."""
     model = tiny_swin().eval()
     ours = patch_model(copy.deepcopy(model))
-    grids = _maps_read_in_place(monkeypatch)
+    grids = maps_read_in_place(monkeypatch)
     seen = []
     handle = ours.layers[0].blocks[1].attn.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
     x = images()
@@ -162,7 +147,7 @@ def test_compiled_blocks_run_timms_method(monkeypatch):
     """Under torch.compile the blocks keep timm's copies (inductor fuses them): the traced
     method is timm's, calling the patched module."""
     ours = patch_model(tiny_swin()).eval()
-    grids = _maps_read_in_place(monkeypatch)
+    grids = maps_read_in_place(monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(ours, backend="eager", fullgraph=True)
     with torch.no_grad():
