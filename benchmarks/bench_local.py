@@ -22,11 +22,14 @@ against the other), grouped-query attention.
 Forward and forward+backward (median of CUDA-event timings, triton.testing.do_bench), in
 TFLOP/s counted on the visible (query, key) pairs of the pattern only (4 D flops per pair
 forward, 2.5x that backward, FlashAttention's convention; sdpa_causal counts the causal
-pairs it computes), and the forward+backward's peak memory above the inputs. Before timing,
+pairs it computes), the forward+backward's peak memory above the inputs, and each pass's
+host time (ms to enqueue one call with the GPU idle: near the timed ms, the call is bound
+by the host, not by its kernels). Before timing,
 each implementation's output on the case is compared with ours (relative error): they
 compute the same thing. With matplotlib installed, PNG plots of time against S, one per
 case, next to --out. ``--tune CASE:S`` times launch plans of our kernels
-(``kernels.local_launch.OVERRIDES``) instead and prints the fastest of each.
+(``kernels.local_launch.OVERRIDES``) instead and prints the fastest of each; ``--profile
+CASE:S`` profiles one forward + backward of each --impls (host ops, kernels, Python).
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import code_version, write_json  # noqa: E402
+from common import code_version, enqueue_us, python_profile, write_json  # noqa: E402
+from profile_step import _profile  # noqa: E402
 from timm_flashwin import block_sliding_window_attention, sliding_window_attention  # noqa: E402
 from timm_flashwin.local_reference import LocalPattern  # noqa: E402
 
@@ -164,6 +168,10 @@ def bench_one(fn: Callable, inputs, rep: int) -> Dict:
     result["first_call_s"] = time.perf_counter() - t0
     result["fwd_ms"] = _time_ms(forward, rep=rep)
     result["fwdbwd_ms"] = _time_ms(forward_backward, leaves, rep=rep)
+    # the host's own time per call (the GPU idle when it starts): a call whose host ms is
+    # near its ms above is bound by the host, not by its kernels
+    result["fwd_host_ms"] = enqueue_us(forward, 20) / 1e3
+    result["fwdbwd_host_ms"] = enqueue_us(forward_backward, 20) / 1e3
     for t in leaves:
         t.grad = None
     torch.cuda.synchronize()
@@ -219,7 +227,7 @@ def _line(r: Dict) -> str:
     err = f"  err {r['rel_err_vs_ours']:.1e}" if "rel_err_vs_ours" in r else ""
     return (f"{r['case']:26s} S={r['S']:<6d} {r['impl']:12s} fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TF/s"
             f"  f+b {r['fwdbwd_ms']:8.3f} ms {r['fwdbwd_tflops']:6.1f} TF/s  peak {r['fwdbwd_peak_mib']:8.1f} MiB"
-            f"{err}")
+            f"  host {r['fwd_host_ms']:.3f} / {r['fwdbwd_host_ms']:.3f} ms{err}")
 
 
 def summary(rows: List[Dict]) -> List[str]:
@@ -276,6 +284,37 @@ def _time_pass(fn: Callable, inputs, forward_only: bool, rep: int) -> float:
     return _time_ms(lambda: fn(q, k, v).backward(do), [q, k, v], rep=rep)
 
 
+def profile(spec: str, impls: List[str], calls: int = 20, top: int = 12) -> List[Dict]:
+    """Where one forward + backward of each implementation spends its host and GPU time on
+    case ``CASE:S``: torch.profiler's host ops by self time and the kernels, per call, and
+    cProfile's Python functions (ours)."""
+    name, seq_len = spec.split(":")
+    case, seq_len = CASES[name], int(seq_len)
+    q, k, v, do = inputs = make_inputs(case, seq_len)
+    rows = []
+    for impl in impls:
+        fn = implementation(impl, case.pattern, seq_len, q.device, 256.0)
+        if fn is None:
+            continue
+
+        def call():
+            fn(q, k, v).backward(do)
+        bench_one(fn, inputs, 10)  # compiled and warm
+        launches, gpu_ms, host_ops, kernels = _profile(call, calls, top)
+        row = dict(case=name, S=seq_len, impl=impl, launches=launches, gpu_ms=gpu_ms, host_ops=host_ops,
+                   kernels=kernels, host_ms=enqueue_us(call, 20) / 1e3, python=python_profile(call, calls, top))
+        rows.append(row)
+        print(f"## {name} S={seq_len} {impl}: host {row['host_ms']:.3f} ms, GPU {gpu_ms:.3f} ms, "
+              f"{launches:.1f} launches per call")
+        for op in host_ops:
+            print(f"   {op['self_cpu_us_per_step']:8.1f} us {op['calls_per_step']:5.1f}x  {op['name'][:90]}")
+        for kernel in kernels[:6]:
+            print(f"   GPU {kernel['us_per_step']:8.1f} us {kernel['calls_per_step']:4.1f}x  {kernel['name'][:80]}")
+        if impl == "ours":
+            print(row["python"])
+    return rows
+
+
 def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     """Time launch plans of our kernels ``kinds`` on one case (forward plans by the forward,
     backward ones by forward+backward), the others at their defaults. The case's length
@@ -324,6 +363,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="time launch plans of our kernels on these cases instead")
     parser.add_argument("--tune-kinds", nargs="+", default=["fwd", "dq", "dkdv"], choices=["fwd", "dq", "dkdv"],
                         help="the kernels --tune times")
+    parser.add_argument("--profile", metavar="CASE:S", nargs="+", default=None,
+                        help="profile one forward + backward of each --impls on these cases instead")
     parser.add_argument("--out", default=None, help="write the results as JSON here (and the plots next to it)")
     args = parser.parse_args(argv)
     rep = 30 if args.quick else 100
@@ -335,6 +376,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), code=code_version(),
                 quick=args.quick)
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['code']}", flush=True)
+    if args.profile:
+        rows = [row for spec in args.profile for row in profile(spec, args.impls)]
+        if args.out:
+            write_json(args.out, dict(meta=meta, profile=rows))
+        return
     if args.tune:
         rows = [row for spec in args.tune for row in tune(spec, rep, args.tune_kinds)]
         if args.out:
