@@ -244,9 +244,11 @@ def inference_cache(module: nn.Module, sources: Sequence[torch.Tensor], compute:
     torch.compile, which fuses the computation anyway). The key holds the identity,
     storage and version counter of every source tensor (optimizer steps, in-place
     edits and load_state_dict bump versions; ``.to()`` and set_input_size() make new
-    tensors) and the autocast state, which decides the result's dtype.
+    tensors) and the autocast state, which decides the result's dtype. Sources made under
+    torch.inference_mode (a model built there) have no version counter: nothing is reused.
     """
-    if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if (module.training or torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or any(t.is_inference() for t in sources)):
         return compute()
     device_type = sources[0].device.type
     autocast = torch.is_autocast_enabled(device_type) if device_type in ("cuda", "cpu") else False

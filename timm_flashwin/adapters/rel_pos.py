@@ -62,14 +62,20 @@ def rel_pos_tokens(rel_pos: nn.Module) -> int:
 
 def _kept(module: nn.Module, name: str, sources: Tuple[torch.Tensor, ...], compute: Callable):
     """``compute()``, kept on ``module`` while every source tensor is the same object with the
-    same storage, shape and version (eager mode; under torch.compile computed in the graph)."""
-    if torch.compiler.is_compiling():
+    same storage, shape and version (eager mode; under torch.compile computed in the graph).
+
+    Sources made under torch.inference_mode have no version counter: their value is computed
+    at every call. From other sources it is computed outside inference mode, so that what is
+    kept has a version too (``inference_cache`` keys on it) and can serve a later training
+    step (an inference tensor cannot be saved for backward)."""
+    if torch.compiler.is_compiling() or any(t.is_inference() for t in sources):
         return compute()
-    key = tuple((id(t), t.data_ptr(), t.shape, t._version if not t.is_inference() else None) for t in sources)
+    key = tuple((id(t), t.data_ptr(), t.shape, t._version) for t in sources)
     kept = module.__dict__.setdefault(KEPT_ATTR, {})
     entry = kept.get(name)
-    if entry is None or entry[0] != key or any(t.is_inference() for t in sources):
-        entry = kept[name] = (key, compute(), sources)  # the sources held: their ids stay theirs
+    if entry is None or entry[0] != key:
+        with torch.inference_mode(False):
+            entry = kept[name] = (key, compute(), sources)  # the sources held: their ids stay theirs
     return entry[1]
 
 
