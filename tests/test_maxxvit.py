@@ -178,6 +178,10 @@ def test_compiles_without_graph_break(config, train):
         results.append([out.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
     assert len(graphs) == 1 and flashwin_ops(graphs) == len(patch_report(model).patched)
     assert not any("softmax" in t or "scaled_dot_product" in t for t in graphs[0])
+    # Attention2d's qkv is a matmul there (MaxxVit2dAdapter.flat_qkv): its convolutions are gone
+    convolutions = sum(type(m) is torch.nn.Conv2d for m in model.modules())
+    qkv_matmuls = sum(isinstance(m, MAXXVIT.Attention2d) for m in model.modules())
+    assert sum("conv2d" in t for t in graphs[0]) == convolutions - qkv_matmuls
     for compiled, eager in zip(*results):
         assert relative_error(compiled, eager) < 1e-5
 

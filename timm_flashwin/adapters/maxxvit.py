@@ -14,7 +14,8 @@ reverse copies.
 
 qkv is read where timm's layers leave it, as a view (``window_attention`` takes a
 (B_, N, 3, H, D) one): ``head_first`` puts each head's q, k and v side by side, channels
-(H, 3, D); ``Attention2d``'s 1x1 convolution leaves it channels-first, (B, 3*H*D, N). The
+(H, 3, D); ``Attention2d``'s 1x1 convolution leaves it channels-first, (B, 3*H*D, N) (under
+torch.compile it is a matmul of token-major output, ``MaxxVit2dAdapter.flat_qkv``). The
 op's (B, N, H*D) output goes to ``Attention2d``'s proj as a (B, C, H, W) view with
 channels-last strides (no copy).
 """
@@ -150,9 +151,27 @@ class MaxxVit2dAdapter(MaxxVitAdapter):
         return x.shape[2] * x.shape[3]
 
     def flat_qkv(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # (B, 3*H*D, N) transposed: tokens are the innermost axis
-        return module.qkv(x).flatten(2).transpose(1, 2)
+        """(B, 3*H*D, N) transposed (tokens the innermost axis) in eager mode. Under
+        torch.compile the 1x1 convolution is a matmul of the map's (B, N, C) view whose output
+        is token-major, the op's layout: the kernels are launched with the strides the graph was
+        traced with, so inductor wrote the convolution's channels-first output and the op read
+        it transposed, a transpose kernel per module (CoAtNet-0 inference, batch 128, H100:
+        6 x 163 us, the compiled patched model 0.96x timm's)."""
+        conv = module.qkv
+        if torch.compiler.is_compiling() and _plain_pointwise(conv):
+            return nn.functional.linear(x.flatten(2).transpose(1, 2), conv.weight.flatten(1), conv.bias)
+        return conv(x).flatten(2).transpose(1, 2)
 
     def proj_input(self, module: nn.Module, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         batch, _, height, width = x.shape
         return out.view(batch, height, width, out.shape[-1]).permute(0, 3, 1, 2)
+
+
+def _plain_pointwise(conv: nn.Module) -> bool:
+    """Whether ``conv`` is a plain nn.Conv2d of 1x1 kernels with no hooks (its matmul computes
+    what calling it does; hooks, as FSDP's or a quantizer's, need the call)."""
+    from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+    return (type(conv) is nn.Conv2d and tuple(conv.kernel_size) == (1, 1) and tuple(conv.stride) == (1, 1)
+            and conv.padding in ((0, 0), "valid", "same") and tuple(conv.dilation) == (1, 1) and conv.groups == 1
+            and not (conv._forward_hooks or conv._forward_pre_hooks or _global_forward_hooks
+                     or _global_forward_pre_hooks))
