@@ -127,8 +127,14 @@ def _through_triton(step):
     return run
 
 
-def _attention_free_forward(module, x, mask=None):
-    return module.proj_drop(module.proj(module.qkv(x)[..., :module.proj.in_features]))
+def _attention_free_forward(module, x, *args, **kwargs):
+    """proj(the first C channels of qkv(x)): channels last (Swin, AttentionCl, ...), or
+    channels first for 1x1-convolution projections (Attention2d); a mask, shared_rel_pos or
+    q_global the call passes is not read."""
+    qkv = module.qkv(x)
+    channels_first = isinstance(module.qkv, torch.nn.Conv2d)
+    y = qkv[:, :module.proj.in_channels] if channels_first else qkv[..., :module.proj.in_features]
+    return getattr(module, "proj_drop", torch.nn.Identity())(module.proj(y))
 
 
 def attention_free(model: torch.nn.Module) -> torch.nn.Module:
