@@ -17,11 +17,11 @@ from timm_flashwin.verify import build_model, perturb_
 
 SMALL_V2 = dict(depths=(2, 2), num_heads=(2, 4), embed_dim=32, num_classes=10)
 
-#: id -> (model maker, image size): one small model per family and bias kind
+#: id -> (model maker, image size): one small model per family and bias kind (SwinV2-CR's
+#: meta-MLP bias under inference mode: test_patching_blocks)
 MODELS = {
     "swin": (tiny_swin, 56),
     "swinv2": (lambda: create("swinv2_tiny_window8_256", img_size=64, window_size=8, **SMALL_V2), 64),
-    "swinv2_cr": (lambda: create("swinv2_cr_tiny_224", img_size=56, window_size=7, **SMALL_V2), 56),
     **{f"maxxvit_{config}": (lambda config=config: tiny_maxxvit(config), MAXXVIT_SIZE)
        for config in ("rw", "tf", "rmlp", "coatnet")},
     "gcvit": (tiny_gcvit, 56),
