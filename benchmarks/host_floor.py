@@ -16,6 +16,7 @@ output shapes (empty tensors out, nothing computed): the floor that any Python a
 operator pays in torch's machinery. (``bench_dispatch.py`` stubs the launchers whole to
 compare the two roads to them.) The launches this leaves out cost 10 to 30 us each on a
 GPU host (benchmarks/bench_launch.py). Timings depend on the CPU: compare rows of one run.
+The first two rows: ``sliding_window_attention`` (causal; B 2, H 16, S 256, D 64) the same way.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from bench_dispatch import us_per_call  # noqa: E402
 from bench_op import timm_mask  # noqa: E402
 from bench_op_loop import relative_position_index  # noqa: E402
 from common import code_version, write_json  # noqa: E402
-from timm_flashwin import TableBias, window_attention  # noqa: E402
+from timm_flashwin import TableBias, sliding_window_attention, window_attention  # noqa: E402
 from timm_flashwin.kernels import launcher  # noqa: E402
 
 WINDOWS, HEADS, TOKENS, HEAD_DIM, WINDOW = 4, 3, 49, 32, 7
@@ -66,8 +67,21 @@ def calls():
         with torch.no_grad():
             forward()
 
+    q, k, v = (torch.randn(2, 16, 256, 64, requires_grad=True) for _ in range(3))
+    grad_local = torch.randn_like(q)
+
+    def causal():
+        return sliding_window_attention(q, k, v, window=(None, 0))
+
+    def causal_no_grad():
+        with torch.no_grad():
+            causal()
+
     kept = forward()
     return {
+        "sliding_window_attention causal, forward, no grad": causal_no_grad,
+        "sliding_window_attention causal, forward + backward":
+            lambda: torch.autograd.grad(causal(), (q, k, v), grad_local),
         "forward, no grad": forward_no_grad,
         "forward": forward,
         "backward": lambda: torch.autograd.grad(kept, (qkv, table), grad_out, retain_graph=True),
@@ -85,7 +99,7 @@ def main() -> None:
     launcher._Launcher.__getitem__ = lambda self, grid: (lambda *a, **k: None)  # every launch a no-op
     rows = {name: us_per_call(fn, 300) for name, fn in calls().items()}
     for name, us in rows.items():
-        print(f"{name:48s} {us:8.1f} us")
+        print(f"{name:52s} {us:8.1f} us")
     if args.top:
         import cProfile
         import pstats

@@ -292,8 +292,12 @@ def target_programs(device: torch.device, per_sm: int) -> int:
     return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints. Not ``triton.cdiv``: from Triton 3.8 it (and
+    ``triton.next_power_of_2``) is a ``ConstexprFunction`` whose every call on the host costs
+    microseconds, ~12 us on a CPU of CI's kind (local attention: 10 such calls per forward +
+    backward were 120 us of its host time, ``benchmarks/host_floor.py``'s method)."""
+    return -(-a // b)
 
 
 #: The fewest windows one program takes (where there are that many): a program reads its
@@ -312,6 +316,6 @@ def split_windows(windows: int, parallel: int, target: int) -> Tuple[int, int]:
     Integer arithmetic only, so that a symbolic window count traces under torch.compile.
     Returns (chunks, windows_per_chunk).
     """
-    chunks = min(max(1, _cdiv(target, max(parallel, 1))), max(windows, 1))
-    per_chunk = max(_cdiv(windows, chunks), min(MIN_WINDOWS_PER_PROGRAM, windows), 1)
-    return max(_cdiv(windows, per_chunk), 1), per_chunk
+    chunks = min(max(1, cdiv(target, max(parallel, 1))), max(windows, 1))
+    per_chunk = max(cdiv(windows, chunks), min(MIN_WINDOWS_PER_PROGRAM, windows), 1)
+    return max(cdiv(windows, per_chunk), 1), per_chunk

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
-import triton
 
 from . import config
 from .launcher import compiler_options, launcher
@@ -68,7 +67,7 @@ def long_rows(pattern: Pattern, seq_len: int) -> bool:
 
 def block_d(head_dim: int) -> int:
     """The head dim padded to a power of two of at least 16 (tl.dot's smallest K)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, 1 << (int(head_dim) - 1).bit_length())
 
 
 def plan(kind: str, head_dim: int, dtype: torch.dtype, long: bool = False) -> Plan:
@@ -156,7 +155,7 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
     tiles = plan("fwd", D, q.dtype, long_rows(pattern, S))
     out = torch.empty_like(q)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
-    grid = (triton.cdiv(S, tiles.block_m) * B * H,)
+    grid = (config.cdiv(S, tiles.block_m) * B * H,)
     launcher(local_attention_fwd_kernel)[grid](
         q, k, v, out, lse, seed if dropout_p > 0 else q, counts,
         scale * LOG2E, dropout_p, S, H, H // k.shape[1], *pattern,
@@ -180,20 +179,20 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     delta = q.new_empty((B, H, S), dtype=torch.float32)
     long = long_rows(pattern, S)
     rows = plan("dq", D, q.dtype, long)
-    launcher(local_attention_bwd_delta_kernel)[(triton.cdiv(S, rows.block_m) * B * H,)](
+    launcher(local_attention_bwd_delta_kernel)[(config.cdiv(S, rows.block_m) * B * H,)](
         out, dout, delta, S, H, *out.stride(), *dout.stride(),
         D=D, BLOCK_M=rows.block_m, BLOCK_D=block_d(D), **compiler_options(4),
     )
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)
     seed_ptr = seed if dropout_p > 0 else q
     cols = plan("dkdv", D, q.dtype, long)
-    launcher(local_attention_bwd_dkdv_kernel)[(triton.cdiv(S, cols.block_n) * B * H_kv,)](
+    launcher(local_attention_bwd_dkdv_kernel)[(config.cdiv(S, cols.block_n) * B * H_kv,)](
         q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts,
         scale * LOG2E, scale, dropout_p, S, H_kv, H // H_kv, *pattern,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         BLOCK_M=cols.block_m, BLOCK_N=cols.block_n, **flags, **_options(cols),
     )
-    launcher(local_attention_bwd_dq_kernel)[(triton.cdiv(S, rows.block_m) * B * H,)](
+    launcher(local_attention_bwd_dq_kernel)[(config.cdiv(S, rows.block_m) * B * H,)](
         q, k, v, dout, lse, delta, dq, seed_ptr, counts[2:] if counts is not None else None,
         scale * LOG2E, scale, dropout_p, S, H, H // H_kv, *pattern,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
@@ -207,7 +206,7 @@ def dropout_factors(seed: torch.Tensor, batch: int, heads: int, seq_len: int, dr
     0 where they drop it, for the one-element int64 ``seed`` the op drew."""
     out = torch.empty((batch, heads, seq_len, seq_len), dtype=torch.float32, device=seed.device)
     block = 32
-    blocks = triton.cdiv(seq_len, block)
+    blocks = config.cdiv(seq_len, block)
     launcher(local_dropout_factor_kernel)[(batch * heads, blocks, blocks)](
         seed, out, dropout_p, seq_len, BLOCK=block, **compiler_options())
     return out
