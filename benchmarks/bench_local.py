@@ -290,7 +290,7 @@ def profile(spec: str, impls: List[str], calls: int = 20, top: int = 12) -> List
     cProfile's Python functions (ours)."""
     name, seq_len = spec.split(":")
     case, seq_len = CASES[name], int(seq_len)
-    q, k, v, do = inputs = make_inputs(case, seq_len)
+    q, k, v, do = make_inputs(case, seq_len)
     rows = []
     for impl in impls:
         fn = implementation(impl, case.pattern, seq_len, q.device, 256.0)
@@ -299,7 +299,8 @@ def profile(spec: str, impls: List[str], calls: int = 20, top: int = 12) -> List
 
         def call():
             fn(q, k, v).backward(do)
-        bench_one(fn, inputs, 10)  # compiled and warm
+        for _ in range(3):  # compiled (Flex) and warm
+            call()
         launches, gpu_ms, host_ops, kernels = _profile(call, calls, top)
         row = dict(case=name, S=seq_len, impl=impl, launches=launches, gpu_ms=gpu_ms, host_ops=host_ops,
                    kernels=kernels, host_ms=enqueue_us(call, 20) / 1e3, python=python_profile(call, calls, top))

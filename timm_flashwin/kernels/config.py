@@ -295,9 +295,10 @@ def target_programs(device: torch.device, per_sm: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of ints. Not ``triton.cdiv``: from Triton 3.8 it (and
     ``triton.next_power_of_2``) is a ``ConstexprFunction`` whose every call on the host costs
-    microseconds, ~12 us on a CPU of CI's kind (local attention: 10 such calls per forward +
-    backward were 120 us of its host time, ``benchmarks/host_floor.py``'s method). Written as
-    symbolic sizes (torch.compile's dynamic shapes) have traced through ``split_windows``."""
+    microseconds, about 10 us on a CPU of CI's kind (local attention: its 10 such calls per
+    forward + backward were about 100 us of host time, ``benchmarks/host_floor.py``'s
+    method). Written as symbolic sizes (torch.compile's dynamic shapes) have traced through
+    ``split_windows``."""
     return (a + b - 1) // b
 
 
