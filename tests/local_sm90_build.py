@@ -24,8 +24,7 @@ from sm90_build import TARGET, TRITON_TYPES, resource_usage  # noqa: E402
 from timm_flashwin.dispatch import direct_launches  # noqa: E402
 from timm_flashwin.kernels import local_launch  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options  # noqa: E402
-from timm_flashwin.kernels.local_backward import (local_attention_bwd_delta_kernel,  # noqa: E402
-                                                  local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel)
+from timm_flashwin.kernels.local_backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel  # noqa: E402,E501
 from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # noqa: E402
 
 #: H100: 227 KiB of shared memory per block
@@ -112,9 +111,6 @@ def main() -> int:
             for tiles in dict.fromkeys(local_launch.plan(kind, head_dim, dtype, long) for long in (False, True)):
                 ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n),
                             tiles.num_warps, tiles.num_stages, ones)
-        for rows in dict.fromkeys(local_launch.plan("dq", head_dim, dtype, long) for long in (False, True)):
-            ok &= build(local_attention_bwd_delta_kernel, dtype,
-                        dict(D=head_dim, BLOCK_M=rows.block_m, BLOCK_D=flags["BLOCK_D"]), 4, 1, ones)
     return 0 if ok else 1
 
 

@@ -1,14 +1,16 @@
 """Backward kernels of the local-attention operators (FlashAttention-2's split).
 
-* ``local_attention_bwd_delta_kernel``: delta_i = sum_d dO_id O_id (fp32), once per row.
+* ``local_attention_bwd_dq_kernel`` runs first: one program per block of BLOCK_M queries,
+  over the key blocks the forward visited (``local_tiles.key_schedule``); it computes its
+  rows' delta_i = sum_d dO_id O_id (fp32) from the dO tile it loads anyway, stores it for
+  the dkdv kernel, and writes dQ once, no atomics: deterministic. (FlashAttention-2 has a
+  kernel of its own for delta: one launch more per backward, and short calls are bound by
+  the host's launches.)
 * ``local_attention_bwd_dkdv_kernel``: one program per block of BLOCK_N keys of one
   (batch, key/value head); it loops over the query heads of its group (grouped-query
   attention: their dK and dV summed in registers, nothing per query head in memory) and,
   per head, over the query blocks that see its keys (``local_tiles.query_schedule``), and
-  writes dK and dV once.
-* ``local_attention_bwd_dq_kernel``: one program per block of BLOCK_M queries, over the key
-  blocks the forward visited (``local_tiles.key_schedule``); dQ written once, no atomics:
-  deterministic.
+  writes dK and dV once, reading the delta the dq kernel stored.
 
 P is recomputed from the forward's log2-sum-exp: P = exp2(scale * log2(e) * q.k - lse),
 and dS = P * (dP - delta) with dP = dO V^T (times the dropout's keep / (1 - p), which the
@@ -30,23 +32,6 @@ def load_row_stats(lse_head, delta_head, rows, S, MASKED: tl.constexpr):
                 tl.load(delta_head + rows, mask=rows < S, other=0.0))
     else:
         return tl.load(lse_head + rows), tl.load(delta_head + rows)
-
-
-@triton.jit
-def local_attention_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, S, H,
-                                     stride_ob, stride_oh, stride_os, stride_od,
-                                     stride_gb, stride_gh, stride_gs, stride_gd,
-                                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid: (cdiv(S, BLOCK_M) * B * H,). delta (B, H, S) fp32, contiguous."""
-    m_block, b, h = program_block(S, H, BLOCK_M, False)
-    m0 = m_block * BLOCK_M
-    offs = tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    o = load_block(out_ptr, b, h, m0, stride_ob, stride_oh, stride_os, stride_od, offs, dims, S, D, BLOCK_D)
-    do = load_block(dout_ptr, b, h, m0, stride_gb, stride_gh, stride_gs, stride_gd, offs, dims, S, D, BLOCK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    rows = m0 + offs
-    tl.store(delta_ptr + (b * H + h).to(tl.int64) * S + rows, delta, mask=rows < S)
 
 
 @triton.jit
@@ -155,18 +140,20 @@ def dq_step(dq, q, do, lse, delta, k_head, v_head, n0, rows, row_ids, seed, qk_s
 
 @triton.jit(do_not_specialize=["period", "before", "after", "sink", "group"])
 def local_attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, seed_ptr, counts_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, seed_ptr, counts_ptr,
     qk_scale, scale, dropout_p, S, H, group, period, before, after, sink,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,
     stride_gb, stride_gh, stride_gs, stride_gd,
     stride_dqb, stride_dqh, stride_dqs, stride_dqd,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PERIODIC: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     COUNT_TILES: tl.constexpr,
 ):
-    """Grid: (cdiv(S, BLOCK_M) * B * H,). dq like q (any strides)."""
+    """Grid: (cdiv(S, BLOCK_M) * B * H,). dq like q (any strides); out (the forward's) and
+    dout (B, H, S, D) any strides; delta (B, H, S) fp32 contiguous, written here."""
     (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
      partial) = query_block_program(counts_ptr, S, H, period, before, after, sink, PERIODIC, BLOCK_M, BLOCK_N,
                                     COUNT_TILES)
@@ -175,8 +162,11 @@ def local_attention_bwd_dq_kernel(
     rows = m0 + offs
     q = load_block(q_ptr, b, h, m0, stride_qb, stride_qh, stride_qs, stride_qd, offs, dims, S, D, BLOCK_D)
     do = load_block(dout_ptr, b, h, m0, stride_gb, stride_gh, stride_gs, stride_gd, offs, dims, S, D, BLOCK_D)
+    o = load_block(out_ptr, b, h, m0, stride_ob, stride_oh, stride_os, stride_od, offs, dims, S, D, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # 0 beyond S (zeros loaded)
     id_base = (b * H + h).to(tl.int64) * S
-    lse, delta = load_row_stats(lse_ptr + id_base, delta_ptr + id_base, rows, S, True)
+    tl.store(delta_ptr + id_base + rows, delta, mask=rows < S)
+    lse = tl.load(lse_ptr + id_base + rows, mask=rows < S, other=float("inf"))
     k_head = head_base(k_ptr, b, h // group, stride_kb, stride_kh)
     v_head = head_base(v_ptr, b, h // group, stride_vb, stride_vh)
     row_ids = id_base + rows

@@ -26,8 +26,7 @@ import torch
 
 from . import config
 from .launcher import compiler_options, launcher
-from .local_backward import (local_attention_bwd_delta_kernel, local_attention_bwd_dkdv_kernel,
-                             local_attention_bwd_dq_kernel)
+from .local_backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel
 from .local_forward import local_attention_fwd_kernel, local_dropout_factor_kernel
 from .local_tiles import IEEE, NATIVE, TF32X3
 
@@ -179,24 +178,21 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     delta = q.new_empty((B, H, S), dtype=torch.float32)
     long = long_rows(pattern, S)
     rows = plan("dq", D, q.dtype, long)
-    launcher(local_attention_bwd_delta_kernel)[(config.cdiv(S, rows.block_m) * B * H,)](
-        out, dout, delta, S, H, *out.stride(), *dout.stride(),
-        D=D, BLOCK_M=rows.block_m, BLOCK_D=block_d(D), **compiler_options(4),
-    )
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)
     seed_ptr = seed if dropout_p > 0 else q
+    # dq first: it also stores each row's delta, which the dkdv kernel reads
+    launcher(local_attention_bwd_dq_kernel)[(config.cdiv(S, rows.block_m) * B * H,)](
+        q, k, v, out, dout, lse, delta, dq, seed_ptr, counts[2:] if counts is not None else None,
+        scale * LOG2E, scale, dropout_p, S, H, H // H_kv, *pattern,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(), *dq.stride(),
+        BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, **flags, **_options(rows),
+    )
     cols = plan("dkdv", D, q.dtype, long)
     launcher(local_attention_bwd_dkdv_kernel)[(config.cdiv(S, cols.block_n) * B * H_kv,)](
         q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts,
         scale * LOG2E, scale, dropout_p, S, H_kv, H // H_kv, *pattern,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         BLOCK_M=cols.block_m, BLOCK_N=cols.block_n, **flags, **_options(cols),
-    )
-    launcher(local_attention_bwd_dq_kernel)[(config.cdiv(S, rows.block_m) * B * H,)](
-        q, k, v, dout, lse, delta, dq, seed_ptr, counts[2:] if counts is not None else None,
-        scale * LOG2E, scale, dropout_p, S, H, H // H_kv, *pattern,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-        BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, **flags, **_options(rows),
     )
     return dq, dk, dv
 
