@@ -62,6 +62,8 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, period, before, after, sink, scale, dropout_p, seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
+    # no gradient of lse is taken: not materialized, so autograd launches no fill of zeros
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, seed)
     ctx.pattern, ctx.scale, ctx.dropout_p = (period, before, after, sink), scale, dropout_p
 
