@@ -238,20 +238,21 @@ def mask_kinds_to_launch(mask_regions: bool, mask: Optional[torch.Tensor]) -> Tu
 
 
 # ------------------------------------------------------------------ kernel arguments
-def bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], qkv: torch.Tensor,
+def bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], unused: torch.Tensor,
                    table: bool = False
                    ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, int, int, int], Tuple[int, int, int]]:
     """Pointers and strides of the bias, (H, N, N) or with the mask folded in (nW, H, N, N)
-    (``streamed_bias``), and of the mask (nW, N, N); ``qkv`` as a dummy where absent. The
-    bias's strides are (window, head, row, column), 0 along a dimension of one (a bias
-    without windows serves every window, a folded mask without a bias every head). ``table``: the
+    (``streamed_bias``), and of the mask (nW, N, N); ``unused`` where absent
+    (``launcher.unused_pointer``). The bias's strides are (window, head, row, column), 0
+    along a dimension of one (a bias without windows serves every window, a folded mask
+    without a bias every head). ``table``: the
     bias is a table (T, H) read through an index (``bias_mask_tiles.load_table_bias_mask``): its head
     stride and its rows' stride in the head and row places."""
     if table:
-        return bias, mask if mask is not None else qkv, (0, bias.stride(1), bias.stride(0), 0), (
+        return bias, mask if mask is not None else unused, (0, bias.stride(1), bias.stride(0), 0), (
             mask.stride() if mask is not None else (0, 0, 0))
-    bias_ptr = bias if bias is not None else qkv
-    mask_ptr = mask if mask is not None else qkv
+    bias_ptr = bias if bias is not None else unused
+    mask_ptr = mask if mask is not None else unused
     if bias is None:
         bias_strides = (0, 0, 0, 0)
     else:

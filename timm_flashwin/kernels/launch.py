@@ -20,7 +20,7 @@ from .backward_dq_dbias import (window_attention_bwd_dbias_kernel, window_attent
                                 window_attention_bwd_dq_kernel)
 from .bias_mask import bias_mask_args, kept_mask_structure, mask_kinds_to_launch, streamed_bias
 from .forward import window_attention_fwd_kernel
-from .launcher import launcher, traced_launch
+from .launcher import launcher, traced_launch, unused_pointer
 from .plan import BackwardPlan, ForwardPlan, backward_plan, forward_plan
 from ..window_grid import WindowGrid
 
@@ -71,14 +71,15 @@ def attention_forward(
     read_bias, read_mask, _ = (streamed_bias(bias, mask, qkv.dtype, num_heads) if plan.streams
                                else (bias, mask, False))
     _check_flags(plan, read_bias, read_mask)
-    bias_ptr, mask_ptr, bias_strides, mask_strides = bias_mask_args(read_bias, read_mask, qkv, table)
+    unused = unused_pointer(qkv, traced)
+    bias_ptr, mask_ptr, bias_strides, mask_strides = bias_mask_args(read_bias, read_mask, unused, table)
     mask_regions = plan.mask_regions
     for from_regions in mask_kinds_to_launch(mask_regions, mask):
         launcher(window_attention_fwd_kernel)[plan.programs](
-            qkv, out, stats, bias_ptr, table_index if table else qkv, mask_ptr, regions if mask_regions else qkv,
-            mask_info if mask_regions else qkv,
-            logit_scale if logit_scale is not None else qkv,
-            seed if dropout_p > 0 else qkv,
+            qkv, out, stats, bias_ptr, table_index if table else unused, mask_ptr,
+            regions if mask_regions else unused, mask_info if mask_regions else unused,
+            logit_scale if logit_scale is not None else unused,
+            seed if dropout_p > 0 else unused,
             scale, dropout_p,
             *qkv_strides(qkv, num_heads), *out.stride(), *bias_strides, *mask_strides,
             plan.periods, plan.per_period, plan.per_chunk, *plan.grid_args, **plan.kwargs[from_regions],
@@ -127,13 +128,15 @@ def attention_backward(
     ``grid``: as the forward's, where ``plan.maps_windows`` allows it; ``table_index`` and
     ``table_sigmoid``: as the forward's (the bias gradient is still the dense one)."""
     table = table_index is not None
+    traced = traced_launch()
     plan = backward_plan(qkv, num_heads, bias is not None, mask, cosine, bias_grad, scale_grad, dropout_p > 0, grid,
-                         table, table_sigmoid, traced_launch())
+                         table, table_sigmoid, traced)
+    unused = unused_pointer(qkv, traced)
     n, launches = plan.n, plan.launches
     # region ids computed by the forward, for the kernels that stream key blocks
     mask_regions = plan.mask_regions
     if not mask_regions:
-        regions, mask_info = qkv, qkv
+        regions, mask_info = unused, unused
     dqkv = torch.empty_like(qkv)  # qkv's layout where that is dense (a view's gradient is then a view)
     # the one-tile kernel reads its bias tile once per program; the others stream it
     if plan.single_tile:
@@ -141,10 +144,10 @@ def attention_backward(
     else:
         read_bias, read_mask, _ = streamed_bias(bias, mask, qkv.dtype, num_heads)
     _check_flags(plan, read_bias, read_mask)
-    bias_ptr, mask_ptr, bias_strides, mask_strides = bias_mask_args(read_bias, read_mask, qkv, table)
+    bias_ptr, mask_ptr, bias_strides, mask_strides = bias_mask_args(read_bias, read_mask, unused, table)
     scale_grad = plan.scale_grad
-    logit_scale_ptr = logit_scale if logit_scale is not None else qkv
-    seed_ptr = seed if dropout_p > 0 else qkv
+    logit_scale_ptr = logit_scale if logit_scale is not None else unused
+    seed_ptr = seed if dropout_p > 0 else unused
     strides = (*qkv_strides(qkv, num_heads), *dout.stride(), *qkv_strides(dqkv, num_heads), *bias_strides,
                *mask_strides)
     windows = (plan.periods, plan.per_period)
@@ -154,8 +157,8 @@ def attention_backward(
         bias_size = plan.bias_size
         programs, kwargs = launches[("fused", False)]
         launcher(window_attention_bwd_fused_kernel)[programs](
-            qkv, dout, bias_ptr, table_index if table else qkv, mask_ptr, logit_scale_ptr, seed_ptr,
-            dqkv, partials, partials[:, bias_size:] if scale_grad else partials, scale, dropout_p, *strides,
+            qkv, dout, bias_ptr, table_index if table else unused, mask_ptr, logit_scale_ptr, seed_ptr,
+            dqkv, partials, partials[:, bias_size:] if scale_grad else unused, scale, dropout_p, *strides,
             partials.stride(0), *windows, plan.per_chunk["fused"], *plan.grid_args, **kwargs,
         )
         sums = partials.sum(0) if bias_grad or scale_grad else partials.new_empty((0,))

@@ -12,8 +12,9 @@ functional op that clones each argument the kernel may write and hands each clon
 its argument's place; torch's analysis of the kernel counts every argument of a Triton
 function whose results address a store as written. lse passed again as the forward's unused
 tile counts came back as its never-written clone (opcheck's test_aot_dispatch_dynamic:
-the outputs of eager mode and AOTDispatcher differed). Where a tensor is needed, the op's inputs stand in
-for unused pointers (q for the seed without dropout): a clone of one equals it.
+the outputs of eager mode and AOTDispatcher differed). Where a tensor is needed for an unused
+pointer (the seed without dropout), ``launcher.unused_pointer`` gives it: q in a direct
+launch, an empty tensor of its own in a traced one.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import config
-from .launcher import compiler_options, launcher
+from .launcher import compiler_options, launcher, traced_launch, unused_pointer
 from .local_backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel
 from .local_forward import local_attention_fwd_kernel, local_dropout_factor_kernel
 from .local_tiles import IEEE, NATIVE, TF32X3
@@ -156,7 +157,7 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
     lse = q.new_empty((B, H, S), dtype=torch.float32)
     grid = (config.cdiv(S, tiles.block_m) * B * H,)
     launcher(local_attention_fwd_kernel)[grid](
-        q, k, v, out, lse, seed if dropout_p > 0 else q, counts,
+        q, k, v, out, lse, seed if dropout_p > 0 else unused_pointer(q, traced_launch()), counts,
         scale * LOG2E, dropout_p, S, H, H // k.shape[1], *pattern,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **_flags(D, pattern, dropout_p, q.dtype, counts),
@@ -179,7 +180,7 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     long = long_rows(pattern, S)
     rows = plan("dq", D, q.dtype, long)
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)
-    seed_ptr = seed if dropout_p > 0 else q
+    seed_ptr = seed if dropout_p > 0 else unused_pointer(q, traced_launch())
     # dq first: it also stores each row's delta, which the dkdv kernel reads
     launcher(local_attention_bwd_dq_kernel)[(config.cdiv(S, rows.block_m) * B * H,)](
         q, k, v, out, dout, lse, delta, dq, seed_ptr, counts[2:] if counts is not None else None,
