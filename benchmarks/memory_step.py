@@ -1,8 +1,10 @@
-"""Where a training step's memory goes, timm against patched: the saved activations, the
-peaks of the forward and of the backward, and the saved tensors grouped by shape.
+"""Where a step's memory goes, timm against patched: a training step's saved activations,
+the peaks of its forward and backward and the saved tensors grouped by shape; for any step,
+the blocks allocated at its peak and the lines that allocated them.
 
     python benchmarks/memory_step.py --model swin_tiny_patch4_window7_224 --batch 128 --compile \
         [--top 25] [--out results/memory_step.json]
+    python benchmarks/memory_step.py --model gcvit_tiny --mode infer --compile
 
 One AMP bf16 training step as bench_train.py runs it (forward, cross-entropy, backward,
 AdamW), split into its phases on a synchronized GPU, after warm-up steps (which compile).
@@ -16,13 +18,18 @@ moments, the other variant):
   (``saved_tensors``), grouped by shape and dtype.
 
 The rows where the two variants' saved tensors differ say what the patched model keeps
-that timm does not, and the reverse. GPU only.
+that timm does not, and the reverse. ``--mode infer``: bf16 weights under
+torch.inference_mode, as bench_models.py runs inference. Both modes then list the blocks
+alive at the step's peak (the allocator's trace of one step replayed), grouped by the first
+two frames of model, library or inductor-generated code that allocated them, with their
+source lines: under torch.compile, the generated code's buffer. GPU only.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import copy
+import linecache
 import os
 import sys
 
@@ -75,6 +82,42 @@ def saved_tensors(loss: torch.Tensor) -> dict:
     return dict(groups)
 
 
+def _frame_label(frames: list) -> str:
+    """The first two frames of model, library or inductor-generated code, with their lines."""
+    mine = [f for f in frames if any(part in f["filename"] for part in ("torchinductor", "timm", "flashwin"))
+            and not f["filename"].endswith("module.py")][:2]
+    return " | ".join(f"{os.path.basename(f['filename'])}:{f['line']} "
+                      f"{linecache.getline(f['filename'], f['line']).strip()[:100]}" for f in mine) or "?"
+
+
+def allocations_at_peak(step) -> dict:
+    """Run ``step`` once with the allocator's history recorded; replay its trace and return
+    {"peak_mib": the most allocated above the start, "blocks": [[MiB, count, label], ...]} of
+    the blocks alive then, largest first (``_frame_label``)."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500000, stacks="python")
+    step()
+    torch.cuda.synchronize()
+    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], event.get("frames", []))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    groups = collections.defaultdict(lambda: [0.0, 0])
+    for size, frames in at_peak.values():
+        group = groups[_frame_label(frames)]
+        group[0] += size / MIB
+        group[1] += 1
+    return dict(peak_mib=peak / MIB,
+                blocks=sorted(([mib, n, label] for label, (mib, n) in groups.items()), reverse=True))
+
+
 def _phases(model, images, labels, opt, record: bool) -> dict:
     sync = torch.cuda.synchronize
     sync()
@@ -100,25 +143,49 @@ def _phases(model, images, labels, opt, record: bool) -> dict:
                 saved_tensors=kept)
 
 
-def run(name: str, batch: int, compile_mode, warmup: int) -> dict:
+def _step(model, images, labels, train: bool):
+    """One training step (``_phases``; ``record=True`` also walks the graph it keeps) or one
+    inference step under torch.inference_mode."""
+    if not train:
+        def infer(record: bool = False) -> None:
+            with torch.inference_mode():
+                model(images)
+        return infer
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return lambda record=False: _phases(model, images, labels, opt, record)
+
+
+def run(name: str, batch: int, compile_mode, warmup: int, train: bool) -> dict:
     base = build_model(name)
     size = base.pretrained_cfg["input_size"][1:]
-    images = torch.randn(batch, 3, *size, device="cuda")
+    images = torch.randn(batch, 3, *size, device="cuda", dtype=torch.float32 if train else torch.bfloat16)
     labels = torch.randint(0, 1 << 30, (batch,), device="cuda")
     results = {}
     for variant in ("timm", "flashwin"):
-        model = copy.deepcopy(base).cuda().train()
+        model = copy.deepcopy(base).cuda().train(train)
+        if not train:
+            model = model.to(torch.bfloat16)
         if variant == "flashwin":
             patch_model(model)
         runnable = model if compile_mode is None else torch.compile(model, mode=compile_mode)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = _step(runnable, images, labels, train)
         for _ in range(warmup):
-            _phases(runnable, images, labels, opt, record=False)
-        results[variant] = _phases(runnable, images, labels, opt, record=True)
-        del model, runnable, opt
+            step()
+        results[variant] = step(record=True) if train else {}
+        results[variant]["at_peak"] = allocations_at_peak(step)
+        del model, runnable, step
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return results
+
+
+def report_peaks(results: dict, top: int) -> None:
+    for variant, row in results.items():
+        at_peak = row["at_peak"]
+        print(f"\n{variant}: {at_peak['peak_mib']:.1f} MiB allocated above the step's start at its peak; the blocks "
+              f"alive then, by the code that allocated them:")
+        for mib, count, label in at_peak["blocks"][:top]:
+            print(f"  {mib:9.1f} MiB {count:4d} x  {label}")
 
 
 def report(results: dict, top: int) -> None:
@@ -146,15 +213,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="swin_tiny_patch4_window7_224")
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--mode", default="train", choices=["train", "infer"])
     parser.add_argument("--compile", action="store_true", help="torch.compile's default mode on both sides")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    results = run(args.model, args.batch, "default" if args.compile else None, args.warmup)
-    report(results, args.top)
+    train = args.mode == "train"
+    results = run(args.model, args.batch, "default" if args.compile else None, args.warmup, train)
+    if train:
+        report(results, args.top)
+    report_peaks(results, args.top)
     if args.out:
-        write_json(args.out, dict(model=args.model, batch=args.batch, compile=args.compile, results=results,
+        write_json(args.out, dict(model=args.model, mode=args.mode, batch=args.batch, compile=args.compile, results=results,
                                   device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version()))
 
 
