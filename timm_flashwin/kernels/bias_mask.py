@@ -245,9 +245,9 @@ def bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], u
     (``streamed_bias``), and of the mask (nW, N, N); ``unused`` where absent
     (``launcher.unused_pointer``). The bias's strides are (window, head, row, column), 0
     along a dimension of one (a bias without windows serves every window, a folded mask
-    without a bias every head). ``table``: the
-    bias is a table (T, H) read through an index (``bias_mask_tiles.load_table_bias_mask``): its head
-    stride and its rows' stride in the head and row places."""
+    without a bias every head). ``table``: the bias is a table (T, H) read through an index
+    (``bias_mask_tiles.load_table_bias_mask``): its head stride and its rows' stride in the
+    head and row places."""
     if table:
         return bias, mask if mask is not None else unused, (0, bias.stride(1), bias.stride(0), 0), (
             mask.stride() if mask is not None else (0, 0, 0))
