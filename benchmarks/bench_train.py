@@ -19,7 +19,11 @@ mode's own. Columns, per variant (median over the rounds):
   ratio of the medians: a host that drifts between rounds moves both variants of a round).
 * ``peak MiB``: the variant's peak memory as if it ran alone: the allocator's peak during
   its steps, less what was allocated before them, plus its own parameters and AdamW's
-  moments (both variants stay resident for the alternating rounds).
+  moments (every variant stays resident for the alternating rounds).
+
+``--recompute-qkv [PREFIX ...]`` adds a third variant, patched with
+``patch_model(..., recompute_qkv=...)`` for every module (no prefix) or for the modules
+whose qualified names start with a prefix (``layers.1.``: the second stage).
 
 GPU only.
 """
@@ -37,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, write_json  # noqa: E402
 from profile_step import _profile, _wall_and_enqueue_ms  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
-from timm_flashwin.bench import _step_fn  # noqa: E402
+from timm_flashwin.bench import _step_fn, model_variants, recompute_qkv_option  # noqa: E402
 from timm_flashwin.verify import build_model  # noqa: E402
 
 MODELS = ["swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_224"]
@@ -59,16 +63,18 @@ def _peak_mib(model: torch.nn.Module, step, steps: int = 3) -> float:
     return (torch.cuda.max_memory_allocated() - before + _state_bytes(model)) / 2 ** 20
 
 
-def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmup: int) -> list:
-    """Both variants of one (model, batch, mode), timed in alternating rounds."""
+def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmup: int,
+              recompute_qkv=False) -> list:
+    """The variants of one (model, batch, mode) (``model_variants(recompute_qkv)``), timed
+    in alternating rounds."""
     base = build_model(name)
     size = base.pretrained_cfg["input_size"][1:]
     images = torch.randn(batch, 3, *size, device="cuda")
     variants = {}
-    for variant in ("timm", "flashwin"):
+    for variant, recompute in model_variants(recompute_qkv).items():
         model = copy.deepcopy(base).cuda().train()
-        if variant == "flashwin":
-            patch_model(model)
+        if variant != "timm":
+            patch_model(model, recompute_qkv=recompute)
         runnable = model if MODES[mode] is None else torch.compile(model, mode=MODES[mode])
         step = _step_fn(runnable, images, torch.bfloat16, train=True)
         for _ in range(warmup):
@@ -92,8 +98,9 @@ def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmu
     # each round times both variants back to back: the ratio within a round shares the
     # host's state of the moment, which drifts between rounds (H200: one variant's wall
     # time read 22 to 34 ms across 5 rounds of one run)
-    ratios = [t / p for t, p in zip(timings["timm"][0], timings["flashwin"][0])]
-    rows[-1].update(speedup_rounds=ratios, speedup_round_median=statistics.median(ratios))
+    for row in rows[1:]:
+        ratios = [t / p for t, p in zip(timings["timm"][0], timings[row["variant"]][0])]
+        row.update(speedup_rounds=ratios, speedup_round_median=statistics.median(ratios))
     del variants
     torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -108,6 +115,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds")
     parser.add_argument("--repeats", type=int, default=10, help="steps per round")
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first compiles)")
+    parser.add_argument("--recompute-qkv", nargs="*", default=None, metavar="PREFIX",
+                        help="a third variant with patch_model's recompute_qkv: every module, or those "
+                             "whose names start with a PREFIX")
     parser.add_argument("--top", type=int, default=0, help="print the N largest host ops and GPU kernels per row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -117,21 +127,24 @@ def main() -> None:
     for name in args.models:
         for batch in args.batches:
             for mode in args.modes:
-                group = run_group(name, batch, mode, args.rounds, args.repeats, args.warmup)
+                group = run_group(name, batch, mode, args.rounds, args.repeats, args.warmup,
+                                  recompute_qkv_option(args.recompute_qkv))
                 rows += group
                 for r in group:
-                    print(f"{name[:30]:30s} {batch:4d} {mode:15s} {r['variant']:9s} {r['images_per_s']:8.1f} "
+                    print(f"{name[:30]:30s} {batch:4d} {mode:15s} {r['variant'][:9]:9s} {r['images_per_s']:8.1f} "
                           f"{r['wall_ms']:8.2f} {r['host_ms']:8.2f} {r['gpu_ms']:7.2f} {r['launches']:8.0f} "
                           f"{r['peak_mib']:8.0f}", flush=True)
                     for op in r["host_ops"][:args.top]:
                         print(f"      host {op['self_cpu_us_per_step']:9.0f} us {op['calls_per_step']:6.0f}x  "
                               f"{op['name'][:90]}")
-                timm, ours = group
-                low, high = min(ours["speedup_rounds"]), max(ours["speedup_rounds"])
-                print(f"{'':30s} {batch:4d} {mode:15s} patched/timm: {ours['images_per_s'] / timm['images_per_s']:.2f}x "
-                      f"speed (rounds {low:.2f}x to {high:.2f}x, median {ours['speedup_round_median']:.2f}x), "
-                      f"{ours['peak_mib'] / timm['peak_mib']:.2f}x peak, host {ours['host_ms']:.1f} vs "
-                      f"{timm['host_ms']:.1f} ms", flush=True)
+                timm = group[0]
+                for ours in group[1:]:
+                    low, high = min(ours["speedup_rounds"]), max(ours["speedup_rounds"])
+                    print(f"{'':30s} {batch:4d} {mode:15s} {ours['variant']}/timm: "
+                          f"{ours['images_per_s'] / timm['images_per_s']:.2f}x speed (rounds {low:.2f}x to "
+                          f"{high:.2f}x, median {ours['speedup_round_median']:.2f}x), "
+                          f"{ours['peak_mib'] / timm['peak_mib']:.2f}x peak, host {ours['host_ms']:.1f} vs "
+                          f"{timm['host_ms']:.1f} ms", flush=True)
                 if args.out:
                     write_json(args.out, rows)
 
