@@ -5,7 +5,7 @@ the host's and the GPU's time per step side by side.
         --batches 64 128 --out results/train.json
 
 For each model, batch and mode (``eager``; ``compile``: torch.compile's default mode;
-``reduce-overhead``: with CUDA graphs) both variants are built from one perturbed model,
+``reduce-overhead``: with CUDA graphs) the variants are built from one perturbed model,
 warmed up (compiled), then timed in alternating rounds of back-to-back AMP bf16 steps
 (forward, cross-entropy, backward, AdamW), a plain Python loop, no CUDA graphs but the
 mode's own. Columns, per variant (median over the rounds):
@@ -16,7 +16,7 @@ mode's own. Columns, per variant (median over the rounds):
   GPU ms is bound by the host.
 * ``GPU ms`` and ``launches``: the kernels' time and count per step under torch.profiler.
 * ``speedup_rounds``: patched / timm speed within each round (their median, beside the
-  ratio of the medians: a host that drifts between rounds moves both variants of a round).
+  ratio of the medians: a host that drifts between rounds moves every variant of a round).
 * ``peak MiB``: the variant's peak memory as if it ran alone: the allocator's peak during
   its steps, less what was allocated before them, plus its own parameters and AdamW's
   moments (every variant stays resident for the alternating rounds).
@@ -95,7 +95,7 @@ def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmu
                          peak_mib=_peak_mib(model, step), wall_ms_rounds=timings[variant][0],
                          host_ms_rounds=timings[variant][1], host_ops=host_ops, gpu_kernels=gpu_kernels,
                          device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version()))
-    # each round times both variants back to back: the ratio within a round shares the
+    # each round times the variants back to back: the ratio within a round shares the
     # host's state of the moment, which drifts between rounds (H200: one variant's wall
     # time read 22 to 34 ms across 5 rounds of one run)
     for row in rows[1:]:
