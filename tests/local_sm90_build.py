@@ -109,7 +109,9 @@ def main() -> int:
                              ("dq", local_attention_bwd_dq_kernel)):
             # the plans of short and of long rows (local_launch.long_rows), each once
             for tiles in dict.fromkeys(local_launch.plan(kind, head_dim, dtype, long) for long in (False, True)):
-                ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n),
+                # the forward as a positive scale builds it (local_launch.fold_scale)
+                fwd_flags = dict(FOLD_SCALE=local_launch.fold_scale(1.0, head_dim)) if kind == "fwd" else {}
+                ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **fwd_flags),
                             tiles.num_warps, tiles.num_stages, ones)
     return 0 if ok else 1
 

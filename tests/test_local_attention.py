@@ -124,6 +124,19 @@ def test_scale_and_the_total_window_width_convention():
     assert_matches_reference(results, reference(visible, q, k, v, do, scale=0.3), 1e-4, names=NAMES)
 
 
+@pytest.mark.parametrize("scale", [-0.7, 0.0])
+def test_scales_that_are_not_positive(scale):
+    """The forward folds a positive scale into the exponent's FMA (``local_launch.fold_scale``:
+    the row maximum of the unscaled scores); a negative or zero scale takes the logits scaled
+    first, where a masked score stays -inf (times a negative scale it would be +inf, times 0
+    NaN). Window edges, a sink and a partial last block, so that masked tiles are visited."""
+    assert local_launch.fold_scale(0.3, 16) and not local_launch.fold_scale(scale, 16)
+    q, k, v, do = make_inputs(1, 2, 1, 45, 16, seed=3)
+    results = forward_backward(blocks(8, 2, 3, scale=scale), q, k, v, do)
+    assert_matches_reference(results, reference(block_window_visible(8, 2, 3), q, k, v, do, scale=scale), 1e-4,
+                             names=NAMES)
+
+
 # ----------------------------------------------------------------------- tiles visited
 def expected_tiles(visible, S, rows_block, cols_block, transposed=False):
     """(tiles with no mask, tiles with one) a kernel should visit: every tile holding a

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .local_tiles import (count_tiles, dropout_keep, edge_block, full_block, head_base, load_block, load_rows,
-                          logits, pattern_limits, product, program_block, query_block_program, query_schedule,
+                          pattern_limits, probabilities, product, program_block, query_block_program, query_schedule,
                           row_block, store_block)
 
 
@@ -47,9 +47,8 @@ def dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_
     q = load_rows(row_block(q_head, m0, stride_qs), offs, dims, stride_qs, stride_qd, S - m0, D, MASKED, BLOCK_D)
     do = load_rows(row_block(do_head, m0, stride_gs), offs, dims, stride_gs, stride_gd, S - m0, D, MASKED, BLOCK_D)
     lse, delta = load_row_stats(lse_head, delta_head, rows, S, MASKED)
-    s = logits(k, q, rows[None, :], cols[:, None], qk_scale, S, period, before, after, sink, MASKED, HAS_SINK,
-               PRECISION)
-    p = tl.math.exp2(s - lse[None, :])
+    p = probabilities(k, q, rows[None, :], cols[:, None], qk_scale, lse[None, :], S, period, before, after, sink,
+                      MASKED, HAS_SINK, PRECISION)
     dp = product(v, tl.trans(do), None, PRECISION)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, id_base + rows, cols, dropout_p, True)
@@ -128,9 +127,8 @@ def dq_step(dq, q, do, lse, delta, k_head, v_head, n0, rows, row_ids, seed, qk_s
     cols = n0 + offs
     k = load_rows(row_block(k_head, n0, stride_ks), offs, dims, stride_ks, stride_kd, S - n0, D, MASKED, BLOCK_D)
     v = load_rows(row_block(v_head, n0, stride_vs), offs, dims, stride_vs, stride_vd, S - n0, D, MASKED, BLOCK_D)
-    s = logits(q, k, rows[:, None], cols[None, :], qk_scale, S, period, before, after, sink, MASKED, HAS_SINK,
-               PRECISION)
-    p = tl.math.exp2(s - lse[:, None])
+    p = probabilities(q, k, rows[:, None], cols[None, :], qk_scale, lse[:, None], S, period, before, after, sink,
+                      MASKED, HAS_SINK, PRECISION)
     dp = product(do, tl.trans(v), None, PRECISION)
     if HAS_DROPOUT:
         dp = dp * dropout_keep(seed, row_ids, cols, dropout_p, False)

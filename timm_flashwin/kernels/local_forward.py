@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .local_tiles import (dropout_keep, edge_block, full_block, head_base, load_block, load_rows, logits, product,
-                          query_block_program, row_block, store_block)
+                          query_block_program, row_block, scores, store_block)
 
 #: the running maximum's start: finite, so that a row none of whose keys a block shows
 #: gets exp2(-inf - m) = 0 and a factor exp2(m - m) = 1, never NaN
@@ -24,17 +24,28 @@ _NO_MAX = tl.constexpr(-1.0e30)
 def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_scale, dropout_p,
                  S, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-                 HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                 HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+                 FOLD_SCALE: tl.constexpr):
     """The online softmax over the key block [n0, n0 + BLOCK_N): (acc, m_i, l_i) updated.
-    Without MASKED every key is < S and visible to every query row."""
+    Without MASKED every key is < S and visible to every query row. FOLD_SCALE (only where
+    qk_scale > 0): the scale applied in the exponent's FMA, not to the logits first."""
     offs = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     cols = n0 + offs
     k = load_rows(row_block(k_head, n0, stride_ks), offs, dims, stride_ks, stride_kd, S - n0, D, MASKED, BLOCK_D)
-    s = logits(q, k, rows[:, None], cols[None, :], qk_scale, S, period, before, after, sink, MASKED, HAS_SINK,
-               PRECISION)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_new[:, None])
+    if FOLD_SCALE:
+        # the row maximum of the unscaled scores, scaled (a positive scale keeps their order),
+        # and P = exp2(score * qk_scale - max): one FMA per logit where scaling first, then
+        # subtracting, took two FP32 instructions (``local_launch.fold_scale``)
+        s = scores(q, k, rows[:, None], cols[None, :], S, period, before, after, sink, MASKED, HAS_SINK, PRECISION)
+        scale32 = tl.cast(qk_scale, tl.float32)  # inductor passes Python floats as fp64
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale32)
+        p = tl.math.exp2(s * scale32 - m_new[:, None])
+    else:
+        s = logits(q, k, rows[:, None], cols[None, :], qk_scale, S, period, before, after, sink, MASKED, HAS_SINK,
+                   PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
@@ -54,7 +65,7 @@ def local_attention_fwd_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PERIODIC: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    COUNT_TILES: tl.constexpr,
+    COUNT_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     """Grid: (cdiv(S, BLOCK_M) * B * H,). q (B, H, S, D), k and v (B, H / group, S, D), out
     like q, any strides; lse (B, H, S) fp32, contiguous: each row's log2-sum-exp of its
@@ -79,12 +90,12 @@ def local_attention_fwd_kernel(
         n0 = full_block(t, n_prefix, f_start) * BLOCK_N
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_scale, dropout_p,
                                      S, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
-                                     D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION)
+                                     D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE)
     for t in range(0, n_edge):
         n0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_N
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_scale, dropout_p,
                                      S, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
-                                     D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION)
+                                     D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE)
 
     seen = l_i > 0.0
     l_i = tl.where(seen, l_i, 1.0)

@@ -180,15 +180,41 @@ def query_block_program(counts_ptr, S, H, period, before, after, sink, PERIODIC:
 
 
 @triton.jit
+def scores(a, b, rows, cols, S, period, before, after, sink, MASKED: tl.constexpr, HAS_SINK: tl.constexpr,
+           PRECISION: tl.constexpr):
+    """a @ b^T (fp32, unscaled), -inf where MASKED and query ``rows`` does not attend key
+    ``cols`` (broadcast as ``visible`` takes them)."""
+    s = product(a, tl.trans(b), None, PRECISION)
+    if MASKED:
+        s = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), s, float("-inf"))
+    return s
+
+
+@triton.jit
 def logits(a, b, rows, cols, qk_scale, S, period, before, after, sink, MASKED: tl.constexpr,
            HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b^T times qk_scale (log2-domain logits, fp32), -inf where MASKED and query ``rows``
-    does not attend key ``cols`` (broadcast as ``visible`` takes them)."""
+    does not attend key ``cols``: the forward's logits where the scale is not positive (its
+    sign would turn a masked -inf score into +inf: ``forward_step``)."""
     # tl.cast: inductor passes Python floats as fp64, which would make the tiles fp64
     s = product(a, tl.trans(b), None, PRECISION) * tl.cast(qk_scale, tl.float32)
     if MASKED:
         s = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), s, float("-inf"))
     return s
+
+
+@triton.jit
+def probabilities(a, b, rows, cols, qk_scale, lse, S, period, before, after, sink, MASKED: tl.constexpr,
+                  HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
+    """The backward's P = exp2(a @ b^T * qk_scale - lse) (``lse`` broadcast against the tile),
+    0 where MASKED and query ``rows`` does not attend key ``cols``. The scale's multiply and
+    the subtraction are one expression, which the compiler contracts into one FMA per logit
+    (one FP32 instruction fewer than scaling the logits first; every direct launch compiles
+    with FMA contraction, ``launcher.compiler_options``)."""
+    x = product(a, tl.trans(b), None, PRECISION) * tl.cast(qk_scale, tl.float32) - lse
+    if MASKED:
+        x = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), x, float("-inf"))
+    return tl.math.exp2(x)
 
 
 @triton.jit
