@@ -40,7 +40,7 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_s
         s = scores(q, k, rows[:, None], cols[None, :], S, period, before, after, sink, MASKED, HAS_SINK, PRECISION)
         scale32 = tl.cast(qk_scale, tl.float32)  # inductor passes Python floats as fp64
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale32)
-        p = tl.math.exp2(s * scale32 - m_new[:, None])
+        p = tl.math.exp2(tl.fma(s, scale32, -m_new[:, None]))
     else:
         s = logits(q, k, rows[:, None], cols[None, :], qk_scale, S, period, before, after, sink, MASKED, HAS_SINK,
                    PRECISION)

@@ -208,10 +208,10 @@ def probabilities(a, b, rows, cols, qk_scale, lse, S, period, before, after, sin
                   HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
     """The backward's P = exp2(a @ b^T * qk_scale - lse) (``lse`` broadcast against the tile),
     0 where MASKED and query ``rows`` does not attend key ``cols``. The scale's multiply and
-    the subtraction are one expression, which the compiler contracts into one FMA per logit
-    (one FP32 instruction fewer than scaling the logits first; every direct launch compiles
-    with FMA contraction, ``launcher.compiler_options``)."""
-    x = product(a, tl.trans(b), None, PRECISION) * tl.cast(qk_scale, tl.float32) - lse
+    the subtraction are one ``tl.fma`` per logit (one FP32 instruction fewer than scaling the
+    logits first), whatever the launch's FMA contraction option (traced launches leave
+    Triton's default)."""
+    x = tl.fma(product(a, tl.trans(b), None, PRECISION), tl.cast(qk_scale, tl.float32), -lse)
     if MASKED:
         x = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), x, float("-inf"))
     return tl.math.exp2(x)
