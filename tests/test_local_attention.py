@@ -218,6 +218,20 @@ def test_rows_without_keys_give_zero_not_nan():
         assert not t.isnan().any() and t.eq(0).all()
 
 
+@pytest.mark.parametrize("scale", [0.25, -0.25])
+def test_nan_propagates_as_in_the_reference(scale):
+    """A NaN in one query row and in one key: the output is NaN exactly where the float64
+    reference's is (that row, and every row that sees the key), finite elsewhere; with the
+    forward's scale folded into its FMA (positive) and not (negative)."""
+    q, k, v, _ = make_inputs(1, 1, 1, 40, 16, seed=5)
+    q[0, 0, 3, 5] = float("nan")
+    k[0, 0, 30, 0] = float("nan")
+    out = blocks(8, 2, scale=scale)(q, k, v)
+    expected = local_attention_reference(q.double(), k.double(), v.double(), block_window_visible(8, 2), scale)
+    assert expected.isnan().any() and not expected.isnan().all()
+    assert torch.equal(out.isnan().cpu(), expected.isnan().cpu())
+
+
 # ----------------------------------------------------------------------- dropout
 def _rng_state():
     return torch.cuda.get_rng_state() if KERNEL_DEVICE == "cuda" else torch.get_rng_state()
