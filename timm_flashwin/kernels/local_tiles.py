@@ -194,8 +194,9 @@ def scores(a, b, rows, cols, S, period, before, after, sink, MASKED: tl.constexp
 def logits(a, b, rows, cols, qk_scale, S, period, before, after, sink, MASKED: tl.constexpr,
            HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b^T times qk_scale (log2-domain logits, fp32), -inf where MASKED and query ``rows``
-    does not attend key ``cols``: the forward's logits where the scale is not positive (its
-    sign would turn a masked -inf score into +inf: ``forward_step``)."""
+    does not attend key ``cols``: the forward's logits where its scale is not folded into the
+    exponent (``local_launch.fold_scale``: head_dim above 64, or a scale that is not
+    positive, whose sign would turn a masked -inf score into +inf)."""
     # tl.cast: inductor passes Python floats as fp64, which would make the tiles fp64
     s = product(a, tl.trans(b), None, PRECISION) * tl.cast(qk_scale, tl.float32)
     if MASKED:
