@@ -19,7 +19,8 @@ frames, S = 4096 ... 65536), the published sliding-window kernel's (a sliding wi
 head_dim 128 (a window of 512 either side, and global attention: the TFLOP/s of the one
 against the other), grouped-query attention.
 
-Forward and forward+backward (median of CUDA-event timings, triton.testing.do_bench), in
+Forward and forward+backward (median of CUDA-event timings, triton.testing.do_bench; per length
+``--rounds`` rounds, the implementations in a rotated order, the median of the rounds), in
 TFLOP/s counted on the visible (query, key) pairs of the pattern only (4 D flops per pair
 forward, 2.5x that backward, FlashAttention's convention; sdpa_causal counts the causal
 pairs it computes), the forward+backward's peak memory above the inputs, and each pass's
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from dataclasses import astuple, dataclass
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, enqueue_us, python_profile, write_json  # noqa: E402
+from plot_local import plot  # noqa: E402
 from profile_step import _profile  # noqa: E402
 from timm_flashwin import block_sliding_window_attention, sliding_window_attention  # noqa: E402
 from timm_flashwin.local_reference import LocalPattern  # noqa: E402
@@ -151,6 +154,8 @@ def _time_ms(fn: Callable, grad_to_none=None, rep: int = 100) -> float:
 
 
 def bench_one(fn: Callable, inputs, rep: int) -> Dict:
+    """One implementation's first call, median ms of each pass (``_time_pass``), host ms of
+    each pass and the forward + backward's peak memory above the inputs."""
     q, k, v, do = inputs
     leaves = [q, k, v]
 
@@ -166,8 +171,8 @@ def bench_one(fn: Callable, inputs, rep: int) -> Dict:
     forward_backward()
     torch.cuda.synchronize()
     result["first_call_s"] = time.perf_counter() - t0
-    result["fwd_ms"] = _time_ms(forward, rep=rep)
-    result["fwdbwd_ms"] = _time_ms(forward_backward, leaves, rep=rep)
+    result["fwd_ms"] = _time_pass(fn, inputs, True, rep)
+    result["fwdbwd_ms"] = _time_pass(fn, inputs, False, rep)
     # the host's own time per call (the GPU idle when it starts): a call whose host ms is
     # near its ms above is bound by the host, not by its kernels
     result["fwd_host_ms"] = enqueue_us(forward, 20) / 1e3
@@ -190,13 +195,18 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_case(name: str, case: Case, lengths, impls: List[str], rep: int, max_mask_mib: float, rows: List[Dict],
-             save: Callable) -> None:
+             save: Callable, rounds: int = 1) -> None:
+    """Each length: every implementation checked against ours and measured once
+    (``bench_one``), then ``rounds - 1`` more rounds of both passes' times, the
+    implementations in a rotated order each round; the times reported are the medians of the
+    rounds (``fwd_ms_rounds``, ``fwdbwd_ms_rounds``: each round's)."""
     for seq_len in lengths:
         inputs = make_inputs(case, seq_len)
         pairs = case.batch * case.heads * visible_pairs(case.pattern, seq_len)
         causal_pairs = case.batch * case.heads * seq_len * (seq_len + 1) // 2
         with torch.no_grad():
             mine = ours(case.pattern)(*inputs[:3])
+        measured: Dict[str, Tuple[Callable, Dict]] = {}
         for impl in impls:
             row = dict(case=name, impl=impl, S=seq_len, B=case.batch, H=case.heads, H_kv=case.kv_heads,
                        D=case.head_dim, visible_pairs=pairs, pattern=case.pattern.__dict__)
@@ -208,16 +218,29 @@ def run_case(name: str, case: Case, lengths, impls: List[str], rep: int, max_mas
                     with torch.no_grad():
                         row["rel_err_vs_ours"] = relative_error(fn(*inputs[:3]), mine)
                 row.update(bench_one(fn, inputs, rep))
-                counted = causal_pairs if impl == "sdpa_causal" else pairs
-                flops = 4 * counted * case.head_dim
-                row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
-                row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
+                row["fwd_ms_rounds"], row["fwdbwd_ms_rounds"] = [row["fwd_ms"]], [row["fwdbwd_ms"]]
+                measured[impl] = fn, row
             except Exception as exc:  # an implementation that cannot run a case is a row, not the end
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                rows.append(row)
+                print(_line(row), flush=True)
+        order = list(measured)
+        for r in range(1, rounds):
+            for impl in order[r % len(order):] + order[:r % len(order)]:
+                fn, row = measured[impl]
+                row["fwd_ms_rounds"].append(_time_pass(fn, inputs, True, rep))
+                row["fwdbwd_ms_rounds"].append(_time_pass(fn, inputs, False, rep))
+        for impl, (fn, row) in measured.items():
+            row["fwd_ms"] = statistics.median(row["fwd_ms_rounds"])
+            row["fwdbwd_ms"] = statistics.median(row["fwdbwd_ms_rounds"])
+            counted = causal_pairs if impl == "sdpa_causal" else pairs
+            flops = 4 * counted * case.head_dim
+            row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+            row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
             rows.append(row)
             print(_line(row), flush=True)
-            save()
-        del inputs, mine
+        save()
+        del inputs, mine, measured
         torch.cuda.empty_cache()
 
 
@@ -245,34 +268,6 @@ def summary(rows: List[Dict]) -> List[str]:
             lines.append(f"window 512 / global TFLOP/s at S={seq_len}: fwd {r['fwd_tflops'] / g['fwd_tflops']:.2f}, "
                          f"f+b {r['fwdbwd_tflops'] / g['fwdbwd_tflops']:.2f}")
     return lines
-
-
-def plot(rows: List[Dict], out: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)")
-        return
-    for case in dict.fromkeys(r["case"] for r in rows):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for ax, key, title in zip(axes, ("fwd_ms", "fwdbwd_ms"), ("forward", "forward + backward")):
-            for impl in IMPLS:
-                points = sorted((r["S"], r[key]) for r in rows if r["case"] == case and r["impl"] == impl and key in r)
-                if points:
-                    ax.plot(*zip(*points), marker="o", label=impl)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("S")
-            ax.set_ylabel("ms")
-            ax.set_title(f"{case}: {title}")
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = f"{os.path.splitext(out)[0]}_{case}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        print(path)
 
 
 def _time_pass(fn: Callable, inputs, forward_only: bool, rep: int) -> float:
@@ -366,6 +361,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="the kernels --tune times")
     parser.add_argument("--profile", metavar="CASE:S", nargs="+", default=None,
                         help="profile one forward + backward of each --impls on these cases instead")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of each length's timings, the implementations alternated; medians reported")
     parser.add_argument("--out", default=None, help="write the results as JSON here (and the plots next to it)")
     args = parser.parse_args(argv)
     rep = 30 if args.quick else 100
@@ -375,7 +372,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             setattr(torch._dynamo.config, name, 256)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), code=code_version(),
-                quick=args.quick)
+                quick=args.quick, rounds=args.rounds)
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['code']}", flush=True)
     if args.profile:
         rows = [row for spec in args.profile for row in profile(spec, args.impls)]
@@ -393,7 +390,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     for name in args.cases:
         case = CASES[name]
         lengths = case.quick if args.quick else case.lengths
-        run_case(name, case, lengths, args.impls, rep, args.max_mask_mib, rows, save)
+        run_case(name, case, lengths, args.impls, rep, args.max_mask_mib, rows, save, args.rounds)
     print("\n" + "\n".join(summary(rows)))
     if args.out:
         plot(rows, args.out)

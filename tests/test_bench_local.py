@@ -59,3 +59,35 @@ def test_implementations_agree_on_a_small_case(pattern):
     block_mask = create_block_mask(bench_local.mask_mod(pattern), None, None, 150, 150, device=q.device)
     flex = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     assert bench_local.relative_error(dense, mine) < 1e-5 and bench_local.relative_error(flex, mine) < 1e-5
+
+
+def test_rounds_alternate_the_implementations_and_report_medians(monkeypatch):
+    """run_case's rounds: each implementation measured once in full (``bench_one``), then
+    timed again each round in a rotated order; the rows hold every round's ms and their
+    medians (the TFLOP/s from the medians). The timings are stubbed: no GPU here."""
+    from conftest import KERNEL_DEVICE
+    calls, times = [], iter(range(100, 200))
+    monkeypatch.setattr(bench_local, "make_inputs",
+                        lambda case, seq_len: tuple(torch.zeros(1, 1, seq_len, 8, device=KERNEL_DEVICE)
+                                                    for _ in range(4)))
+    monkeypatch.setattr(bench_local, "ours", lambda pattern: lambda q, k, v: q)
+    monkeypatch.setattr(bench_local, "implementation", lambda impl, *args: (lambda q, k, v: q))
+    monkeypatch.setattr(bench_local, "bench_one", lambda fn, inputs, rep: dict(
+        fwd_ms=1.0, fwdbwd_ms=10.0, fwdbwd_peak_mib=0.0, fwd_host_ms=0.0, fwdbwd_host_ms=0.0))
+
+    def time_pass(fn, inputs, forward_only, rep):
+        calls.append(forward_only)
+        return float(next(times))
+    monkeypatch.setattr(bench_local, "_time_pass", time_pass)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    case = bench_local.Case(LocalPattern.sliding(4, 0), 1, 1, 1, 8, (32,))
+    rows = []
+    bench_local.run_case("c", case, (32,), ["ours", "flex"], 10, 256.0, rows, lambda: None, rounds=3)
+    assert [r["impl"] for r in rows] == ["ours", "flex"] and len(calls) == 8
+    ours, flex = rows
+    # round 2 times flex first (100, 101), then ours (102, 103); round 3 ours (104, 105), flex
+    assert ours["fwd_ms_rounds"] == [1.0, 102.0, 104.0] and ours["fwdbwd_ms_rounds"] == [10.0, 103.0, 105.0]
+    assert flex["fwd_ms_rounds"] == [1.0, 100.0, 106.0] and flex["fwdbwd_ms_rounds"] == [10.0, 101.0, 107.0]
+    assert ours["fwd_ms"] == 102.0 and flex["fwdbwd_ms"] == 101.0
+    pairs = bench_local.visible_pairs(case.pattern, 32)
+    assert ours["fwd_tflops"] == pytest.approx(4 * pairs * 8 / 102.0 / 1e9)
