@@ -180,42 +180,43 @@ def query_block_program(counts_ptr, S, H, period, before, after, sink, PERIODIC:
 
 
 @triton.jit
+def hide_invisible(x, rows, cols, S, period, before, after, sink, MASKED: tl.constexpr, HAS_SINK: tl.constexpr):
+    """The tile ``x``, -inf where MASKED and query ``rows`` does not attend key ``cols``
+    (broadcast as ``visible`` takes them); ``x`` as it is without MASKED."""
+    if MASKED:
+        x = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), x, float("-inf"))
+    return x
+
+
+@triton.jit
 def scores(a, b, rows, cols, S, period, before, after, sink, MASKED: tl.constexpr, HAS_SINK: tl.constexpr,
            PRECISION: tl.constexpr):
-    """a @ b^T (fp32, unscaled), -inf where MASKED and query ``rows`` does not attend key
-    ``cols`` (broadcast as ``visible`` takes them)."""
-    s = product(a, tl.trans(b), None, PRECISION)
-    if MASKED:
-        s = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), s, float("-inf"))
-    return s
+    """a @ b^T (fp32, unscaled), -inf where hidden (``hide_invisible``)."""
+    return hide_invisible(product(a, tl.trans(b), None, PRECISION), rows, cols, S, period, before, after, sink,
+                          MASKED, HAS_SINK)
 
 
 @triton.jit
 def logits(a, b, rows, cols, qk_scale, S, period, before, after, sink, MASKED: tl.constexpr,
            HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
-    """a @ b^T times qk_scale (log2-domain logits, fp32), -inf where MASKED and query ``rows``
-    does not attend key ``cols``: the forward's logits where its scale is not folded into the
+    """a @ b^T times qk_scale (log2-domain logits, fp32), -inf where hidden
+    (``hide_invisible``): the forward's logits where its scale is not folded into the
     exponent (``local_launch.fold_scale``: head_dim above 64, or a scale that is not
     positive, whose sign would turn a masked -inf score into +inf)."""
     # tl.cast: inductor passes Python floats as fp64, which would make the tiles fp64
     s = product(a, tl.trans(b), None, PRECISION) * tl.cast(qk_scale, tl.float32)
-    if MASKED:
-        s = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), s, float("-inf"))
-    return s
+    return hide_invisible(s, rows, cols, S, period, before, after, sink, MASKED, HAS_SINK)
 
 
 @triton.jit
 def probabilities(a, b, rows, cols, qk_scale, lse, S, period, before, after, sink, MASKED: tl.constexpr,
                   HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
     """The backward's P = exp2(a @ b^T * qk_scale - lse) (``lse`` broadcast against the tile),
-    0 where MASKED and query ``rows`` does not attend key ``cols``. The scale's multiply and
-    the subtraction are one ``tl.fma`` per logit (one FP32 instruction fewer than scaling the
-    logits first), whatever the launch's FMA contraction option (traced launches leave
-    Triton's default)."""
+    0 where hidden (``hide_invisible``). The scale's multiply and the subtraction are one
+    ``tl.fma`` per logit (one FP32 instruction fewer than scaling the logits first),
+    whatever the launch's FMA contraction option (traced launches leave Triton's default)."""
     x = tl.fma(product(a, tl.trans(b), None, PRECISION), tl.cast(qk_scale, tl.float32), -lse)
-    if MASKED:
-        x = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), x, float("-inf"))
-    return tl.math.exp2(x)
+    return tl.math.exp2(hide_invisible(x, rows, cols, S, period, before, after, sink, MASKED, HAS_SINK))
 
 
 @triton.jit
