@@ -314,11 +314,11 @@ def profile(spec: str, impls: List[str], calls: int = 20, top: int = 12) -> List
 def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     """Time launch plans of our kernels ``kinds`` on one case (forward plans by the forward,
     backward ones by forward+backward), the others at their defaults. The case's length
-    decides which plans it tunes: those of short or of long rows (``local_launch.long_rows``)."""
+    decides which plans it tunes: those of its class of rows (``local_launch.row_class``)."""
     from timm_flashwin.kernels import local_launch
     name, seq_len = spec.split(":")
     case, seq_len = CASES[name], int(seq_len)
-    long = local_launch.long_rows(astuple(case.pattern), seq_len)
+    rows_class = local_launch.row_class(astuple(case.pattern), seq_len, case.batch * case.heads, torch.device("cuda"))
     inputs = make_inputs(case, seq_len)
     fn = ours(case.pattern)
     warps_stages = ((4, 3), (4, 4), (8, 2), (8, 3))
@@ -330,15 +330,15 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     rows = []
     for kind in kinds:
         plans = candidates[kind]
-        key = (kind, case.head_dim, torch.bfloat16, long)
-        default = local_launch.plan(kind, case.head_dim, torch.bfloat16, long)
+        key = (kind, case.head_dim, torch.bfloat16, rows_class)
+        default = local_launch.plan(kind, case.head_dim, torch.bfloat16, rows_class)
         for tiles in [default] + [local_launch.Plan(*p) for p in plans]:
             local_launch.OVERRIDES[key] = tiles
             try:
                 ms, result = _time_pass(fn, inputs, forward_only=kind == "fwd", rep=rep), {}
             except Exception as exc:  # a plan that does not fit (shared memory) is reported
                 ms, result = float("nan"), dict(error=f"{type(exc).__name__}")
-            rows.append(dict(case=name, S=seq_len, kind=kind, long_rows=long, plan=tiles.__dict__, ms=ms, default=tiles == default,
+            rows.append(dict(case=name, S=seq_len, kind=kind, rows=rows_class, plan=tiles.__dict__, ms=ms, default=tiles == default,
                              **{k: v for k, v in result.items() if k == "error"}))
             print(f"{kind:5s} {tiles} {ms:8.3f} ms{' (default)' if tiles == default else ''}", flush=True)
         local_launch.OVERRIDES.pop(key)

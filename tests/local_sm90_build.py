@@ -48,7 +48,7 @@ CASES = [
 ]
 QUICK = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[5], CASES[6]]
 #: the one case of the test suite (tests/test_local_attention.py): every constexpr branch, and
-#: at head_dim 64 the forward plans of short and of long rows differ (two builds)
+#: at head_dim 64 the forward plans of short, long and tall rows differ (three builds)
 SMOKE = [(64, torch.float16, True, True, SLIDING)]
 POINTERS_IN_DTYPE = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr", "dq_ptr", "dk_ptr", "dv_ptr"}
 
@@ -107,8 +107,9 @@ def main() -> int:
                      HAS_SINK=sink, HAS_DROPOUT=dropout, PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
         for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
                              ("dq", local_attention_bwd_dq_kernel)):
-            # the plans of short and of long rows (local_launch.long_rows), each once
-            for tiles in dict.fromkeys(local_launch.plan(kind, head_dim, dtype, long) for long in (False, True)):
+            # the plans of every class of rows (local_launch.row_class), each once
+            classes = (local_launch.SHORT, local_launch.LONG, local_launch.TALL)
+            for tiles in dict.fromkeys(local_launch.plan(kind, head_dim, dtype, rows) for rows in classes):
                 # the forward as a positive scale builds it (local_launch.fold_scale)
                 fwd_flags = dict(FOLD_SCALE=local_launch.fold_scale(1.0, head_dim)) if kind == "fwd" else {}
                 ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **fwd_flags),

@@ -33,6 +33,10 @@ def _compare_on_gpu(fn, visible, shape, dtype, chunk=None, scale=None):
                  id="frames-256-4-sink64-S32k"),
     pytest.param(blocks(1560, 2), block_window_visible(1560, 2), (1, 4, 1, 12000, 128), id="frames-1560-mqa"),
     pytest.param(sliding((1024, 0)), sliding_window_visible(1024, 0), (1, 1, 1, 131072, 64), id="causal-1024-S128k"),
+    # 4096 programs of 128 query rows: the forward's tall tiles on an H100 (local_launch.tall_tiles)
+    pytest.param(sliding((512, 511)), sliding_window_visible(512, 511), (4, 16, 4, 8192, 64), id="window-1024-tall"),
+    pytest.param(sliding((None, None), True), sliding_window_visible(None, 0), (8, 16, 16, 4096, 64),
+                 id="causal-B8-tall"),
 ])
 def test_gpu_long_sequences(fn, visible, shape):
     """Against the float64 reference computed a chunk of queries at a time (O(S * window))."""

@@ -2,9 +2,10 @@
 
 Written with torch operations and ``launch.launcher`` launches only, so that
 ``torch.library.triton_op`` traces them under torch.compile. The launch plan (tiles, warps,
-stages) is decided once per (pass, head_dim, dtype, long rows or not) and cached (``plan``):
+stages) is decided once per (pass, head_dim, dtype, class of rows) and cached (``plan``):
 B, S, the pattern and the scale are run-time arguments of the kernels (a new sequence length
-or window never recompiles); S and the pattern only pick between two plans (``long_rows``).
+or window never recompiles); B, H, S and the pattern only pick the class (``row_class``:
+short rows, long rows, or wide rows in a large grid), which picks between plans.
 
 A tensor a kernel writes goes to its launch under one parameter only, and an unused pointer
 (the tile counts, outside tests) is None, never another argument. A traced launch is a
@@ -47,9 +48,12 @@ class Plan:
     num_stages: int
 
 
-#: ("fwd" | "dkdv" | "dq", head_dim, dtype, long_rows) -> Plan, consulted before the defaults
+#: the classes of rows a launch's plans depend on (``row_class``)
+SHORT, LONG, TALL = "short", "long", "tall"
+
+#: ("fwd" | "dkdv" | "dq", head_dim, dtype, row class) -> Plan, consulted before the defaults
 #: (benchmarks/bench_local.py --tune fills it to compare plans)
-OVERRIDES: Dict[Tuple[str, int, torch.dtype, bool], Plan] = {}
+OVERRIDES: Dict[Tuple[str, int, torch.dtype, str], Plan] = {}
 
 #: a query row that may see at least this many keys takes the long-row plans: taller query
 #: tiles load each key tile for more rows, which pays where rows are long (global and causal
@@ -65,15 +69,60 @@ def long_rows(pattern: Pattern, seq_len: int) -> bool:
     return min(seq_len, width + sink) >= LONG_ROW_KEYS
 
 
+#: the query rows of a TALL forward tile, and where it pays: the widest row sees at least
+#: TALL_MIN_KEYS keys and the grid of tall tiles has at least TALL_MIN_PROGRAMS_PER_SM
+#: programs per multiprocessor (``tall_tiles``)
+TALL_BLOCK_M, TALL_MIN_KEYS, TALL_MIN_PROGRAMS_PER_SM = 128, 1024, 16
+
+
+def tall_tiles(pattern: Pattern, seq_len: int, batch_heads: int, sm_count: int) -> bool:
+    """Whether the forward takes TALL_BLOCK_M query rows a tile: a taller tile loads each
+    key tile for twice the rows, which pays where the grid has enough programs to keep every
+    multiprocessor busy to the end and the rows are wide; it costs where a tile's rows see
+    different keys (the masked edges of a narrow sliding window; frames that are not whole
+    tiles, whose tile straddles two frames' key ranges). H100, bf16, head_dim 64, 4 rounds,
+    2026-11-27 (128 x 64 tiles, 4 warps, 4 stages, against 64 x 64): 256-token frames,
+    16-frame windows, S 32768 / 65536 -6% / -8%, 4-frame windows -4% / -5%, with a
+    64-token sink -9% (S 65536); window (512, 512), B 4 x H 16, S 16384 -3%; causal S 4096
+    with B 8 x H 16 -6%; but causal S 4096 with B 2 x H 16 (1024 tall programs) +4%, 16-frame
+    windows at S 8192 (768) +8%, a sliding window of 500 +1% to +3% whatever the grid,
+    1560-token frames +3% (``benchmarks/results/local_tall_tiles_ab_h100_91dffc8.json``)."""
+    period, before, after, _sink = pattern
+    if period > 1 and period % TALL_BLOCK_M:
+        return False
+    width = min(seq_len, (seq_len if before < 0 else before) + (seq_len if after < 0 else after))
+    programs = config.cdiv(seq_len, TALL_BLOCK_M) * batch_heads
+    return width >= TALL_MIN_KEYS and programs >= TALL_MIN_PROGRAMS_PER_SM * sm_count
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def row_class(pattern: Pattern, seq_len: int, batch_heads: int, device: torch.device, dropout: bool = False) -> str:
+    """The class of rows whose plans a launch takes: LONG (``long_rows``), else TALL
+    (``tall_tiles``, on a GPU, without dropout), else SHORT. Only the forward at head_dim
+    <= 64 has a TALL plan; the other kernels take their SHORT one there. Not with dropout:
+    its random numbers take registers, and the sm_90 build of the tall forward with dropout
+    spills 336 B per thread (16 B without; tests/local_sm90_build.py), not timed."""
+    if long_rows(pattern, seq_len):
+        return LONG
+    if not (config.INTERPRET or dropout) and tall_tiles(pattern, seq_len, batch_heads, _sm_count(device)):
+        return TALL
+    return SHORT
+
+
 def block_d(head_dim: int) -> int:
     """The head dim padded to a power of two of at least 16 (tl.dot's smallest K)."""
     return max(16, 1 << (int(head_dim) - 1).bit_length())
 
 
-def plan(kind: str, head_dim: int, dtype: torch.dtype, long: bool = False) -> Plan:
-    """The launch of kernel ``kind`` ("fwd", "dq", "dkdv"); ``long``: ``long_rows``."""
-    found = OVERRIDES.get((kind, int(head_dim), dtype, long))
-    return found if found is not None else _default_plan(kind, block_d(int(head_dim)), dtype, long)
+def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT) -> Plan:
+    """The launch of kernel ``kind`` ("fwd", "dq", "dkdv") for rows of class ``rows``
+    (``row_class``)."""
+    found = OVERRIDES.get((kind, int(head_dim), dtype, rows))
+    return found if found is not None else _default_plan(kind, block_d(int(head_dim)), dtype, rows)
 
 
 #: (kind, padded head dim) -> (BLOCK_M, BLOCK_N, warps, stages) for 16-bit inputs on the GPU;
@@ -82,7 +131,8 @@ def plan(kind: str, head_dim: int, dtype: torch.dtype, long: bool = False) -> Pl
 #: sliding500:8192 window512_d128:16384``, 2026-11-26). Against the earlier plans (128 query
 #: rows, 8 warps; ``bench_local.py --quick``): forward -10% to -25% but +7% on global
 #: attention at head_dim 128 (128 rows suit its long rows of keys), forward+backward -27% to
-#: -46%. 256: built, not timed. Rows of ``LONG_ROW_KEYS`` keys or more: ``_LONG_ROWS_16BIT``
+#: -46%. 256: built, not timed. Rows of ``LONG_ROW_KEYS`` keys or more: ``_LONG_ROWS_16BIT``;
+#: wide rows in a large grid: ``_TALL_TILES_16BIT``
 _PLANS_16BIT = {
     ("fwd", 64): (64, 64, 4, 3), ("fwd", 128): (64, 64, 4, 3), ("fwd", 256): (64, 32, 8, 2),
     ("dq", 64): (64, 64, 4, 3), ("dq", 128): (128, 64, 8, 3), ("dq", 256): (64, 32, 8, 2),
@@ -95,6 +145,11 @@ _PLANS_16BIT = {
 _LONG_ROWS_16BIT = {
     ("fwd", 64): (64, 128, 4, 3),
 }
+#: the plans of ``_PLANS_16BIT`` that TALL rows replace (``tall_tiles`` has the timings)
+_TALL_TILES_16BIT = {
+    ("fwd", 64): (TALL_BLOCK_M, 64, 4, 4),
+}
+_CLASS_PLANS_16BIT = {LONG: _LONG_ROWS_16BIT, TALL: _TALL_TILES_16BIT}
 #: the same for float32 inputs (3xTF32 products, ``precision``). Not the dkdv kernel with 8
 #: warps and 16 query rows at head_dim 65 to 128: triton 3.6 builds it into an illegal memory
 #: access on an H100 (tests/test_local_attention.py::test_gpu_head_dims_and_dtypes with
@@ -107,7 +162,7 @@ _PLANS_32BIT = {
 
 
 @functools.lru_cache(maxsize=None)
-def _default_plan(kind: str, width: int, dtype: torch.dtype, long: bool) -> Plan:
+def _default_plan(kind: str, width: int, dtype: torch.dtype, rows: str) -> Plan:
     """Under the interpreter (CI): tiles of 16, so that small sequences still take the
     multi-block paths (window edges, partial blocks, the sink's blocks) at low cost.
 
@@ -121,7 +176,7 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype, long: bool) -> Plan
     key = kind, max(64, width)
     if dtype == torch.float32:
         return Plan(*_PLANS_32BIT[key])
-    return Plan(*(_LONG_ROWS_16BIT if long and key in _LONG_ROWS_16BIT else _PLANS_16BIT)[key])
+    return Plan(*_CLASS_PLANS_16BIT.get(rows, {}).get(key, _PLANS_16BIT[key]))
 
 
 def precision(dtype: torch.dtype) -> int:
@@ -165,7 +220,7 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
     int64 tensor, with dropout_p > 0. ``counts``: tests only, an int32 (2,) tensor to which
     the tiles visited without and with a mask are added."""
     B, H, S, D = q.shape
-    tiles = plan("fwd", D, q.dtype, long_rows(pattern, S))
+    tiles = plan("fwd", D, q.dtype, row_class(pattern, S, B * H, q.device, dropout_p > 0))
     out = torch.empty_like(q)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
     grid = (config.cdiv(S, tiles.block_m) * B * H,)
@@ -190,8 +245,8 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     H_kv = k.shape[1]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = q.new_empty((B, H, S), dtype=torch.float32)
-    long = long_rows(pattern, S)
-    rows = plan("dq", D, q.dtype, long)
+    rows_class = row_class(pattern, S, B * H, q.device, dropout_p > 0)
+    rows = plan("dq", D, q.dtype, rows_class)
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)
     seed_ptr = seed if dropout_p > 0 else unused_pointer(q, traced_launch())
     # dq first: it also stores each row's delta, which the dkdv kernel reads
@@ -201,7 +256,7 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(), *dq.stride(),
         BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, **flags, **_options(rows),
     )
-    cols = plan("dkdv", D, q.dtype, long)
+    cols = plan("dkdv", D, q.dtype, rows_class)
     launcher(local_attention_bwd_dkdv_kernel)[(config.cdiv(S, cols.block_n) * B * H_kv,)](
         q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts,
         scale * LOG2E, scale, dropout_p, S, H_kv, H // H_kv, *pattern,
