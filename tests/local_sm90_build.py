@@ -47,7 +47,7 @@ CASES = [
     (256, torch.float32, False, False, ()),
 ]
 QUICK = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[5], CASES[6]]
-#: the one case of the test suite (tests/test_local_attention.py): every constexpr branch, and
+#: the one case of the test suite (tests/test_local_plans.py): every constexpr branch, and
 #: at head_dim 64 the forward plans of short, long and tall rows differ (three builds)
 SMOKE = [(64, torch.float16, True, True, SLIDING)]
 POINTERS_IN_DTYPE = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr", "dq_ptr", "dk_ptr", "dv_ptr"}

@@ -2,18 +2,12 @@
 interpreter on the CPU, with tiles of 16 so that small sequences take the multi-block
 paths) against the float64 reference, output and dq, dk, dv; which tiles the kernels
 visit; dropout with the kernels' own mask; the registered operators (opcheck, compile);
-bad input. The GPU-only cases (long sequences, head_dim 256, every dtype at scale,
+bad input. Which launch plans they take: test_local_plans.py. The GPU-only cases (long sequences, head_dim 256, every dtype at scale,
 torch.compile with inductor, memory) are in test_local_attention_gpu.py."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import triton
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import TOLERANCE, assert_matches_reference
@@ -183,70 +177,6 @@ def test_kernels_visit_only_tiles_with_visible_pairs(pattern, visible):
         assert forward[0] <= by_query[0] and dq[0] <= by_query_dq[0] and dkdv[0] <= by_key[0]
     else:
         assert forward == list(by_query) and dq == list(by_query_dq) and dkdv == list(by_key)
-
-
-LONG = local_launch.LONG_ROW_KEYS
-
-
-@pytest.mark.parametrize("pattern,seq_len,long", [
-    (LocalPattern.sliding(None, 0), LONG, True),  # causal: the last row sees all S keys
-    (LocalPattern.sliding(None, 0), LONG - 1, False),
-    (LocalPattern.sliding(None, None), LONG, True),
-    (LocalPattern.sliding(512, 512), 1 << 20, False),
-    (LocalPattern.sliding(LONG // 2, LONG // 2), 1 << 20, True),  # LONG + 1 keys
-    (LocalPattern.sliding(LONG // 2 - 1, LONG // 2 - 1), 1 << 20, False),  # LONG - 1 keys
-    (LocalPattern.blocks(256, 16), 1 << 20, False),  # 16 frames: 4096 keys
-    (LocalPattern.blocks(256, 32), 1 << 20, True),  # the last query of a frame: 32 frames
-    (LocalPattern.blocks(256, 4, LONG), 1 << 20, True),  # the sink's keys count
-])
-def test_long_row_plans_follow_the_widest_row(pattern, seq_len, long):
-    """Which plans a pattern takes (long rows: taller query tiles on the GPU) depends on the
-    most keys one of its rows may see, sink included, never more than S."""
-    numbers = (pattern.period, pattern.before, pattern.after, pattern.sink)
-    assert local_launch.long_rows(numbers, seq_len) is long
-
-
-H100_SMS = 132
-
-
-@pytest.mark.parametrize("pattern,seq_len,batch_heads,tall", [
-    (LocalPattern.blocks(256, 16), 32768, 12, True),  # 3072 tall programs, 4096 keys a row
-    (LocalPattern.blocks(256, 16), 16384, 12, False),  # 1536 programs: too few for 132 SMs
-    (LocalPattern.blocks(256, 4, 64), 65536, 12, True),
-    (LocalPattern.blocks(128, 8), 65536, 12, True),  # frames of one tall tile each
-    (LocalPattern.blocks(1560, 3), 31200, 16, False),  # a tall tile would straddle two frames
-    (LocalPattern.blocks(256, 3), 1 << 20, 12, False),  # 768 keys a row
-    (LocalPattern.sliding(250, 249), 16384, 32, False),  # 500 keys a row
-    (LocalPattern.sliding(512, 511), 16384, 64, True),  # 1024 keys a row
-    (LocalPattern.sliding(512, 510), 16384, 64, False),  # 1023
-    (LocalPattern.sliding(None, 0), 4096, 128, True),  # causal: up to S keys a row
-    (LocalPattern.sliding(None, 0), 4096, 32, False),  # 1024 programs
-    (LocalPattern.sliding(None, 0), 4096, 66, True),  # 32 x 66 = 2112 tall programs: 16 per SM
-    (LocalPattern.sliding(None, 0), 4096, 65, False),  # 2080
-    (LocalPattern.sliding(None, 0), 1000, 1 << 12, False),  # rows of fewer than 1024 keys
-])
-def test_tall_forward_tiles_take_wide_rows_in_large_grids(pattern, seq_len, batch_heads, tall):
-    """The forward's 128-row tiles (``local_launch.tall_tiles``): rows of at least 1024 keys,
-    frames that are whole tiles, and at least 16 tall programs per multiprocessor."""
-    numbers = (pattern.period, pattern.before, pattern.after, pattern.sink)
-    assert local_launch.tall_tiles(numbers, seq_len, batch_heads, H100_SMS) is tall
-
-
-def test_row_class_plans():
-    """Long rows take precedence; under the interpreter (no GPU to count SMs) rows are never
-    tall; a TALL class changes the forward's plan at head_dim 64 only (on the GPU's tables)."""
-    causal = (1, -1, 1, 0)
-    assert local_launch.row_class(causal, LONG, 1 << 12, torch.device("cpu")) == local_launch.LONG
-    assert local_launch.row_class(causal, 4096, 1 << 12, torch.device("cpu")) == local_launch.SHORT
-    default_plan = local_launch._default_plan.__wrapped__
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(local_launch.config, "INTERPRET", False)
-        tall = default_plan("fwd", 64, torch.bfloat16, local_launch.TALL)
-        assert (tall.block_m, tall.block_n) == (local_launch.TALL_BLOCK_M, 64)
-        for kind, width, dtype in (("dq", 64, torch.bfloat16), ("dkdv", 64, torch.bfloat16),
-                                   ("fwd", 128, torch.bfloat16), ("fwd", 64, torch.float32)):
-            assert (default_plan(kind, width, dtype, local_launch.TALL)
-                    == default_plan(kind, width, dtype, local_launch.SHORT))
 
 
 def test_rows_without_keys_give_zero_not_nan():
@@ -477,19 +407,3 @@ def test_inputs_on_two_devices_are_refused():
     q, k, v, _ = make_inputs(1, 2, 2, 8, 16, device="cpu")
     with pytest.raises(ValueError, match="`k`"):
         sliding_window_attention(q, k.cuda(), v)
-
-
-# ----------------------------------------------------------------------- the sm_90 build
-@pytest.mark.skipif(not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
-                    reason="this triton build has no NVIDIA backend")
-def test_kernels_compile_for_sm90():
-    """What the interpreter cannot see (constexpr branches, loop-carried types, the plan's
-    shared memory): the three kernels with sink, dropout and a sliding window's period built
-    for sm_90, the forward with the plans of short, long and tall rows (tests/local_sm90_build.py
-    --smoke; the whole set without --smoke)."""
-    script = Path(__file__).with_name("local_sm90_build.py")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    result = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("registers") == 5, result.stdout  # the forward three times

@@ -152,7 +152,7 @@ _TALL_TILES_16BIT = {
 _CLASS_PLANS_16BIT = {LONG: _LONG_ROWS_16BIT, TALL: _TALL_TILES_16BIT}
 #: the same for float32 inputs (3xTF32 products, ``precision``). Not the dkdv kernel with 8
 #: warps and 16 query rows at head_dim 65 to 128: triton 3.6 builds it into an illegal memory
-#: access on an H100 (tests/test_local_attention.py::test_gpu_head_dims_and_dtypes with
+#: access on an H100 (tests/test_local_attention_gpu.py::test_gpu_head_dims_and_dtypes with
 #: float32 at head_dim 96 and 128); with 4 warps it runs and matches float64
 _PLANS_32BIT = {
     ("fwd", 64): (64, 32, 8, 2), ("fwd", 128): (64, 32, 8, 2), ("fwd", 256): (32, 32, 8, 2),
