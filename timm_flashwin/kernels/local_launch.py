@@ -61,12 +61,17 @@ OVERRIDES: Dict[Tuple[str, int, torch.dtype, str], Plan] = {}
 LONG_ROW_KEYS = 8192
 
 
+def _window_keys(pattern: Pattern, seq_len: int) -> int:
+    """before + after of ``pattern``, an unlimited side counted as ``seq_len`` keys."""
+    _period, before, after, _sink = pattern
+    return (seq_len if before < 0 else before) + (seq_len if after < 0 else after)
+
+
 def long_rows(pattern: Pattern, seq_len: int) -> bool:
     """Whether a query row of ``pattern`` over ``seq_len`` tokens may see LONG_ROW_KEYS keys
     or more (the widest row: a block pattern's last query of a block, a causal row's last)."""
-    period, before, after, sink = pattern
-    width = (seq_len if before < 0 else before) + (seq_len if after < 0 else after) + period - 1
-    return min(seq_len, width + sink) >= LONG_ROW_KEYS
+    period, _before, _after, sink = pattern
+    return min(seq_len, _window_keys(pattern, seq_len) + period - 1 + sink) >= LONG_ROW_KEYS
 
 
 #: the query rows of a TALL forward tile, and where it pays: the widest row sees at least
@@ -87,10 +92,10 @@ def tall_tiles(pattern: Pattern, seq_len: int, batch_heads: int, sm_count: int) 
     with B 8 x H 16 -6%; but causal S 4096 with B 2 x H 16 (1024 tall programs) +4%, 16-frame
     windows at S 8192 (768) +8%, a sliding window of 500 +1% to +3% whatever the grid,
     1560-token frames +3% (``benchmarks/results/local_tall_tiles_ab_h100_91dffc8.json``)."""
-    period, before, after, _sink = pattern
+    period = pattern[0]
     if period > 1 and period % TALL_BLOCK_M:
         return False
-    width = min(seq_len, (seq_len if before < 0 else before) + (seq_len if after < 0 else after))
+    width = min(seq_len, _window_keys(pattern, seq_len))
     programs = config.cdiv(seq_len, TALL_BLOCK_M) * batch_heads
     return width >= TALL_MIN_KEYS and programs >= TALL_MIN_PROGRAMS_PER_SM * sm_count
 
