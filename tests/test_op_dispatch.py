@@ -98,7 +98,8 @@ def test_eager_forward_without_gradients_skips_autograd(n, monkeypatch):
     forward runs without a torch.autograd.Function (host time of small inference calls):
     no autograd node, and the output bit-equal to the forward that saves statistics for a
     backward."""
-    from timm_flashwin import op
+    from timm_flashwin import host_program, op
+    monkeypatch.setattr(host_program, "ENABLED", False)  # the Python road (a replay takes none of it)
     case = make_case(4, 2, 3, n, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     applied = []
     real_apply = op._EagerWindowAttention.apply

@@ -57,7 +57,8 @@ def test_training_gathers_the_position_bias_within_the_op(name, kwargs):
     one autograd node per attention, none for a gather of its own."""
     model = patch_model(create(name, **kwargs)).train()
     nodes = autograd_nodes(model(images(1, (kwargs["img_size"],) * 2)))
-    assert nodes.count("_EagerWindowAttentionBackward") == 4
+    # the op's Python node, or where its calls replay a host program, the C++ one
+    assert sum(name == "_EagerWindowAttentionBackward" or "HostProgramFunction" in name for name in nodes) == 4
     assert "_GatherFromTableBackward" not in nodes and "IndexBackward0" not in nodes
 
 

@@ -158,6 +158,9 @@ def test_model_gradients_are_bit_reproducible(family, deterministic_algorithms, 
     with no dispatch mode (under one, the op and the bias gather take their dispatched
     paths); the backward launches are counted instead."""
     import timm_flashwin.op as op_module
+    from timm_flashwin import host_program
+    # the Python road, whose launches are counted (tests/test_host_program.py: replays give its bits)
+    monkeypatch.setattr(host_program, "ENABLED", False)
     backward_calls = []
     backward = op_module.attention_backward
     monkeypatch.setattr(op_module, "attention_backward", lambda *args: (backward_calls.append(1), backward(*args))[1])

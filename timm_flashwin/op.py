@@ -1,27 +1,30 @@
-"""The window-attention operator: validation, torch.library registration, autograd.
+"""The window-attention operator: torch.library registration, autograd, the roads a call takes.
 
-``window_attention`` is the one entry point. On CUDA tensors (and on CPU tensors when
-``TRITON_INTERPRET=1``) it calls the ``timm_flashwin::window_attention_fwd`` operator,
-whose autograd formula calls ``timm_flashwin::window_attention_bwd``; both run the
-Triton kernels. In eager mode on plain tensors the same forward, backward and autograd
-formula run through a ``torch.autograd.Function`` instead, without the operator dispatch
-(``_EagerWindowAttention``), and where nothing can take a gradient the forward launches
-without it too (``_eager_forward_without_grad``). Elsewhere (plain CPU, float64) it computes ``reference.py``'s
-math with PyTorch autograd, with the same semantics.
+``window_attention`` is the one entry point (its argument checks: ``op_checks``). On CUDA
+tensors (and on CPU tensors when ``TRITON_INTERPRET=1``) it calls the
+``timm_flashwin::window_attention_fwd`` operator, whose autograd formula calls
+``timm_flashwin::window_attention_bwd``; both run the Triton kernels. In eager mode on
+plain tensors the same forward, backward and autograd formula run through a
+``torch.autograd.Function`` instead, without the operator dispatch
+(``_EagerWindowAttention``); on CUDA, from a signature's second call, as a host program
+replayed by C++ (``host_program``), which makes the same launches. Where nothing can take
+a gradient the forward launches without an autograd node (``_eager_forward_without_grad``).
+Elsewhere (plain CPU, float64) it computes ``reference.py``'s math with PyTorch autograd,
+with the same semantics.
 """
 from __future__ import annotations
 
-from numbers import Real
 from typing import Optional, Tuple, Union
 
 import torch
 
-from .dispatch import KERNEL_DTYPES, direct_launches, dispatch_free, register_op, uses_kernels
-from .kernels import config
+from . import host_program
+from .dispatch import direct_launches, dispatch_free, register_op, uses_kernels
 from .kernels.bias_mask import mask_regions_shapes, mask_regions_used
 from .kernels.launch import attention_backward, attention_forward
 from .kernels.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
-from .position_bias import TableBias, TableGather, check_sigmoid_scale
+from .position_bias import TableBias, TableGather
+from .op_checks import validate
 from .reference import window_attention_reference
 from .window_grid import WindowGrid
 
@@ -174,13 +177,15 @@ class _EagerWindowAttention(torch.autograd.Function):
         _setup_context(ctx, inputs, output, *also_saved)
         ctx.grid, ctx.table_gather, ctx.table_args = grid, table_gather, table_args
         ctx.table_dtype = table.dtype if table is not None else None
+        host_program.note_forward(ctx, ctx.to_save, _host_tensors(table_gather), output[0])
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
         table_gather, saved = ctx.table_gather, ctx.saved_tensors
-        with direct_launches():
+        host_tensors = _host_tensors(table_gather)
+        with direct_launches(), host_program.backward_recording(ctx, (*saved, *host_tensors, grad_out)) as recorded:
             dqkv, dbias, dscale = _backward_outputs(attention_backward, ctx, saved, grad_out, ctx.grid,
                                                     *ctx.table_args)
             if dbias is not None and table_gather is None:
@@ -188,7 +193,35 @@ class _EagerWindowAttention(torch.autograd.Function):
             elif dbias is not None:
                 table = None if not table_gather.sigmoid_scale else saved[5] if ctx.table_args else saved[9]
                 dbias = table_gather.table_grad(dbias, ctx.table_dtype, table)
+            # the gradients of the host program's inputs (``_with_grad``'s order)
+            recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None), saved[5:9]) if t is not None),
+                      *(None for _ in host_tensors)))
         return _input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2)
+
+
+def _host_tensors(table_gather: Optional[TableGather]) -> Tuple[torch.Tensor, ...]:
+    """The tensors of a ``TableGather`` that its launches read, which a host program takes as
+    inputs: the int32 index (where the kernels read the table), the pairs' order and offsets."""
+    if table_gather is None:
+        return ()
+    rows = table_gather.rows
+    return (rows.index32, rows.order, rows.offsets) if table_gather.in_kernels else (rows.order, rows.offsets)
+
+
+def _with_grad(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optional[TableGather]) -> torch.Tensor:
+    """The eager forward where a gradient follows: ``_EagerWindowAttention``, or on CUDA its
+    host program replayed (``host_program``: recorded on the signature's first call)."""
+    qkv = inputs[0]
+    if not qkv.is_cuda or not host_program.available():
+        return _EagerWindowAttention.apply(*inputs, grid, table_gather)[0]
+    _, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, _ = inputs
+    tensors = (qkv, bias, mask, logit_scale, seed)
+    extra = _host_tensors(table_gather)
+    key_of = host_program.tensor_key
+    key = (tuple(map(key_of, tensors)), tuple(map(key_of, extra)), num_heads, scale, cosine, dropout_p, grid,
+           table_gather.key() if table_gather is not None else None, host_program.settings_key())
+    return host_program.call(key, [t for t in tensors if t is not None] + list(extra),
+                             lambda: _EagerWindowAttention.apply(*inputs, grid, table_gather)[0])
 
 
 def _eager_forward_without_grad(*inputs):
@@ -200,95 +233,6 @@ def _eager_forward_without_grad(*inputs):
         if table_gather is not None and not table_args:
             inputs[2] = table_gather.gather(inputs[2])
         return attention_forward(*inputs, grid, *table_args)
-
-
-# --------------------------------------------------------------------------- validation
-def _fail(exc, argument: str, expected: str, got) -> None:
-    raise exc(f"window_attention: `{argument}` must be {expected}, got {got}")
-
-
-def _check_tensor(name: str, t, ndims: Tuple[int, ...], qkv: torch.Tensor, float_dtypes) -> None:
-    if not isinstance(t, torch.Tensor):
-        _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
-    if t.dim() not in ndims:
-        _fail(ValueError, name, f"a tensor of rank {' or '.join(map(str, ndims))}", f"shape {tuple(t.shape)}")
-    if t.dtype not in float_dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in float_dtypes)
-        _fail(TypeError, name, f"of dtype {names}", t.dtype)
-    if t.device != qkv.device:
-        _fail(ValueError, name, f"on qkv's device {qkv.device}", t.device)
-
-
-def _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=None) -> Tuple[int, int, int]:
-    if not isinstance(qkv, torch.Tensor):
-        _fail(TypeError, "qkv", "a torch.Tensor", type(qkv).__name__)
-    if grid is not None and not isinstance(grid, WindowGrid):
-        _fail(TypeError, "grid", "a WindowGrid or None", type(grid).__name__)
-    if qkv.dim() != 3 and (grid is not None or qkv.dim() != 5):
-        _fail(ValueError, "qkv", "a 3-D tensor (B_, N, 3*H*D) or a 5-D one (B_, N, 3, H, D)" if grid is None
-              else "a 3-D tensor (B, H*W, 3*H*D)", f"shape {tuple(qkv.shape)}")
-    if qkv.dtype not in KERNEL_DTYPES + (torch.float64,):
-        _fail(TypeError, "qkv", "float16, bfloat16, float32 or float64", qkv.dtype)
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        _fail(ValueError, "num_heads", "a positive int", repr(num_heads))
-    if qkv.dim() == 5 and (qkv.shape[2] != 3 or qkv.shape[3] != num_heads):
-        _fail(ValueError, "qkv", f"of shape (B_, N, 3, H, D) with H = num_heads = {num_heads}",
-              f"shape {tuple(qkv.shape)}")
-    if grid is None:
-        num_windows, n, channels = windows_tokens_channels(qkv, None)
-    else:
-        if qkv.shape[1] != grid.height * grid.width:
-            _fail(ValueError, "qkv", f"of shape (B, H*W, 3*H*D) with H*W = {grid.height}*{grid.width} (grid)",
-                  f"shape {tuple(qkv.shape)}")
-        num_windows, n, channels = qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
-    if channels % (3 * num_heads):
-        _fail(ValueError, "qkv", f"a last dim divisible by 3 * num_heads = {3 * num_heads}", channels)
-    head_dim = channels // (3 * num_heads)
-    if not 1 <= head_dim <= config.MAX_HEAD_DIM:
-        _fail(ValueError, "qkv", f"a head_dim (last dim / (3 * num_heads)) in [1, {config.MAX_HEAD_DIM}]", head_dim)
-    if not 1 <= n <= config.MAX_TOKENS:
-        _fail(ValueError, "qkv", f"a token count N in [1, {config.MAX_TOKENS}]", n)
-    # Parameters may stay float32 under autocast, or match qkv's dtype.
-    param_dtypes = tuple(dict.fromkeys((qkv.dtype, torch.float32)))
-    if isinstance(bias, TableBias):
-        _check_tensor("bias.table", bias.table, (2,), qkv, param_dtypes)
-        if bias.table.shape[1] != num_heads:
-            _fail(ValueError, "bias.table", f"of shape (T, H) with H = num_heads = {num_heads}",
-                  f"shape {tuple(bias.table.shape)}")
-        index = bias.index
-        if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point or index.dtype.is_complex:
-            _fail(TypeError, "bias.index", "an integer torch.Tensor",
-                  index.dtype if isinstance(index, torch.Tensor) else type(index).__name__)
-        if tuple(index.shape) != (n, n):
-            _fail(ValueError, "bias.index", f"of shape (N, N) = {(n, n)}", f"shape {tuple(index.shape)}")
-        if index.device != qkv.device:
-            _fail(ValueError, "bias.index", f"on qkv's device {qkv.device}", index.device)
-        check_sigmoid_scale(bias.sigmoid_scale, "window_attention")
-    elif bias is not None:
-        _check_tensor("bias", bias, (3, 4), qkv, param_dtypes)
-        if tuple(bias.shape[-3:]) != (num_heads, n, n) or (bias.dim() == 4 and bias.shape[0] != 1):
-            _fail(ValueError, "bias", f"of shape (H, N, N) = {(num_heads, n, n)} or (1, H, N, N)",
-                  f"shape {tuple(bias.shape)}")
-    if mask is not None:
-        _check_tensor("mask", mask, (3,), qkv, (torch.float16, torch.bfloat16, torch.float32, torch.float64))
-        if tuple(mask.shape[1:]) != (n, n) or mask.shape[0] < 1:
-            _fail(ValueError, "mask", f"of shape (nW, N, N) with N = {n}", f"shape {tuple(mask.shape)}")
-        if num_windows % mask.shape[0]:
-            _fail(ValueError, "mask", f"of shape (nW, N, N) with nW dividing B_ = {num_windows}",
-                  f"nW = {mask.shape[0]}")
-    if (scale is None) == (logit_scale is None):
-        raise TypeError("window_attention: give exactly one of `scale` (V1 attention) or "
-                        "`logit_scale` (cosine attention)")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
-        _fail(TypeError, "scale", "a Python float", type(scale).__name__)
-    if logit_scale is not None:
-        _check_tensor("logit_scale", logit_scale, (1, 3, 4), qkv, param_dtypes)
-        if logit_scale.numel() != num_heads:
-            _fail(ValueError, "logit_scale", f"a tensor with num_heads = {num_heads} elements",
-                  f"shape {tuple(logit_scale.shape)}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real) or not 0.0 <= dropout_p < 1.0:
-        _fail(ValueError, "dropout_p", "a float in [0, 1)", repr(dropout_p))
-    return num_windows, n, head_dim
 
 
 # --------------------------------------------------------------------------- public op
@@ -351,7 +295,7 @@ def window_attention(
     Returns:
         (B_, N, H*D) in qkv's dtype; with ``grid``, (B, H*W, H*D).
     """
-    _, n, head_dim = _validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid)
+    _, n, head_dim = validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid)
     # Where nothing takes a gradient (inference), the forward saves no softmax statistics:
     # for cosine attention over more than 64 tokens that also skips summing the rows' mean
     # score, 3 to 6% of that forward (H200, 2026-11-23).
@@ -387,7 +331,7 @@ def window_attention(
     if not eager:
         return window_attention_fwd(*inputs)[0]
     if save_stats:
-        return _EagerWindowAttention.apply(*inputs, grid, table_gather)[0]
+        return _with_grad(inputs, grid, table_gather)
     # nothing can take a gradient: no autograd node, and so no torch.autograd.Function
     # (its apply costs host time, which small eager inference calls are bound by)
     return _eager_forward_without_grad(*inputs, grid, table_gather)[0]

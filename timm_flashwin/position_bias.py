@@ -260,6 +260,10 @@ class TableGather:
         return TableGather(index, TableRows.of(index, table.shape[0]), table.shape[0],
                            float(scale) if scale is not None else 0.0, in_kernels)
 
+    def key(self) -> Tuple:
+        """What launches depend on besides the tensors (a host program's signature)."""
+        return self.num_rows, self.sigmoid_scale, self.in_kernels
+
     def kernel_args(self) -> Tuple:
         """What the attention launchers take to read the table (``table_index``,
         ``table_sigmoid``), or nothing where they read the gathered bias."""

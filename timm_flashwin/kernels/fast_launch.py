@@ -36,6 +36,10 @@ _COMPILED: Dict[Tuple, Tuple[Any, Tuple]] = {}
 #: whether direct launches are used at all (tests and benchmarks switch it off to compare)
 ENABLED = _knobs is not None
 
+#: called after each launch with (kernel, compiled kernel or None, grid, args) while a host
+#: program is recorded (``timm_flashwin.host_program``); None otherwise
+RECORD = None
+
 
 def _arguments_key(args: Sequence) -> Tuple:
     """What Triton specializes the runtime arguments on, or more: each integer's value
@@ -59,18 +63,23 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, kwargs: Dict[str, Any]
     ``device`` is the current CUDA device, on which Triton launches (the caller has it)."""
     if not ENABLED or getattr(kernel, "pre_run_hooks", None):
         kernel[grid](*args, **kwargs)
+        if RECORD is not None:
+            RECORD(kernel, None, grid, args)  # not recordable
         return
     key = (kernel, _arguments_key(args), tuple(kwargs.items()), device, _settings_key())
     entry = _COMPILED.get(key)
     if entry is None:
         compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)  # compiles and launches
-        _keep(key, kernel, compiled, len(args), kwargs)
-        return
-    compiled, constexprs = entry
-    compiled[(*grid, 1, 1)[:3]](*args, *constexprs)  # the compiled kernel's launcher takes 3 grid sizes
+        compiled = _keep(key, kernel, compiled, len(args), kwargs)
+    else:
+        compiled, constexprs = entry
+        compiled[(*grid, 1, 1)[:3]](*args, *constexprs)  # the compiled kernel's launcher takes 3 grid sizes
+    if RECORD is not None:
+        RECORD(kernel, compiled, grid, args)
 
 
-def _keep(key: Tuple, kernel, compiled, num_positional: int, kwargs: Dict[str, Any]) -> None:
+def _keep(key: Tuple, kernel, compiled, num_positional: int, kwargs: Dict[str, Any]) -> Any:
+    """Keeps the compiled kernel for later launches of ``key`` where it can; returns it."""
     if hasattr(compiled, "result"):  # an asynchronous compilation's future
         compiled = compiled.result()
     names = kernel.arg_names[num_positional:]
@@ -78,6 +87,7 @@ def _keep(key: Tuple, kernel, compiled, num_positional: int, kwargs: Dict[str, A
     # every launch of this key goes through Triton
     if hasattr(type(compiled), "__getitem__") and all(name in kwargs for name in names):
         _COMPILED[key] = compiled, tuple(kwargs[name] for name in names)
+    return compiled
 
 
 def clear() -> None:

@@ -1,0 +1,136 @@
+"""Host programs (timm_flashwin/host_program.py): the recorder on CPU; on a GPU, replayed
+calls against the Python road that recorded them, to the bit."""
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from timm_flashwin import TableBias, WindowGrid, host_program, native, window_attention
+from timm_flashwin.host_program import Recorder
+
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def test_recorder_notes_calls_with_inputs_and_results_as_slots():
+    x, unused = torch.randn(4, 5, 6), None
+    with Recorder([x, unused]) as recorder:
+        partial = x.sum(0)
+        half = partial[:2].view(-1).to(torch.bfloat16)
+    assert recorder.failure is None
+    names = [step[1] for step in recorder.steps]
+    assert names == ["aten::sum", "aten::slice", "aten::view", "aten::_to_copy"]
+    assert recorder.steps[0][4][0] == 0  # x: the first input's slot
+    assert recorder.slot(partial) == 2 and recorder.slot(half) == recorder.num_slots - 1
+    # a call's constants in the schema's order, defaults filled in
+    assert recorder.steps[0][3][1:3] == [[0], False]
+
+
+def test_recorder_refuses_tensors_from_outside_and_values_read_back():
+    x, outside = torch.randn(3), torch.randn(3)
+    with Recorder([x]) as recorder:
+        x + outside
+    assert "neither an input" in recorder.failure
+    with Recorder([x]) as recorder:
+        float(x.sum())
+    assert "returns" in recorder.failure
+
+
+def _relative_index(window: int) -> torch.Tensor:
+    coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
+    return rel[..., 0] * (2 * window - 1) + rel[..., 1]
+
+
+def _shift_mask(windows: int, n: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return torch.where(torch.rand(windows, n, n, generator=generator) < 0.3, -100.0, 0.0)
+
+
+#: (name, window, heads, head_dim, dtype, bias kind, mask, grid, dropout)
+CASES = [
+    ("v1_table_mask", 7, 3, 32, torch.bfloat16, "table", True, False, 0.0),
+    ("v1_dense_bias", 7, 4, 16, torch.float16, "dense", True, False, 0.0),
+    ("cosine_sigmoid_table", 8, 4, 32, torch.float16, "sigmoid", False, False, 0.0),
+    ("v1_feature_map", 7, 3, 32, torch.bfloat16, "table", True, True, 0.0),
+    ("v1_dropout", 7, 3, 32, torch.bfloat16, "table", False, False, 0.1),
+    ("v1_window12", 12, 4, 32, torch.bfloat16, "table", True, False, 0.0),
+]
+
+
+def _call(case, qkv_grad: bool = True):
+    name, window, heads, head_dim, dtype, bias_kind, with_mask, with_grid, dropout = case
+    n, images = window * window, 2
+    grid = WindowGrid(2 * window, 2 * window, (window, window), (window // 2,) * 2) if with_grid else None
+    windows = images * (grid.num_windows if grid else 4)
+    generator = torch.Generator().manual_seed(0)
+    if grid:
+        qkv = torch.randn(images, grid.height * grid.width, 3 * heads * head_dim, generator=generator)
+    else:
+        qkv = torch.randn(windows, n, 3 * heads * head_dim, generator=generator)
+    qkv = qkv.to("cuda", dtype).requires_grad_(qkv_grad)
+    table = torch.randn((2 * window - 1) ** 2, heads, generator=generator).cuda().requires_grad_()
+    index = _relative_index(window).cuda()
+    leaves = [t for t in (qkv, table) if t.requires_grad]
+    kwargs = dict(scale=head_dim ** -0.5)
+    if bias_kind == "sigmoid":
+        logit_scale = torch.full((heads, 1, 1), 2.3, device="cuda", requires_grad=True)
+        kwargs = dict(logit_scale=logit_scale)
+        leaves.append(logit_scale)
+    table_bias = TableBias(table, index, 16.0 if bias_kind == "sigmoid" else None, constant_index=True)
+    mask = _shift_mask(4 if not grid else grid.num_windows, n).cuda() if with_mask else None
+    out_shape = (*qkv.shape[:2], heads * head_dim)
+    grad_out = torch.randn(out_shape, generator=generator).to("cuda", dtype)
+
+    def run():
+        torch.manual_seed(3)  # the dropout seed
+        bias = table_bias if bias_kind != "dense" else table[index.view(-1)].view(n, n, heads).permute(2, 0, 1)
+        out = window_attention(qkv, heads, bias=bias, mask=mask, dropout_p=dropout, grid=grid, **kwargs)
+        return (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
+    return run
+
+
+def _ready() -> int:
+    return sum(s.index is not None for s in host_program._SIGNATURES.values())
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("qkv_grad", [True, False], ids=["qkv_grad", "table_grad_only"])
+def test_replayed_calls_match_the_python_road(case, qkv_grad):
+    if native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    run = _call(case, qkv_grad)
+    ready = _ready()
+    recorded = run()  # the Python road, recorded: forward, then backward
+    replayed = [run(), run()]
+    one_tile = case[1] * case[1] <= 64
+    # one-tile windows replay; the others read values kept on the mask (its region ids, the
+    # float16 bias copy), which a program cannot take, and keep the Python road
+    assert _ready() == ready + (1 if one_tile else 0) or not one_tile
+    for result in replayed:
+        for got, want in zip(result, recorded):
+            # one-tile kernels add no atomics: the same launches give the same bits
+            torch.testing.assert_close(got, want, **(dict(rtol=0, atol=0) if one_tile else {}))
+
+
+@cuda
+@needs_cuda
+def test_replayed_backward_takes_any_gradient_layout():
+    if native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    qkv = torch.randn(8, 49, 3 * 3 * 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    table = torch.randn(169, 3, device="cuda", requires_grad=True)
+    bias = TableBias(table, _relative_index(7).cuda(), constant_index=True)
+    grad = torch.randn(49, 8, 96, device="cuda", dtype=torch.bfloat16).transpose(0, 1)  # not dense
+
+    def run(grad_out):
+        out = window_attention(qkv, 3, bias=bias, scale=0.17)
+        return torch.autograd.grad(out, (qkv, table), grad_out)
+    run(grad.contiguous())  # recorded with a dense gradient
+    want = run(grad.contiguous())
+    for got, expected in zip(run(grad), want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        out = window_attention(qkv, 3, bias=bias, scale=0.17)
+        torch.autograd.grad(out, qkv, grad.contiguous(), create_graph=True)

@@ -1,0 +1,310 @@
+"""Host programs: an eager op call's forward and backward recorded once per signature and
+replayed by C++ (``csrc/host_program.cpp``), with a C++ autograd node.
+
+A host-bound eager training step pays, per attention call, the op's Python (validation
+aside: the launch plan's lookups, argument lists, allocations), a
+``torch.autograd.Function`` and Triton's launcher, which parses each of some 50 arguments
+from Python objects. A call whose signature (every tensor's shape, strides, dtype, device,
+alignment and ``requires_grad``, the scalars, the settings the launches depend on) was seen
+before instead runs the ATen calls and kernel launches that the first call of that
+signature made, in the same order, on this call's tensors:
+
+1. The first call runs the Python road under a ``Recorder``: a dispatch mode notes each
+   ATen call, ``fast_launch.RECORD`` each launch (the compiled kernel, its grid, and every
+   argument as an input or an earlier result, or a constant). Its backward, when it runs,
+   is recorded the same way.
+2. Once both are recorded, C++ holds them (``native.module().add_signature``) and later
+   calls go there.
+
+What cannot be recorded keeps the Python road for that signature, for good: a tensor that is
+neither an input nor made by the recorded calls (a value cached on a tensor, such as a
+mask's region ids), an ATen call that returns no tensors (a value read back to the host),
+a launch through Triton's own path (pre-run hooks, launch hooks) or one needing scratch
+memory. Where the extension cannot be built (``native``), everything keeps the Python road.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import native
+from .kernels import fast_launch
+
+_log = logging.getLogger(__name__)
+
+
+#: kernel parameter kinds, as csrc/host_program.cpp's ParamKind numbers them
+PARAM_SLOT, PARAM_NULL, PARAM_I32, PARAM_I64, PARAM_U32, PARAM_U64, PARAM_F32, PARAM_F64 = range(8)
+_SCALARS = {"i32": PARAM_I32, "i64": PARAM_I64, "u32": PARAM_U32, "u64": PARAM_U64, "fp32": PARAM_F32,
+            "fp64": PARAM_F64}
+
+
+class _NotRecordable(Exception):
+    pass
+
+
+class Recorder(TorchDispatchMode):
+    """Notes the ATen calls and kernel launches made while it is entered, with each tensor
+    argument as a slot: ``known`` (the inputs: slots 0, 1, ...; None holds its slot number
+    empty) or an earlier call's result."""
+
+    def __init__(self, known: Sequence[Optional[torch.Tensor]]):
+        super().__init__()
+        self._slots: Dict[int, int] = {}
+        self._alive: List[torch.Tensor] = []  # ids stay unique while the recording lasts
+        self.num_slots = 0
+        for tensor in known:
+            self._new_slot(tensor)
+        self.steps: List[Tuple] = []
+        self.failure: Optional[str] = None
+        self.device: Optional[int] = None
+
+    def _new_slot(self, tensor: Optional[torch.Tensor]) -> int:
+        slot = self.num_slots
+        self.num_slots += 1
+        if tensor is not None:
+            self._slots[id(tensor)] = slot
+            self._alive.append(tensor)
+        return slot
+
+    def slot(self, tensor: torch.Tensor) -> int:
+        slot = self._slots.get(id(tensor))
+        if slot is None:
+            raise _NotRecordable(f"a tensor {tuple(tensor.shape)} that is neither an input nor made in the call")
+        return slot
+
+    def __enter__(self):
+        fast_launch.RECORD = self._record_launch
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        fast_launch.RECORD = None
+        return super().__exit__(*exc)
+
+    def _fail(self, error: Exception) -> None:
+        if self.failure is None:
+            self.failure = str(error)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.failure is None:
+            try:
+                self._record_call(func, args, kwargs, out)
+            except _NotRecordable as error:
+                self._fail(error)
+        return out
+
+    def _record_call(self, func, args, kwargs, out) -> None:
+        schema = func._schema
+        values, slots = [], []
+        for position, argument in enumerate(schema.arguments):
+            if position < len(args) and not argument.kwarg_only:
+                value = args[position]
+            elif argument.name in kwargs:
+                value = kwargs[argument.name]
+            elif argument.has_default_value():
+                value = argument.default_value
+            else:
+                raise _NotRecordable(f"{func}: argument {argument.name} not given")
+            if isinstance(value, torch.Tensor):
+                values.append(None)
+                slots.append(self.slot(value))
+            elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                raise _NotRecordable(f"{func}: a list of tensors")
+            else:
+                values.append(value)
+                slots.append(-1)
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        if not outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
+            raise _NotRecordable(f"{func} returns {type(out).__name__}, not tensors")
+        name, _, overload = schema.name, None, schema.overload_name
+        self.steps.append(("call", name, overload, values, slots, [self._new_slot(o) for o in outputs]))
+
+    def _record_launch(self, kernel, compiled, grid, args) -> None:
+        if self.failure is not None:
+            return
+        try:
+            self.steps.append(self._launch_step(kernel, compiled, grid, args))
+        except _NotRecordable as error:
+            self._fail(error)
+
+    def _launch_step(self, kernel, compiled, grid, args) -> Tuple:
+        if compiled is None:
+            raise _NotRecordable(f"{kernel.fn.__name__} launched through Triton's own path")
+        knobs = getattr(fast_launch, "_knobs", None)
+        if knobs is not None and (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+            raise _NotRecordable("Triton launch hooks are set (a profiler's): launches keep Triton's launcher")
+        metadata = compiled.metadata
+        if (getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False)
+                or getattr(metadata, "launch_pdl", False) or getattr(metadata, "global_scratch_size", 0)
+                or getattr(metadata, "profile_scratch_size", 0) or getattr(metadata, "tensordesc_meta", None)):
+            raise _NotRecordable(f"{kernel.fn.__name__}: a launch this recorder does not make")
+        if getattr(compiled, "function", None) is None:
+            compiled._init_handles()
+        signature = compiled.src.signature
+        names = kernel.arg_names
+        if any(signature.get(name) != "constexpr" for name in names[len(args):]):
+            raise _NotRecordable(f"{kernel.fn.__name__}: a runtime parameter passed by keyword")
+        params = []
+        for name, value in zip(names, args):
+            kind = signature[name]
+            if kind == "constexpr":
+                continue
+            if isinstance(kind, str) and kind.startswith("*"):
+                if value is None:
+                    params.append((PARAM_NULL, 0, 0.0))
+                elif isinstance(value, torch.Tensor):
+                    params.append((PARAM_SLOT, self.slot(value), 0.0))
+                    device = value.device.index
+                    if self.device is None:
+                        self.device = device
+                    elif device != self.device:
+                        raise _NotRecordable("tensors on two devices")
+                else:
+                    raise _NotRecordable(f"{name}: a pointer given as {type(value).__name__}")
+            elif kind in _SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool):
+                code = _SCALARS[kind]
+                params.append((code, int(value), 0.0) if kind[0] in "iu" else (code, 0, float(value)))
+            else:
+                raise _NotRecordable(f"{name}: parameter type {kind}")
+        # the scratch pointers Triton appends (one or two by version; none used: sizes 0)
+        params += [(PARAM_NULL, 0, 0.0)] * 2
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        return ("launch", int(compiled.function), grid, 32 * metadata.num_warps, int(metadata.shared), params)
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: a function, or (Triton >= 3.5) a chain of them."""
+    return bool(hook.calls) if hasattr(hook, "calls") else hook is not None
+
+
+# --------------------------------------------------------------------------- signatures
+class _Signature:
+    """One signature's state: recorded forward (``forward``: slots, steps, which forward
+    slots the backward keeps, the output slot), then its C++ index once the backward is
+    recorded; ``failure`` once something could not be."""
+
+    __slots__ = ("forward", "index", "failure", "device")
+
+    def __init__(self):
+        self.forward: Optional[Tuple] = None
+        self.index: Optional[int] = None
+        self.failure: Optional[str] = None
+        self.device: Optional[int] = None
+
+
+_SIGNATURES: Dict[Tuple, _Signature] = {}
+_STATE = threading.local()  # the forward being recorded on this thread: (recorder, signature)
+
+
+#: whether calls may take host programs at all (benchmarks switch it off to compare; the
+#: environment's TIMM_FLASHWIN_HOST_PROGRAMS=0 keeps the extension from being built)
+ENABLED = True
+
+
+def available() -> bool:
+    """Whether host programs are used in this process (switched on, the extension built)."""
+    return ENABLED and native.module() is not None
+
+
+def tensor_key(t: Optional[torch.Tensor]) -> Optional[Tuple]:
+    """What a recorded program depends on of one tensor: its layout, dtype, device,
+    16-byte alignment (Triton specializes on it) and whether it takes a gradient."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16
+
+
+def settings_key() -> Tuple:
+    """The process-wide settings the launches depend on."""
+    return (torch.are_deterministic_algorithms_enabled(), fast_launch.ENABLED,
+            fast_launch._settings_key() if fast_launch.ENABLED else None)
+
+
+def call(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The op's output for ``inputs`` (the forward's tensors, in a fixed order for ``key``):
+    replayed by C++ where ``key``'s programs are recorded, else ``python_road()``, recorded
+    on the signature's first call."""
+    signature = _SIGNATURES.get(key)
+    if signature is not None and signature.index is not None:
+        return native.module().apply(signature.index, inputs)
+    if signature is None:
+        signature = _SIGNATURES[key] = _Signature()
+        recorder = Recorder(inputs)
+        _STATE.forward = (recorder, signature)
+        try:
+            with recorder:
+                out = python_road()
+        finally:
+            _STATE.forward = None
+        if recorder.failure is not None and signature.failure is None:
+            signature.failure = recorder.failure
+            _log.debug("timm_flashwin host program not recorded: %s", recorder.failure)
+        return out
+    return python_road()
+
+
+def note_forward(ctx, saved: Sequence[Optional[torch.Tensor]], kept: Sequence[torch.Tensor],
+                 output: torch.Tensor) -> None:
+    """Called by the op's autograd.Function forward with what it saves for the backward
+    (``ctx.save_for_backward``'s tensors), the other tensors its backward reads (``kept``:
+    inputs it keeps as attributes) and its output: while a forward is recorded, completes it;
+    and marks ``ctx`` for the backward's recording where the signature awaits one."""
+    state = getattr(_STATE, "forward", None)
+    if state is None:
+        return
+    recorder, signature = state
+    try:
+        saved_slots = [recorder.slot(t) if t is not None else -1 for t in saved]
+        kept_slots = [recorder.slot(t) for t in kept]
+        output_slot = recorder.slot(output)
+    except _NotRecordable as error:
+        recorder._fail(error)
+        return
+    signature.forward = (recorder, saved_slots, kept_slots, output_slot)
+    ctx.host_program = signature
+
+
+@contextlib.contextmanager
+def backward_recording(ctx, known: Sequence[Optional[torch.Tensor]]):
+    """Records the backward run in the block (``known``: the saved tensors as unpacked, the
+    kept ones, then the output's gradient) where ``ctx``'s forward was recorded; yields a function that takes
+    the backward's gradients, one per forward input (None where none), to finish it."""
+    signature = getattr(ctx, "host_program", None)
+    if signature is None or signature.index is not None or signature.failure is not None:
+        yield lambda grads: None
+        return
+    recorder = Recorder(known)
+    result: Dict[str, Any] = {}
+    with recorder:
+        yield lambda grads: result.setdefault("grads", grads)
+    if recorder.failure is None and "grads" in result:
+        try:
+            _finish(signature, recorder, known[-1], result["grads"])
+        except _NotRecordable as error:
+            recorder._fail(error)
+    if recorder.failure is not None:
+        signature.failure = recorder.failure
+        _log.debug("timm_flashwin host program not recorded: %s", recorder.failure)
+
+
+def _finish(signature: _Signature, backward: Recorder, grad_out: torch.Tensor,
+            grads: Sequence[Optional[torch.Tensor]]) -> None:
+    forward, saved_slots, kept_slots, output_slot = signature.forward
+    gradient_slots = [backward.slot(g) if g is not None else -1 for g in grads]
+    devices = {d for d in (forward.device, backward.device) if d is not None}
+    if len(devices) != 1:
+        raise _NotRecordable("no launch, or launches on two devices")
+    # replays hand the backward a contiguous, aligned gradient (csrc: HostProgramFunction)
+    if not grad_out.is_contiguous() or grad_out.data_ptr() % 16:
+        raise _NotRecordable("the output's gradient was not contiguous and aligned when recorded")
+    signature.index = native.module().add_signature(
+        forward.num_slots, forward.steps, backward.num_slots, backward.steps, devices.pop(), saved_slots,
+        kept_slots, output_slot, gradient_slots, list(grad_out.shape))
+    signature.forward = None
