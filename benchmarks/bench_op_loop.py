@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_op import SHAPES, timm_mask  # noqa: E402
 from common import code_version, enqueue_us, host_us_per_call, python_profile, write_json  # noqa: E402
-from timm_flashwin import TableBias, window_attention  # noqa: E402
+from timm_flashwin import TableBias, host_program, window_attention  # noqa: E402
 
 
 def relative_position_index(window: int) -> torch.Tensor:
@@ -45,7 +45,7 @@ def make_call(shape, kind: str):
     qkv = torch.randn(num_windows, n, 3 * heads * head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     table = torch.randn((2 * window - 1) ** 2, heads, device=device, requires_grad=True)
     index = relative_position_index(window).to(device)
-    mask = timm_mask(periods, n, device)
+    mask = timm_mask(periods, n, device) if periods else None  # nW 0: no shift mask (bench_op's other families)
     grad_out = torch.randn(num_windows, n, heads * head_dim, device=device, dtype=torch.bfloat16)
     if kind == "v1":
         bias, score, leaves = TableBias(table, index, constant_index=True), dict(scale=head_dim ** -0.5), (qkv, table)
@@ -84,29 +84,40 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[s for s in SHAPES if s != "w12_s1_b32"], choices=list(SHAPES))
     parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"], choices=["v1", "cosine"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--host-programs", choices=["on", "off", "both"], default="on",
+                        help="replay recorded host programs (timm_flashwin.host_program); both: each case "
+                             "both ways in alternating rounds, two rows")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most own time over 200 calls of each case")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
-    print(f"{'shape':12s} {'kind':7s} {'graph us':>9s} {'loop us':>9s} {'host us':>9s} {'loop/graph':>10s}", flush=True)
+    settings = {"on": [True], "off": [False], "both": [False, True]}[args.host_programs]
+    print(f"{'shape':12s} {'kind':7s} {'programs':8s} {'graph us':>9s} {'loop us':>9s} {'host us':>9s} "
+          f"{'loop/graph':>10s}", flush=True)
     for name in args.shapes:
         for kind in args.kinds:
             call = make_call(SHAPES[name], kind)
-            for _ in range(5):
-                call()
-            measured = {"graph": [], "loop": [], "host": []}
+            measured = {on: {"graph": [], "loop": [], "host": []} for on in settings}
+            for on in settings:  # the first calls record the host program
+                host_program.ENABLED = on
+                for _ in range(5):
+                    call()
             for _ in range(args.rounds):
-                measured["graph"].append(graph_us(call))
-                measured["loop"].append(host_us_per_call(call, 100, warmup=0))
-                measured["host"].append(enqueue_us(call, 20))
-            row = dict(shape=name, kind=kind, **{f"{k}_us": statistics.median(v) for k, v in measured.items()},
-                       rounds=measured, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       code=code_version())
-            row["loop_over_graph"] = row["loop_us"] / row["graph_us"]
-            rows.append(row)
-            print(f"{name:12s} {kind:7s} {row['graph_us']:9.1f} {row['loop_us']:9.1f} {row['host_us']:9.1f} "
-                  f"{row['loop_over_graph']:10.2f}", flush=True)
+                for on in settings:
+                    host_program.ENABLED = on
+                    measured[on]["graph"].append(graph_us(call))
+                    measured[on]["loop"].append(host_us_per_call(call, 100, warmup=0))
+                    measured[on]["host"].append(enqueue_us(call, 20))
+            for on in settings:
+                row = dict(shape=name, kind=kind, host_programs=on,
+                           **{f"{k}_us": statistics.median(v) for k, v in measured[on].items()},
+                           rounds=measured[on], device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           code=code_version())
+                row["loop_over_graph"] = row["loop_us"] / row["graph_us"]
+                rows.append(row)
+                print(f"{name:12s} {kind:7s} {str(on):8s} {row['graph_us']:9.1f} {row['loop_us']:9.1f} "
+                      f"{row['host_us']:9.1f} {row['loop_over_graph']:10.2f}", flush=True)
             if args.cprofile:
                 print(python_profile(call, 200, args.cprofile))
             if args.out:

@@ -24,6 +24,8 @@ mode's own. Columns, per variant (median over the rounds):
 ``--recompute-qkv [PREFIX ...]`` adds a third variant, patched with
 ``patch_model(..., recompute_qkv=...)`` for every module (no prefix) or for the modules
 whose qualified names start with a prefix (``layers.1.``: the second stage).
+``--python-road`` adds a variant patched alike whose op calls keep their Python road
+(``timm_flashwin.host_program.ENABLED`` off during its steps): what the host programs save.
 
 GPU only.
 """
@@ -40,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, write_json  # noqa: E402
 from profile_step import _profile, _wall_and_enqueue_ms  # noqa: E402
-from timm_flashwin import patch_model  # noqa: E402
+from timm_flashwin import host_program, patch_model  # noqa: E402
 from timm_flashwin.bench import _step_fn, model_variants, recompute_qkv_option  # noqa: E402
 from timm_flashwin.verify import build_model  # noqa: E402
 
@@ -63,20 +65,36 @@ def _peak_mib(model: torch.nn.Module, step, steps: int = 3) -> float:
     return (torch.cuda.max_memory_allocated() - before + _state_bytes(model)) / 2 ** 20
 
 
+def _without_host_programs(step):
+    """``step`` with the op's calls on their Python road (``host_program.ENABLED`` off)."""
+    def run() -> None:
+        host_program.ENABLED = False
+        try:
+            step()
+        finally:
+            host_program.ENABLED = True
+    return run
+
+
 def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmup: int,
-              recompute_qkv=False) -> list:
+              recompute_qkv=False, python_road: bool = False) -> list:
     """The variants of one (model, batch, mode) (``model_variants(recompute_qkv)``), timed
     in alternating rounds."""
     base = build_model(name)
     size = base.pretrained_cfg["input_size"][1:]
     images = torch.randn(batch, 3, *size, device="cuda")
     variants = {}
-    for variant, recompute in model_variants(recompute_qkv).items():
+    labels = model_variants(recompute_qkv)
+    if python_road:
+        labels["flashwin-python"] = False
+    for variant, recompute in labels.items():
         model = copy.deepcopy(base).cuda().train()
         if variant != "timm":
             patch_model(model, recompute_qkv=recompute)
         runnable = model if MODES[mode] is None else torch.compile(model, mode=MODES[mode])
         step = _step_fn(runnable, images, torch.bfloat16, train=True)
+        if variant == "flashwin-python":
+            step = _without_host_programs(step)
         for _ in range(warmup):
             step()
         variants[variant] = (model, step)
@@ -118,20 +136,22 @@ def main() -> None:
     parser.add_argument("--recompute-qkv", nargs="*", default=None, metavar="PREFIX",
                         help="a third variant with patch_model's recompute_qkv: every module, or those "
                              "whose names start with a PREFIX")
+    parser.add_argument("--python-road", action="store_true",
+                        help="a variant patched alike whose op calls keep their Python road (no host programs)")
     parser.add_argument("--top", type=int, default=0, help="print the N largest host ops and GPU kernels per row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
-    print(f"{'model':30s} {'b':>4s} {'mode':15s} {'variant':9s} {'img/s':>8s} {'wall ms':>8s} {'host ms':>8s} "
+    print(f"{'model':30s} {'b':>4s} {'mode':15s} {'variant':15s} {'img/s':>8s} {'wall ms':>8s} {'host ms':>8s} "
           f"{'GPU ms':>7s} {'launches':>8s} {'peak MiB':>8s}", flush=True)
     for name in args.models:
         for batch in args.batches:
             for mode in args.modes:
                 group = run_group(name, batch, mode, args.rounds, args.repeats, args.warmup,
-                                  recompute_qkv_option(args.recompute_qkv))
+                                  recompute_qkv_option(args.recompute_qkv), args.python_road)
                 rows += group
                 for r in group:
-                    print(f"{name[:30]:30s} {batch:4d} {mode:15s} {r['variant'][:9]:9s} {r['images_per_s']:8.1f} "
+                    print(f"{name[:30]:30s} {batch:4d} {mode:15s} {r['variant'][:15]:15s} {r['images_per_s']:8.1f} "
                           f"{r['wall_ms']:8.2f} {r['host_ms']:8.2f} {r['gpu_ms']:7.2f} {r['launches']:8.0f} "
                           f"{r['peak_mib']:8.0f}", flush=True)
                     for op in r["host_ops"][:args.top]:
