@@ -35,6 +35,55 @@ def test_recorder_refuses_tensors_from_outside_and_values_read_back():
     assert "returns" in recorder.failure
 
 
+class _Compiled:
+    """What the recorder reads of a compiled Triton kernel."""
+
+    def __init__(self, signature, **metadata):
+        from types import SimpleNamespace
+        self.src = SimpleNamespace(signature=signature)
+        self.metadata = SimpleNamespace(**{"num_warps": 4, "shared": 1024, "num_ctas": 1, "global_scratch_size": 0,
+                                           **metadata})
+        self.function = 0xF00
+
+
+def _kernel(*names):
+    from types import SimpleNamespace
+    return SimpleNamespace(arg_names=list(names), fn=SimpleNamespace(__name__="k"))
+
+
+def test_recorder_notes_launches_by_the_compiled_signature():
+    """Pointers become slots (or null), scalars take the width of the compiled signature,
+    parameters Triton specialized away (constexpr) are dropped, two null scratch pointers
+    close the list; a runtime parameter passed by keyword, scratch memory or a tensor from
+    outside refuse the recording."""
+    from timm_flashwin import host_program as hp
+    x = torch.randn(4)
+    kernel = _kernel("x", "y", "n", "one", "scale", "BLOCK")
+    signature = {"x": "*fp32", "y": "*fp32", "n": "i32", "one": "constexpr", "scale": "fp32", "BLOCK": "constexpr"}
+    with Recorder([x]) as recorder:
+        y = torch.empty_like(x)
+        hp.fast_launch.RECORD(kernel, _Compiled(signature), (3,), (x, y, 7, 1, 0.5))
+    assert recorder.failure is None
+    launch = recorder.steps[-1]
+    assert launch[:5] == ("launch", 0xF00, (3, 1, 1), 128, 1024)
+    assert launch[5] == [(hp.PARAM_SLOT, 0, 0.0), (hp.PARAM_SLOT, recorder.slot(y), 0.0), (hp.PARAM_I32, 7, 0.0),
+                         (hp.PARAM_F32, 0, 0.5), (hp.PARAM_NULL, 0, 0.0), (hp.PARAM_NULL, 0, 0.0)]
+    with Recorder([x]) as recorder:
+        hp.fast_launch.RECORD(_kernel("x", "n"), _Compiled({"x": "*fp32", "n": "i32"}), (1,), (x,))
+    assert "by keyword" in recorder.failure
+    with Recorder([x]) as recorder:
+        hp.fast_launch.RECORD(_kernel("x"), _Compiled({"x": "*fp32"}, global_scratch_size=64), (1,), (x,))
+    assert "does not make" in recorder.failure
+    outside = torch.randn(2)
+    with Recorder([x]) as recorder:
+        hp.fast_launch.RECORD(_kernel("x"), _Compiled({"x": "*fp32"}), (1,), (outside,))
+    assert "neither an input" in recorder.failure
+    with Recorder([x]) as recorder:
+        hp.fast_launch.RECORD(_kernel("x"), None, (1,), (x,))
+    assert "Triton's own path" in recorder.failure
+    assert hp.fast_launch.RECORD is None  # switched off on leaving
+
+
 def _relative_index(window: int) -> torch.Tensor:
     coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
     rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
