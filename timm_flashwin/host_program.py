@@ -63,6 +63,7 @@ class Recorder(TorchDispatchMode):
         self.steps: List[Tuple] = []
         self.failure: Optional[str] = None
         self.device: Optional[int] = None
+        self._thread = threading.get_ident()  # launches of other threads are not this call's
 
     def _new_slot(self, tensor: Optional[torch.Tensor]) -> int:
         slot = self.num_slots
@@ -128,6 +129,9 @@ class Recorder(TorchDispatchMode):
 
     def _record_launch(self, kernel, compiled, grid, args) -> None:
         if self.failure is not None:
+            return
+        if threading.get_ident() != self._thread:
+            self._fail(_NotRecordable("another thread launched while the call was recorded"))
             return
         try:
             self.steps.append(self._launch_step(kernel, compiled, grid, args))
