@@ -52,6 +52,18 @@ def test_mask_structure_is_kept_on_the_mask_until_it_changes(monkeypatch):
     assert relative_error(changed, expected) < TOLERANCE[torch.float32]
 
 
+def test_mask_structure_kept_under_inference_mode_serves_training():
+    """A model called under torch.inference_mode first, then trained: the mask's region
+    structure kept by the inference call is a normal tensor, which the training call's
+    forward can save for its backward (an inference tensor cannot be saved)."""
+    case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    with torch.inference_mode():
+        window_attention(case.qkv, 3, **case.kwargs())
+    qkv = case.qkv.detach().requires_grad_()
+    window_attention(qkv, 3, **case.kwargs()).sum().backward()
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
 def _record_launches(monkeypatch, flags=("FROM_REGIONS",)) -> list:
     """(kernel name, *the values of ``flags``) of every kernel launch from here on, recorded
     where the attention kernels' host side launches them (``launcher`` as launch.py and

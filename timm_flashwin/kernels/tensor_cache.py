@@ -23,7 +23,11 @@ def kept_on(tensor: torch.Tensor, name: str, compute: Callable[[], Any], *key: A
         return compute()
     value = kept(tensor, name, *key)
     if value is None:
-        value = compute()
+        # computed outside inference mode: a value kept by a call under torch.inference_mode
+        # serves later training calls too, which may save it for the backward (an inference
+        # tensor cannot be: the mask's region ids, saved by the op's forward)
+        with torch.inference_mode(False):
+            value = compute()
         tensor.__dict__[name] = (_kept_key(tensor, key), value)
     return value
 
