@@ -165,6 +165,27 @@ def test_replayed_calls_match_the_python_road(case, qkv_grad):
 
 @cuda
 @needs_cuda
+def test_recorded_aten_calls_replay_in_cpp():
+    """The C++ side's ATen calls (``run_steps``): each recorded call's constants, dtypes and
+    defaults included, gives the Python call's result on new inputs."""
+    if native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    x = torch.randn(4, 5, 6, device="cuda")
+    with Recorder([x]) as recorder:
+        partial = x.sum(0)
+        half = partial[:2].view(-1).to(torch.bfloat16)
+        fresh = x.new_empty((3, 2), dtype=torch.int32)
+    assert recorder.failure is None
+    y = torch.randn_like(x)
+    slots = native.module().run_steps(recorder.num_slots, recorder.steps, [y])
+    assert torch.equal(slots[recorder.slot(partial)], y.sum(0))
+    assert torch.equal(slots[recorder.slot(half)], y.sum(0)[:2].view(-1).to(torch.bfloat16))
+    made = slots[recorder.slot(fresh)]
+    assert made.shape == (3, 2) and made.dtype == torch.int32 and made.device == y.device
+
+
+@cuda
+@needs_cuda
 def test_replayed_backward_takes_any_gradient_layout():
     if native.module() is None:
         pytest.skip("the host-program extension cannot be built here")

@@ -375,15 +375,6 @@ at::Tensor apply(int64_t index, std::vector<at::Tensor> inputs) {
   return timm_flashwin::HostProgramFunction::apply(index, at::TensorList(inputs));
 }
 
-// The forward alone, for calls where nothing takes a gradient: the output slot's tensor.
-at::Tensor run_forward(int64_t index, std::vector<at::Tensor> inputs) {
-  const Signature& s = signature(index);
-  std::vector<at::Tensor> slots(s.forward.num_slots);
-  for (size_t i = 0; i < inputs.size(); ++i) slots[i] = inputs[i];
-  run_program(s.forward, slots, s.device);
-  return slots[s.output_slot];
-}
-
 // A program's ATen calls and launches on the given slots (tests: programs of ATen calls alone
 // run on CPU tensors; the device is then unused).
 std::vector<at::Tensor> run_steps(int64_t num_slots, const py::list& steps, std::vector<at::Tensor> inputs) {
@@ -398,20 +389,10 @@ std::vector<at::Tensor> run_steps(int64_t num_slots, const py::list& steps, std:
   return slots;
 }
 
-// The stream a program launches on (tests compare it with torch.cuda.current_stream()).
-uint64_t current_stream(int64_t device) {
-  return reinterpret_cast<uint64_t>(
-      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
-          ->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)))
-          .native_handle());
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_signature", &add_signature);
   m.def("apply", &apply);
-  m.def("run_forward", &run_forward);
   m.def("run_steps", &run_steps);
-  m.def("current_stream", &current_stream);
 }
