@@ -124,8 +124,8 @@ class Recorder(TorchDispatchMode):
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         if not outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
             raise _NotRecordable(f"{func} returns {type(out).__name__}, not tensors")
-        name, _, overload = schema.name, None, schema.overload_name
-        self.steps.append(("call", name, overload, values, slots, [self._new_slot(o) for o in outputs]))
+        self.steps.append(("call", schema.name, schema.overload_name, values, slots,
+                           [self._new_slot(o) for o in outputs]))
 
     def _record_launch(self, kernel, compiled, grid, args) -> None:
         if self.failure is not None:
@@ -194,13 +194,12 @@ class _Signature:
     slots the backward keeps, the output slot), then its C++ index once the backward is
     recorded; ``failure`` once something could not be."""
 
-    __slots__ = ("forward", "index", "failure", "device")
+    __slots__ = ("forward", "index", "failure")
 
     def __init__(self):
         self.forward: Optional[Tuple] = None
         self.index: Optional[int] = None
         self.failure: Optional[str] = None
-        self.device: Optional[int] = None
 
 
 _SIGNATURES: Dict[Tuple, _Signature] = {}
@@ -278,11 +277,12 @@ def note_forward(ctx, saved: Sequence[Optional[torch.Tensor]], kept: Sequence[to
 @contextlib.contextmanager
 def backward_recording(ctx, known: Sequence[Optional[torch.Tensor]]):
     """Records the backward run in the block (``known``: the saved tensors as unpacked, the
-    kept ones, then the output's gradient) where ``ctx``'s forward was recorded; yields a function that takes
-    the backward's gradients, one per forward input (None where none), to finish it."""
+    kept ones, then the output's gradient) where ``ctx``'s forward was recorded; yields a
+    function that takes the backward's gradients, one per forward input (None where none), to
+    finish it, or None where nothing is recorded (the caller then builds no gradient list)."""
     signature = getattr(ctx, "host_program", None)
     if signature is None or signature.index is not None or signature.failure is not None:
-        yield lambda grads: None
+        yield None
         return
     recorder = Recorder(known)
     result: Dict[str, Any] = {}

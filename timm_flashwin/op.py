@@ -193,9 +193,9 @@ class _EagerWindowAttention(torch.autograd.Function):
             elif dbias is not None:
                 table = None if not table_gather.sigmoid_scale else saved[5] if ctx.table_args else saved[9]
                 dbias = table_gather.table_grad(dbias, ctx.table_dtype, table)
-            # the gradients of the host program's inputs (``_with_grad``'s order)
-            recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None), saved[5:9]) if t is not None),
-                      *(None for _ in host_tensors)))
+            if recorded is not None:  # the gradients of the host program's inputs (``_with_grad``'s order)
+                recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None), saved[5:9]) if t is not None),
+                          *(None for _ in host_tensors)))
         return _input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2)
 
 
