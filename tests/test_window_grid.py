@@ -196,6 +196,21 @@ def test_partition_and_merge_gradients_are_gathers(deterministic_algorithms):
     assert torch.autograd.gradcheck(lambda t: grid.merge(grid.partition(t) * 2.0), (x,))
 
 
+def test_maps_made_under_inference_mode_serve_training():
+    """A grid first used under torch.inference_mode (a model's first call) keeps its maps for
+    later calls; a training call's partition saves one for its backward, which an inference
+    tensor cannot be."""
+    grid = WindowGrid(6, 4, (3, 2), (1, 1))  # used by no other test: its maps are made here
+    x = torch.randn(2, grid.height * grid.width, 5)
+    with torch.inference_mode():
+        expected = grid.partition(x)
+    w = x.clone().requires_grad_()
+    windows = grid.partition(w)
+    assert torch.equal(windows, expected)
+    windows.sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(x))
+
+
 def test_compiled_partition_and_merge_take_their_maps_as_constants():
     """Under torch.compile the grid's maps are constants of the graph (computed when it is
     traced): no argsort or index arithmetic per step; values and gradients equal eager's."""

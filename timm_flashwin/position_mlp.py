@@ -197,5 +197,6 @@ def meta_mlp_dropout_mask(mlp: nn.Module, coords: torch.Tensor) -> Optional[torc
     key = (*shape, dtype, coords.device)
     ones = _ONES.get(key)
     if ones is None:
-        ones = _ONES[key] = torch.ones(shape, dtype=dtype, device=coords.device)
+        with torch.inference_mode(False):  # kept for training calls too (as WindowGrid's maps)
+            ones = _ONES[key] = torch.ones(shape, dtype=dtype, device=coords.device)
     return F.dropout(ones, drop.p, training=True)

@@ -106,7 +106,11 @@ class WindowGrid:
             return _constant_maps(self.height, self.width, *self.window, *self.shift, self.strided, device)
         maps = _MAPS.get((self, device))
         if maps is None:
-            maps = _MAPS[(self, device)] = self._compute_maps(device)
+            # made outside inference mode: maps kept by a call under torch.inference_mode serve
+            # later training calls too, whose partition saves the inverse for its backward (an
+            # inference tensor cannot be saved)
+            with torch.inference_mode(False):
+                maps = _MAPS[(self, device)] = self._compute_maps(device)
         return maps
 
     def _compute_maps(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
