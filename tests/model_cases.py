@@ -28,14 +28,15 @@ def images(batch=2, size=(56, 56), seed=0, device="cpu"):
 
 
 def autograd_nodes(out: torch.Tensor) -> list:
-    """Names of the nodes of ``out``'s autograd graph."""
+    """Names of the nodes of ``out``'s autograd graph (``name()``: a C++ node's type is
+    CppFunction, its name the C++ class's)."""
     seen, stack, names = set(), [out.grad_fn], []
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        names.append(type(node).__name__)
+        names.append(node.name())
         stack.extend(fn for fn, _ in node.next_functions)
     return names
 
@@ -65,7 +66,7 @@ def run_step(model, x, train, seed=0):
     model.train(train)
     torch.manual_seed(seed)  # SwinV2-CR's meta_mlp dropout draws the same masks on every side
     out = model(x)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.device, out.dtype)
     (out * g).sum().backward()
     return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from common import gathered_bias  # noqa: E402
 from profile_step import WINDOW_METHODS, attention_free, window_free  # noqa: E402
 
+from conftest import KERNEL_DEVICE  # noqa: E402
 from model_cases import autograd_nodes  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
@@ -69,12 +70,13 @@ def test_attention_free_modules_project_the_windows(family):
 @pytest.mark.parametrize("family", ["swin", "swinv2"])
 def test_gathered_bias_variant_gathers_apart_with_the_same_values(family):
     torch.manual_seed(0)
-    model = patch_model(MODELS[family]()).train()
-    x = torch.randn(1, 3, SIZES[family], SIZES[family])
+    model = patch_model(MODELS[family]()).to(KERNEL_DEVICE).train()
+    x = torch.randn(1, 3, SIZES[family], SIZES[family], device=KERNEL_DEVICE)
     results = {}
 
     def step(name):
         def run():
+            torch.manual_seed(0)  # the same drop-path draws on both sides
             out = model(x)
             results[name] = out.detach(), set(autograd_nodes(out))
         return run

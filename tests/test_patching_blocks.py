@@ -9,6 +9,7 @@ import timm
 import torch
 from torch import nn
 
+from conftest import KERNEL_DEVICE
 from model_cases import autograd_nodes, create, images, maps_read_in_place, run_step, tiny_swin
 from opcases import relative_error
 from timm_flashwin import is_patched, patch_model, patched, unpatch_model
@@ -55,8 +56,8 @@ def test_blocks_read_their_windows_from_the_map_until_unpatched(monkeypatch):
 def test_training_gathers_the_position_bias_within_the_op(name, kwargs):
     """V1 and SwinV2 modules hand the op their bias table (``TableBias``): in eager training
     one autograd node per attention, none for a gather of its own."""
-    model = patch_model(create(name, **kwargs)).train()
-    nodes = autograd_nodes(model(images(1, (kwargs["img_size"],) * 2)))
+    model = patch_model(create(name, **kwargs)).to(KERNEL_DEVICE).train()
+    nodes = autograd_nodes(model(images(1, (kwargs["img_size"],) * 2, device=KERNEL_DEVICE)))
     # the op's Python node, or where its calls replay a host program, the C++ one
     assert sum(name == "_EagerWindowAttentionBackward" or "HostProgramFunction" in name for name in nodes) == 4
     assert "_GatherFromTableBackward" not in nodes and "IndexBackward0" not in nodes
@@ -67,10 +68,11 @@ def test_training_computes_the_meta_mlp_bias_in_one_node():
     training: one autograd node per attention for it, none of timm's linear layers, ReLU or
     dropout; in eval mode the same values (no dropout) as timm's method."""
     kwargs = dict(img_size=(56, 56), window_size=7, depths=(2, 2), embed_dim=48, num_heads=(3, 6))
-    model = create("swinv2_cr_tiny_224", **kwargs)
+    model = create("swinv2_cr_tiny_224", **kwargs).to(KERNEL_DEVICE)
     ours = patch_model(copy.deepcopy(model)).train()
-    nodes = autograd_nodes(ours(images(1, (56, 56))))
-    timm_nodes = autograd_nodes(model.train()(images(1, (56, 56))))
+    x = images(1, (56, 56), device=KERNEL_DEVICE)
+    nodes = autograd_nodes(ours(x))
+    timm_nodes = autograd_nodes(model.train()(x))
     assert nodes.count("_PositionMLPBackward") == 4
     # meta_mlp's two linear layers in each of the 4 modules; its ReLU and dropout are the only ones
     assert nodes.count("AddmmBackward0") == timm_nodes.count("AddmmBackward0") - 8
@@ -106,13 +108,14 @@ def test_meta_mlp_training_after_an_inference_mode_call():
 
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_padded_maps_and_dynamic_masks(train, monkeypatch):
-    """dynamic_img_size: every block builds its mask per call (timm's dynamic_mask). At 84
-    x 84 stage 1 is 21 x 21 (3 x 3 windows, read in place), stage 2 11 x 11, which timm
-    pads to 14 x 14 (its padded tokens take part in the attention): timm's method."""
-    model = tiny_swin(dynamic_img_size=True)
+    """strict_img_size=False (newer timm also calls it dynamic_img_size): every block
+    builds its mask per call (timm's dynamic_mask). At 84 x 84 stage 1 is 21 x 21 (3 x 3
+    windows, read in place), stage 2 11 x 11, which timm pads to 14 x 14 (its padded tokens
+    take part in the attention): timm's method."""
+    model = tiny_swin(strict_img_size=False).to(KERNEL_DEVICE)
     ours = patch_model(copy.deepcopy(model))
     grids = maps_read_in_place(monkeypatch)
-    x = images(size=(84, 84))
+    x = images(size=(84, 84), device=KERNEL_DEVICE)
     timm_out, timm_grads = run_step(model, x, train)
     our_out, our_grads = run_step(ours, x, train)
     assert grids == [WindowGrid(21, 21, (7, 7)), WindowGrid(21, 21, (7, 7), (3, 3))]

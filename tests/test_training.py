@@ -81,9 +81,12 @@ def assert_all_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.
 def assert_as_accurate_as_timm(actual: Dict[str, torch.Tensor], timm_float32: Dict[str, torch.Tensor],
                                timm_float64: Dict[str, torch.Tensor]) -> None:
     """Each of ``actual`` no further from timm's float64 result than 4 times timm's own
-    float32 result is (largest absolute error, per tensor), plus 1e-7 of the float64
-    result's largest magnitude: float32 sums in another order alone put some tensors' largest
-    error at 1.6 to 2.8 times timm's (tiny models, CPU), wrong math at orders of magnitude.
+    float32 result is (largest absolute error, per tensor), plus 1e-6 of the float64
+    result's largest magnitude (8 float32 ulps): float32 sums in another order alone put
+    some tensors' largest error at 1.6 to 2.8 times timm's (tiny models, CPU), wrong math at
+    orders of magnitude; and a tensor that is one sum of many terms can land nearer float64
+    in timm's order by chance (a tiny SwinV2's logit-scale gradient on an H100: 6.6e-7 off,
+    8e-6 of its magnitude, against timm's 1.6e-7).
     Not a fixed tolerance against timm's float32 result: the two float32 results differ by
     both their errors, and one that is more accurate than timm's may still fall outside it
     (tiny SwinV2: the gradients' largest error, relative to each tensor's largest value,
@@ -93,7 +96,7 @@ def assert_as_accurate_as_timm(actual: Dict[str, torch.Tensor], timm_float32: Di
     for name, reference in timm_float64.items():
         error = (actual[name].double() - reference).abs().max().item()
         timm_error = (timm_float32[name].double() - reference).abs().max().item()
-        bound = 4 * timm_error + 1e-7 * reference.abs().max().item()
+        bound = 4 * timm_error + 1e-6 * reference.abs().max().item()
         assert error <= bound, f"{name}: {error:.3e} off float64, timm's float32 {timm_error:.3e}"
 
 
