@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, enqueue_us, python_profile, write_json  # noqa: E402
 from plot_local import plot  # noqa: E402
 from profile_step import _profile  # noqa: E402
-from timm_flashwin import block_sliding_window_attention, sliding_window_attention  # noqa: E402
+from timm_flashwin import block_sliding_window_attention, host_program, sliding_window_attention  # noqa: E402
 from timm_flashwin.local_reference import LocalPattern  # noqa: E402
 
 
@@ -76,6 +76,7 @@ CASES: Dict[str, Case] = {
     "gqa_frames1560_sink_d128": Case(LocalPattern.blocks(1560, 3, 64), 1, 32, 8, 128, (12480, 31200)),
 }
 IMPLS = ["ours", "flex", "sdpa_mask", "sdpa_causal"]
+OTHER_IMPLS = ["ours_python_road"]  # more --impls: ours with host programs off
 
 
 def visible_pairs(pattern: LocalPattern, seq_len: int) -> int:
@@ -97,6 +98,19 @@ def ours(pattern: LocalPattern) -> Callable:
     return lambda q, k, v: block_sliding_window_attention(
         q, k, v, block_size=pattern.period, window_blocks=pattern.before // pattern.period + 1,
         sink_tokens=pattern.sink)
+
+
+def ours_python_road(pattern: LocalPattern) -> Callable:
+    """``ours`` with host programs off for its calls (``timm_flashwin.host_program``)."""
+    call = ours(pattern)
+
+    def python_road(q, k, v):
+        enabled, host_program.ENABLED = host_program.ENABLED, False
+        try:
+            return call(q, k, v)
+        finally:
+            host_program.ENABLED = enabled
+    return python_road
 
 
 def mask_mod(pattern: LocalPattern) -> Callable:
@@ -132,6 +146,8 @@ def sdpa_causal(q, k, v):
 def implementation(name: str, pattern: LocalPattern, seq_len: int, device, max_mask_mib: float) -> Optional[Callable]:
     if name == "ours":
         return ours(pattern)
+    if name == "ours_python_road":
+        return ours_python_road(pattern)
     if name == "flex":
         return flex(pattern, seq_len, device)
     if name == "sdpa_mask":
@@ -351,7 +367,7 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS)
+    parser.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS + OTHER_IMPLS)
     parser.add_argument("--quick", action="store_true", help="a few lengths per case (< 3 minutes on an H100)")
     parser.add_argument("--max-mask-mib", type=float, default=256.0,
                         help="the largest dense bool mask sdpa_mask builds (S * S bytes)")

@@ -5,7 +5,8 @@
 For bench_op.py's shapes, V1 (the bias a ``TableBias``, as the V1 adapter hands it) and
 cosine (a ``TableBias`` with SwinV2's sigmoid), timm's shift mask: forward + backward
 (``torch.autograd.grad`` to qkv, the table and the logit scale: no accumulation into leaf
-gradients, which a model's step does not have for qkv) per call
+gradients, which a model's step does not have for qkv) per call (``--no-grad``: the
+forward alone, as inference calls it)
 
 * ``graph us``: CUDA-graph replays of one call (the GPU's time alone);
 * ``loop us``: calls back to back in a Python loop, synchronized once at the end (what a
@@ -37,8 +38,9 @@ def relative_position_index(window: int) -> torch.Tensor:
     return rel[..., 0] * (2 * window - 1) + rel[..., 1]
 
 
-def make_call(shape, kind: str):
-    """One forward + backward of the op on ``shape`` (bench_op's (B_, H, N, D, nW))."""
+def make_call(shape, kind: str, grad: bool = True):
+    """One forward + backward of the op on ``shape`` (bench_op's (B_, H, N, D, nW)); without
+    ``grad``, one forward under torch.no_grad (inference)."""
     num_windows, heads, n, head_dim, periods = shape
     window = int(round(n ** 0.5))
     device = "cuda"
@@ -57,7 +59,11 @@ def make_call(shape, kind: str):
     def call():
         out = window_attention(qkv, heads, bias=bias, mask=mask, **score)
         torch.autograd.grad(out, leaves, grad_out)
-    return call
+
+    def forward():
+        with torch.no_grad():
+            window_attention(qkv, heads, bias=bias, mask=mask, **score)
+    return call if grad else forward
 
 
 def graph_us(call, replays: int = 50) -> float:
@@ -89,6 +95,7 @@ def main() -> None:
                              "both ways in alternating rounds, two rows")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most own time over 200 calls of each case")
+    parser.add_argument("--no-grad", action="store_true", help="the forward alone, under torch.no_grad")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
@@ -97,7 +104,7 @@ def main() -> None:
           f"{'loop/graph':>10s}", flush=True)
     for name in args.shapes:
         for kind in args.kinds:
-            call = make_call(SHAPES[name], kind)
+            call = make_call(SHAPES[name], kind, grad=not args.no_grad)
             measured = {on: {"graph": [], "loop": [], "host": []} for on in settings}
             for on in settings:  # the first calls record the host program
                 host_program.ENABLED = on
@@ -110,7 +117,7 @@ def main() -> None:
                     measured[on]["loop"].append(host_us_per_call(call, 100, warmup=0))
                     measured[on]["host"].append(enqueue_us(call, 20))
             for on in settings:
-                row = dict(shape=name, kind=kind, host_programs=on,
+                row = dict(shape=name, kind=kind, host_programs=on, grad=not args.no_grad,
                            **{f"{k}_us": statistics.median(v) for k, v in measured[on].items()},
                            rounds=measured[on], device=torch.cuda.get_device_name(), torch=torch.__version__,
                            code=code_version())

@@ -3,7 +3,7 @@ calls against the Python road that recorded them, to the bit."""
 import pytest
 import torch
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, KERNEL_DEVICE
 from timm_flashwin import TableBias, WindowGrid, host_program, native, window_attention
 from timm_flashwin.host_program import Recorder
 
@@ -82,6 +82,36 @@ def test_recorder_notes_launches_by_the_compiled_signature():
         hp.fast_launch.RECORD(_kernel("x"), None, (1,), (x,))
     assert "Triton's own path" in recorder.failure
     assert hp.fast_launch.RECORD is None  # switched off on leaving
+
+
+@pytest.mark.parametrize("op", ["window", "local"])
+def test_op_calls_are_recorded_up_to_their_launches(op):
+    """An eager call's forward and backward record to the end: every tensor they touch is an
+    input, a saved tensor or made in the call. On the CPU (the interpreter makes no launch
+    that can be recorded) the recording then stops for want of launches alone."""
+    from timm_flashwin import local_attention, op as window_op
+    if HAS_CUDA and native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    generator = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=generator).to(KERNEL_DEVICE).requires_grad_()  # noqa: E731
+    if op == "window":
+        qkv, bias = randn(4, 9, 3 * 2 * 8), randn(2, 9, 9)
+        inputs = (qkv, 2, bias, None, None, 0.3, False, 0.0, None, True)
+        tensors = [qkv, bias]
+        road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, None)[0]  # noqa: E731
+    else:
+        q, k, v = (randn(1, 2, 20, 16) for _ in range(3))
+        tensors = [q, k, v]
+        road = lambda: local_attention._EagerLocalAttention.apply(q, k, v, 1, 8, 1, 0, 0.25, 0.0, None)[0]  # noqa: E731
+    key = ("test_op_calls_are_recorded_up_to_their_launches", op)
+    out = host_program.call(key, tensors, road)
+    signature = host_program._SIGNATURES.pop(key)
+    assert signature.failure is None and signature.forward is not None
+    out.backward(torch.ones_like(out))  # recorded from a dense gradient (a sum's is expanded)
+    if HAS_CUDA:
+        assert signature.failure is None and signature.index is not None
+    else:
+        assert signature.failure == "no launch, or launches on two devices"
 
 
 def _relative_index(window: int) -> torch.Tensor:
@@ -204,3 +234,105 @@ def test_replayed_backward_takes_any_gradient_layout():
     with pytest.raises(RuntimeError, match="not differentiable"):
         out = window_attention(qkv, 3, bias=bias, scale=0.17)
         torch.autograd.grad(out, qkv, grad.contiguous(), create_graph=True)
+
+
+@cuda
+@needs_cuda
+def test_a_signature_whose_first_graph_is_dropped_is_recorded_by_a_later_call():
+    """The first call's forward is recorded but its graph dropped unused (no backward):
+    a later call of the signature records the backward, and the calls after it replay."""
+    if native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    qkv = torch.randn(8, 49, 3 * 5 * 16, device="cuda", dtype=torch.float16, requires_grad=True)
+    table = torch.randn(169, 5, device="cuda", requires_grad=True)
+    bias = TableBias(table, _relative_index(7).cuda(), constant_index=True)
+    ready = _ready()
+    window_attention(qkv, 5, bias=bias, scale=0.25)  # forward recorded, graph dropped
+    assert _ready() == ready
+    out = window_attention(qkv, 5, bias=bias, scale=0.25)
+    want = torch.autograd.grad(out, (qkv, table), torch.ones_like(out))
+    assert _ready() == ready + 1
+    out = window_attention(qkv, 5, bias=bias, scale=0.25)
+    assert "HostProgramFunction" in out.grad_fn.name()
+    for got, expected in zip(torch.autograd.grad(out, (qkv, table), torch.ones_like(out)), want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+#: (name, function, its keyword arguments, heads, key/value heads, S, D, dtype, which inputs take a gradient)
+LOCAL_CASES = [
+    ("causal_window_gqa", "sliding", dict(window=(100, 0)), 8, 2, 300, 64, torch.bfloat16, "qkv"),
+    ("global_fp16", "sliding", dict(window=(None, None)), 4, 4, 129, 32, torch.float16, "qkv"),
+    ("frames_sink_dropout", "blocks", dict(block_size=32, window_blocks=3, sink_tokens=5, dropout_p=0.1), 4, 1, 200,
+     64, torch.bfloat16, "qkv"),
+    ("queries_only_fp32", "sliding", dict(window=(16, 16)), 2, 2, 96, 40, torch.float32, "q"),
+]
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("case", LOCAL_CASES, ids=[c[0] for c in LOCAL_CASES])
+def test_replayed_local_attention_matches_the_python_road(case):
+    """The local-attention operators' eager calls replay as host programs too: output and
+    gradients equal the recorded Python road's, bit for bit (no atomics in their kernels)."""
+    from timm_flashwin import block_sliding_window_attention, sliding_window_attention
+    if native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    _, function, kwargs, heads, kv_heads, seq_len, head_dim, dtype, grads = case
+    attend = sliding_window_attention if function == "sliding" else block_sliding_window_attention
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, seq_len, head_dim, generator=generator).to("cuda", dtype)
+               for h in (heads, kv_heads, kv_heads))
+    leaves = [t.requires_grad_() for t, name in zip((q, k, v), "qkv") if name in grads]
+    grad_out = torch.randn(q.shape, generator=generator).to("cuda", dtype)
+
+    def run():
+        torch.manual_seed(3)  # the dropout seed
+        out = attend(q, k, v, **kwargs)
+        return out, (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
+    ready = _ready()
+    _, recorded = run()
+    assert _ready() == ready + 1
+    for _ in range(2):
+        out, replayed = run()
+        assert "HostProgramFunction" in out.grad_fn.name()
+        for got, want in zip(replayed, recorded):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_calls_without_grad_replay_the_forward_alone(mode):
+    """Where nothing takes a gradient both operators replay their forward without an autograd
+    node; the outputs equal the Python road's, bit for bit, and under no_grad are not
+    inference tensors (a replay recorded under inference mode serves no_grad calls too)."""
+    from timm_flashwin import sliding_window_attention
+    if native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    generator = torch.Generator().manual_seed(0)
+    size = 0 if mode == "no_grad" else 1  # a signature of each mode's own
+    qkv = torch.randn(8 + 4 * size, 49, 3 * 3 * 32, generator=generator).to("cuda", torch.bfloat16)
+    table = torch.randn(169, 3, generator=generator).cuda()
+    bias = TableBias(table, _relative_index(7).cuda(), constant_index=True)
+    mask = _shift_mask(4, 49).cuda()
+    q, k, v = (torch.randn(1, 4, 333 + size, 64, generator=generator).to("cuda", torch.float16) for _ in range(3))
+    calls = [lambda: window_attention(qkv, 3, bias=bias, mask=mask, scale=0.17),
+             lambda: sliding_window_attention(q, k, v, window=(50, 7))]
+    for op_call in calls:
+        host_program.ENABLED = False
+        try:
+            with context():
+                want = op_call()
+        finally:
+            host_program.ENABLED = True
+        ready = _ready()
+        with context():
+            outs = [op_call() for _ in range(3)]  # recorded, then replayed twice
+        assert _ready() == ready + 1
+        with torch.no_grad():
+            outs.append(op_call())
+        assert not outs[-1].is_inference()
+        for got in outs:
+            assert got.grad_fn is None
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -14,7 +14,11 @@ signature made, in the same order, on this call's tensors:
    argument as an input or an earlier result, or a constant). Its backward, when it runs,
    is recorded the same way.
 2. Once both are recorded, C++ holds them (``native.module().add_signature``) and later
-   calls go there.
+   calls go there. A signature whose first call's graph was dropped unused has its backward
+   recorded by a later call.
+
+Both operators take it (``op.window_attention``, ``local_attention``), and calls where
+nothing takes a gradient too (``call_without_grad``: the forward alone, no autograd node).
 
 What cannot be recorded keeps the Python road for that signature, for good: a tensor that is
 neither an input nor made by the recorded calls (a value cached on a tensor, such as a
@@ -33,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import native
-from .kernels import fast_launch
+from .kernels import config, fast_launch, local_launch
 
 _log = logging.getLogger(__name__)
 
@@ -64,6 +68,12 @@ class Recorder(TorchDispatchMode):
         self.failure: Optional[str] = None
         self.device: Optional[int] = None
         self._thread = threading.get_ident()  # launches of other threads are not this call's
+
+    def forget_tensors(self) -> None:
+        """Drops the recorded call's tensors (the steps name slots only): a signature whose
+        backward is not recorded yet keeps its forward's recorder, not its memory."""
+        self._slots.clear()
+        self._alive.clear()
 
     def _new_slot(self, tensor: Optional[torch.Tensor]) -> int:
         slot = self.num_slots
@@ -212,8 +222,9 @@ ENABLED = True
 
 
 def available() -> bool:
-    """Whether host programs are used in this process (switched on, the extension built)."""
-    return ENABLED and native.module() is not None
+    """Whether host programs are used in this process: switched on, the extension built, and
+    no launch plan overridden (the tuning scripts' ``OVERRIDES``, which no key holds)."""
+    return ENABLED and not (config.OVERRIDES or local_launch.OVERRIDES) and native.module() is not None
 
 
 def tensor_key(t: Optional[torch.Tensor]) -> Optional[Tuple]:
@@ -246,11 +257,50 @@ def call(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch
                 out = python_road()
         finally:
             _STATE.forward = None
+            recorder.forget_tensors()
         if recorder.failure is not None and signature.failure is None:
             signature.failure = recorder.failure
             _log.debug("timm_flashwin host program not recorded: %s", recorder.failure)
         return out
-    return python_road()
+    if signature.forward is None or signature.failure is not None:
+        return python_road()
+    # the forward is recorded, its backward not yet (the first call's graph may have been
+    # dropped unused): this call's backward may be the one recorded
+    _STATE.forward = (None, signature)
+    try:
+        return python_road()
+    finally:
+        _STATE.forward = None
+
+
+def call_without_grad(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch.Tensor]
+                      ) -> torch.Tensor:
+    """``call`` where nothing takes a gradient (``key`` says so: it differs from a call's with
+    a gradient): the forward alone, replayed without an autograd node."""
+    signature = _SIGNATURES.get(key)
+    if signature is not None and signature.index is not None:
+        return native.module().run_forward(signature.index, inputs)
+    if signature is not None:
+        return python_road()
+    signature = _SIGNATURES[key] = _Signature()
+    recorder = Recorder(inputs)
+    try:
+        with recorder:
+            out = python_road()
+        if recorder.failure is None:
+            output_slot = recorder.slot(out)
+            if recorder.device is None:
+                raise _NotRecordable("no launch")
+            signature.index = native.module().add_signature(
+                recorder.num_slots, recorder.steps, 0, [], recorder.device, [], [], output_slot, [], [])
+    except _NotRecordable as error:
+        recorder._fail(error)
+    finally:
+        recorder.forget_tensors()
+    if recorder.failure is not None:
+        signature.failure = recorder.failure
+        _log.debug("timm_flashwin host program not recorded: %s", recorder.failure)
+    return out
 
 
 def note_forward(ctx, saved: Sequence[Optional[torch.Tensor]], kept: Sequence[torch.Tensor],
@@ -263,6 +313,9 @@ def note_forward(ctx, saved: Sequence[Optional[torch.Tensor]], kept: Sequence[to
     if state is None:
         return
     recorder, signature = state
+    if recorder is None:  # a later call of a signature whose forward is recorded
+        ctx.host_program = signature
+        return
     try:
         saved_slots = [recorder.slot(t) if t is not None else -1 for t in saved]
         kept_slots = [recorder.slot(t) for t in kept]

@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from . import host_program
 from .dispatch import KERNEL_DTYPES, direct_launches, dispatch_free, register_op, uses_kernels
 from .kernels.local_launch import local_backward, local_forward
 from .local_reference import (LocalPattern, Visible, block_window_visible, local_attention_reference,
@@ -68,15 +69,16 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.pattern, ctx.scale, ctx.dropout_p = (period, before, after, sink), scale, dropout_p
 
 
-def _gradients(backward, ctx, grad_out) -> tuple:
-    """The forward's ten inputs' gradients: dq, dk, dv, then none."""
-    q, k, v, out, lse, seed = ctx.saved_tensors
+def _gradients(backward, ctx, saved, grad_out) -> tuple:
+    """The forward's ten inputs' gradients: dq, dk, dv, then none. ``saved``:
+    ``ctx.saved_tensors``, read once (each read unpacks them anew)."""
+    q, k, v, out, lse, seed = saved
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, *ctx.pattern, ctx.scale, ctx.dropout_p, seed)
     return (dq, dk, dv) + (None,) * 7
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    return _gradients(local_attention_bwd, ctx, grad_out)
+    return _gradients(local_attention_bwd, ctx, ctx.saved_tensors, grad_out)
 
 
 local_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -84,20 +86,49 @@ local_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerLocalAttention(torch.autograd.Function):
     """The operator's forward and backward launched without the operator dispatch (eager
-    mode on plain tensors, ``dispatch.dispatch_free``)."""
+    mode on plain tensors, ``dispatch.dispatch_free``); on CUDA, from a signature's second
+    call, replayed as a host program (``host_program``), which makes the same launches."""
 
     @staticmethod
     def forward(ctx, *inputs):
         with direct_launches():
             output = _forward_impl(*inputs)
         _setup_context(ctx, inputs, output)
+        host_program.note_forward(ctx, ctx.to_save, (), output[0])
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_lse):
-        with direct_launches():
-            return _gradients(_backward_impl, ctx, grad_out)
+        saved = ctx.saved_tensors
+        with direct_launches(), host_program.backward_recording(ctx, (*saved, grad_out)) as recorded:
+            grads = _gradients(_backward_impl, ctx, saved, grad_out)
+            if recorded is not None:  # one per host-program input: q, k, v, and the seed where drawn
+                recorded(grads[:3] + ((None,) if ctx.dropout_p > 0 else ()))
+        return grads
+
+
+def _forward_without_grad(*inputs) -> torch.Tensor:
+    with direct_launches():  # nothing takes a gradient: no autograd node
+        return _forward_impl(*inputs)[0]
+
+
+def _eager_call(inputs: tuple, grad: bool) -> torch.Tensor:
+    """The eager forward: where a gradient follows, ``_EagerLocalAttention``, else the
+    forward alone; on CUDA either one's host program replayed (``host_program``: recorded on
+    the signature's first call)."""
+    if grad:
+        python_road = lambda: _EagerLocalAttention.apply(*inputs)[0]  # noqa: E731
+    else:
+        python_road = lambda: _forward_without_grad(*inputs)  # noqa: E731
+    q, k, v, *scalars, seed = inputs
+    if not q.is_cuda or not host_program.available():
+        return python_road()
+    tensors = [q, k, v] if seed is None else [q, k, v, seed]
+    key = ("local", *map(host_program.tensor_key, tensors), *scalars, grad, host_program.settings_key())
+    if grad:
+        return host_program.call(key, tensors, python_road)
+    return host_program.call_without_grad(key, tensors, python_road)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: LocalPattern, visible: Visible,
@@ -109,10 +140,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: LocalPat
     inputs = (q, k, v, pattern.period, pattern.before, pattern.after, pattern.sink, scale, dropout_p, seed)
     if not (dispatch_free(q) and dispatch_free(k) and dispatch_free(v)):
         return local_attention_fwd(*inputs)[0]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerLocalAttention.apply(*inputs)[0]
-    with direct_launches():  # nothing takes a gradient: no autograd node
-        return _forward_impl(*inputs)[0]
+    return _eager_call(inputs, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 # --------------------------------------------------------------------------- validation

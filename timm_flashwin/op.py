@@ -8,7 +8,7 @@ plain tensors the same forward, backward and autograd formula run through a
 ``torch.autograd.Function`` instead, without the operator dispatch
 (``_EagerWindowAttention``); on CUDA, from a signature's second call, as a host program
 replayed by C++ (``host_program``), which makes the same launches. Where nothing can take
-a gradient the forward launches without an autograd node (``_eager_forward_without_grad``).
+a gradient the forward launches without an autograd node (``_forward_without_grad``).
 Elsewhere (plain CPU, float64) it computes ``reference.py``'s math with PyTorch autograd,
 with the same semantics.
 """
@@ -193,7 +193,7 @@ class _EagerWindowAttention(torch.autograd.Function):
             elif dbias is not None:
                 table = None if not table_gather.sigmoid_scale else saved[5] if ctx.table_args else saved[9]
                 dbias = table_gather.table_grad(dbias, ctx.table_dtype, table)
-            if recorded is not None:  # the gradients of the host program's inputs (``_with_grad``'s order)
+            if recorded is not None:  # the gradients of the host program's inputs (``_eager_call``'s order)
                 recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None), saved[5:9]) if t is not None),
                           *(None for _ in host_tensors)))
         return _input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2)
@@ -208,25 +208,32 @@ def _host_tensors(table_gather: Optional[TableGather]) -> Tuple[torch.Tensor, ..
     return (rows.index32, rows.order, rows.offsets) if table_gather.in_kernels else (rows.order, rows.offsets)
 
 
-def _with_grad(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optional[TableGather]) -> torch.Tensor:
-    """The eager forward where a gradient follows: ``_EagerWindowAttention``, or on CUDA its
-    host program replayed (``host_program``: recorded on the signature's first call)."""
-    qkv = inputs[0]
+def _eager_call(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optional[TableGather]) -> torch.Tensor:
+    """The eager forward: where a gradient follows (``save_stats``), ``_EagerWindowAttention``,
+    else ``_forward_without_grad``; on CUDA either one's host program replayed
+    (``host_program``: recorded on the signature's first call)."""
+    qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats = inputs
+    if save_stats:
+        python_road = lambda: _EagerWindowAttention.apply(*inputs, grid, table_gather)[0]  # noqa: E731
+    else:
+        python_road = lambda: _forward_without_grad(*inputs, grid, table_gather)[0]  # noqa: E731
     if not qkv.is_cuda or not host_program.available():
-        return _EagerWindowAttention.apply(*inputs, grid, table_gather)[0]
-    _, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, _ = inputs
+        return python_road()
     tensors = (qkv, bias, mask, logit_scale, seed)
     extra = _host_tensors(table_gather)
     key_of = host_program.tensor_key
     key = (tuple(map(key_of, tensors)), tuple(map(key_of, extra)), num_heads, scale, cosine, dropout_p, grid,
-           table_gather.key() if table_gather is not None else None, host_program.settings_key())
-    return host_program.call(key, [t for t in tensors if t is not None] + list(extra),
-                             lambda: _EagerWindowAttention.apply(*inputs, grid, table_gather)[0])
+           table_gather.key() if table_gather is not None else None, save_stats, host_program.settings_key())
+    program_inputs = [t for t in tensors if t is not None] + list(extra)
+    if save_stats:
+        return host_program.call(key, program_inputs, python_road)
+    return host_program.call_without_grad(key, program_inputs, python_road)
 
 
-def _eager_forward_without_grad(*inputs):
-    """The forward where nothing takes a gradient (``save_stats`` False), launched directly;
-    the inputs are ``_EagerWindowAttention``'s."""
+def _forward_without_grad(*inputs):
+    """The forward where nothing takes a gradient (``save_stats`` False), launched directly,
+    with no autograd node (a torch.autograd.Function's apply costs host time, which small
+    eager inference calls are bound by); the inputs are ``_EagerWindowAttention``'s."""
     *inputs, grid, table_gather = inputs
     table_args = table_gather.kernel_args() if table_gather is not None else ()
     with direct_launches():
@@ -330,8 +337,4 @@ def window_attention(
               logit_scale is not None, dropout_p, seed, save_stats)
     if not eager:
         return window_attention_fwd(*inputs)[0]
-    if save_stats:
-        return _with_grad(inputs, grid, table_gather)
-    # nothing can take a gradient: no autograd node, and so no torch.autograd.Function
-    # (its apply costs host time, which small eager inference calls are bound by)
-    return _eager_forward_without_grad(*inputs, grid, table_gather)[0]
+    return _eager_call(inputs, grid, table_gather)

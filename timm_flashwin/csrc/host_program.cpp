@@ -338,7 +338,7 @@ struct HostProgramFunction : public torch::autograd::Function<HostProgramFunctio
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     TORCH_CHECK(!at::GradMode::is_enabled(),
-                "timm_flashwin: the window-attention backward is not differentiable (create_graph=True)");
+                "timm_flashwin: the attention backward is not differentiable (create_graph=True)");
     const int64_t index = ctx->saved_data["signature"].toInt();
     const Signature& s = signature(index);
     variable_list saved = ctx->get_saved_variables();
@@ -375,6 +375,16 @@ at::Tensor apply(int64_t index, std::vector<at::Tensor> inputs) {
   return timm_flashwin::HostProgramFunction::apply(index, at::TensorList(inputs));
 }
 
+// A call where nothing takes a gradient: the forward program alone, no autograd node (its
+// signature has an empty backward).
+at::Tensor run_forward(int64_t index, std::vector<at::Tensor> inputs) {
+  const Signature& s = signature(index);
+  std::vector<at::Tensor> slots(s.forward.num_slots);
+  for (size_t i = 0; i < inputs.size(); ++i) slots[i] = inputs[i];
+  run_program(s.forward, slots, s.device);
+  return slots[s.output_slot];
+}
+
 // A program's ATen calls and launches on the given slots (tests: programs of ATen calls alone
 // run on CPU tensors; the device is then unused).
 std::vector<at::Tensor> run_steps(int64_t num_slots, const py::list& steps, std::vector<at::Tensor> inputs) {
@@ -394,5 +404,6 @@ std::vector<at::Tensor> run_steps(int64_t num_slots, const py::list& steps, std:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_signature", &add_signature);
   m.def("apply", &apply);
+  m.def("run_forward", &run_forward);
   m.def("run_steps", &run_steps);
 }
