@@ -1,6 +1,7 @@
 """Inputs for the op tests and the comparison against the float64 reference."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -164,8 +165,7 @@ def reference_forward_backward(case: Case, dropout_factor: Optional[torch.Tensor
     case = bias_as_read(case)
     reference = window_attention_reference
     if dropout_factor is not None:
-        def reference(*args, **kwargs):
-            return window_attention_reference(*args, dropout_factor=dropout_factor, **kwargs)
+        reference = functools.partial(window_attention_reference, dropout_factor=dropout_factor)
     return Reference(forward_backward(reference, case, torch.float64), gradient_conditions(case, dropout_factor))
 
 
