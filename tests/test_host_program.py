@@ -336,3 +336,42 @@ def test_calls_without_grad_replay_the_forward_alone(mode):
         for got in outs:
             assert got.grad_fn is None
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_tensor_passed_for_several_inputs_keys_a_signature_of_its_own():
+    """attend(x, x, x): the recorder maps one tensor to one slot, so a program recorded from
+    such a call must serve only calls that alias the same inputs."""
+    x, y, z = torch.randn(2), torch.randn(2), torch.randn(2)
+    key = ("k",)
+    assert host_program.with_aliases(key, [x, y, z]) == key
+    aliased = host_program.with_aliases(key, [x, y, y])
+    assert aliased != key and aliased == host_program.with_aliases(key, [z, x, x])
+    assert aliased != host_program.with_aliases(key, [x, x, y])
+
+
+@cuda
+@needs_cuda
+def test_aliased_and_distinct_inputs_replay_apart():
+    """attend(x, x, x) and attend(q, k, v) of the same shapes record programs of their own:
+    each replay gives its Python road's result."""
+    from timm_flashwin import sliding_window_attention
+    if native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    generator = torch.Generator().manual_seed(0)
+    x, q, k, v = (torch.randn(1, 2, 150, 32, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+                  for _ in range(4))
+    grad_out = torch.randn(1, 2, 150, 32, generator=generator).to("cuda", torch.bfloat16)
+
+    def run(inputs, leaves):
+        out = sliding_window_attention(*inputs, window=(20, 3))
+        return (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
+    host_program.ENABLED = False
+    try:
+        want_self, want = run((x, x, x), (x,)), run((q, k, v), (q, k, v))
+    finally:
+        host_program.ENABLED = True
+    for _ in range(3):  # recorded, then replayed: self-attention and three tensors alternately
+        for got, expected in zip(run((x, x, x), (x,)), want_self):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        for got, expected in zip(run((q, k, v), (q, k, v)), want):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)

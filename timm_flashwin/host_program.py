@@ -241,10 +241,21 @@ def settings_key() -> Tuple:
             fast_launch._settings_key() if fast_launch.ENABLED else None)
 
 
+def with_aliases(key: Tuple, inputs: List[torch.Tensor]) -> Tuple:
+    """``key``, told apart where one tensor stands for several inputs (``attend(x, x, x)``):
+    a program recorded so reads each of them where the recorder last saw it, which is right
+    only for calls that pass the same tensor in the same places."""
+    ids = [id(t) for t in inputs]
+    if len(set(ids)) == len(ids):
+        return key
+    return key, tuple(ids.index(i) for i in ids)
+
+
 def call(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch.Tensor]) -> torch.Tensor:
     """The op's output for ``inputs`` (the forward's tensors, in a fixed order for ``key``):
     replayed by C++ where ``key``'s programs are recorded, else ``python_road()``, recorded
     on the signature's first call."""
+    key = with_aliases(key, inputs)
     signature = _SIGNATURES.get(key)
     if signature is not None and signature.index is not None:
         return native.module().apply(signature.index, inputs)
@@ -277,6 +288,7 @@ def call_without_grad(key: Tuple, inputs: List[torch.Tensor], python_road: Calla
                       ) -> torch.Tensor:
     """``call`` where nothing takes a gradient (``key`` says so: it differs from a call's with
     a gradient): the forward alone, replayed without an autograd node."""
+    key = with_aliases(key, inputs)
     signature = _SIGNATURES.get(key)
     if signature is not None and signature.index is not None:
         return native.module().run_forward(signature.index, inputs)
