@@ -18,7 +18,7 @@ signature made, in the same order, on this call's tensors:
    recorded by a later call.
 
 Both operators take it (``op.window_attention``, ``local_attention``), and calls where
-nothing takes a gradient too (``call_without_grad``: the forward alone, no autograd node).
+nothing takes a gradient too (``call(..., grad=False)``: the forward alone, no autograd node).
 
 What cannot be recorded keeps the Python road for that signature, for good: a tensor that is
 neither an input nor made by the recorded calls (a value cached on a tensor, such as a
@@ -251,11 +251,16 @@ def with_aliases(key: Tuple, inputs: List[torch.Tensor]) -> Tuple:
     return key, tuple(ids.index(i) for i in ids)
 
 
-def call(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch.Tensor]) -> torch.Tensor:
+def call(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch.Tensor],
+         grad: bool = True) -> torch.Tensor:
     """The op's output for ``inputs`` (the forward's tensors, in a fixed order for ``key``):
-    replayed by C++ where ``key``'s programs are recorded, else ``python_road()``, recorded
-    on the signature's first call."""
-    key = with_aliases(key, inputs)
+    replayed by C++ where the signature's programs are recorded, else ``python_road()``,
+    recorded on the signature's first call. ``grad``: whether a gradient follows (the
+    forward and backward, with an autograd node), else the forward alone, without one; the
+    signature is ``key``, ``grad`` and which inputs are one tensor (``with_aliases``)."""
+    key = with_aliases((key, grad), inputs)
+    if not grad:
+        return _call_without_grad(key, inputs, python_road)
     signature = _SIGNATURES.get(key)
     if signature is not None and signature.index is not None:
         return native.module().apply(signature.index, inputs)
@@ -269,9 +274,7 @@ def call(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch
         finally:
             _STATE.forward = None
             recorder.forget_tensors()
-        if recorder.failure is not None and signature.failure is None:
-            signature.failure = recorder.failure
-            _log.debug("timm_flashwin host program not recorded: %s", recorder.failure)
+        _note_failure(signature, recorder)
         return out
     if signature.forward is None or signature.failure is not None:
         return python_road()
@@ -284,11 +287,10 @@ def call(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch
         _STATE.forward = None
 
 
-def call_without_grad(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch.Tensor]
-                      ) -> torch.Tensor:
-    """``call`` where nothing takes a gradient (``key`` says so: it differs from a call's with
-    a gradient): the forward alone, replayed without an autograd node."""
-    key = with_aliases(key, inputs)
+def _call_without_grad(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch.Tensor]
+                       ) -> torch.Tensor:
+    """``call`` where nothing takes a gradient: the forward alone, replayed without an
+    autograd node."""
     signature = _SIGNATURES.get(key)
     if signature is not None and signature.index is not None:
         return native.module().run_forward(signature.index, inputs)
@@ -309,10 +311,15 @@ def call_without_grad(key: Tuple, inputs: List[torch.Tensor], python_road: Calla
         recorder._fail(error)
     finally:
         recorder.forget_tensors()
-    if recorder.failure is not None:
+    _note_failure(signature, recorder)
+    return out
+
+
+def _note_failure(signature: _Signature, recorder: Recorder) -> None:
+    """Keeps the signature on the Python road for good where ``recorder`` could not record."""
+    if recorder.failure is not None and signature.failure is None:
         signature.failure = recorder.failure
         _log.debug("timm_flashwin host program not recorded: %s", recorder.failure)
-    return out
 
 
 def note_forward(ctx, saved: Sequence[Optional[torch.Tensor]], kept: Sequence[torch.Tensor],
@@ -358,9 +365,7 @@ def backward_recording(ctx, known: Sequence[Optional[torch.Tensor]]):
             _finish(signature, recorder, known[-1], result["grads"])
         except _NotRecordable as error:
             recorder._fail(error)
-    if recorder.failure is not None:
-        signature.failure = recorder.failure
-        _log.debug("timm_flashwin host program not recorded: %s", recorder.failure)
+    _note_failure(signature, recorder)
 
 
 def _finish(signature: _Signature, backward: Recorder, grad_out: torch.Tensor,

@@ -125,10 +125,8 @@ def _eager_call(inputs: tuple, grad: bool) -> torch.Tensor:
     if not q.is_cuda or not host_program.available():
         return python_road()
     tensors = [q, k, v] if seed is None else [q, k, v, seed]
-    key = ("local", *map(host_program.tensor_key, tensors), *scalars, grad, host_program.settings_key())
-    if grad:
-        return host_program.call(key, tensors, python_road)
-    return host_program.call_without_grad(key, tensors, python_road)
+    key = ("local", *map(host_program.tensor_key, tensors), *scalars, host_program.settings_key())
+    return host_program.call(key, tensors, python_road, grad=grad)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: LocalPattern, visible: Visible,

@@ -223,11 +223,8 @@ def _eager_call(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optiona
     extra = _host_tensors(table_gather)
     key_of = host_program.tensor_key
     key = (tuple(map(key_of, tensors)), tuple(map(key_of, extra)), num_heads, scale, cosine, dropout_p, grid,
-           table_gather.key() if table_gather is not None else None, save_stats, host_program.settings_key())
-    program_inputs = [t for t in tensors if t is not None] + list(extra)
-    if save_stats:
-        return host_program.call(key, program_inputs, python_road)
-    return host_program.call_without_grad(key, program_inputs, python_road)
+           table_gather.key() if table_gather is not None else None, host_program.settings_key())
+    return host_program.call(key, [t for t in tensors if t is not None] + list(extra), python_road, grad=save_stats)
 
 
 def _forward_without_grad(*inputs):
