@@ -105,11 +105,8 @@ def ours_python_road(pattern: LocalPattern) -> Callable:
     call = ours(pattern)
 
     def python_road(q, k, v):
-        enabled, host_program.ENABLED = host_program.ENABLED, False
-        try:
+        with host_program.switched_off():
             return call(q, k, v)
-        finally:
-            host_program.ENABLED = enabled
     return python_road
 
 

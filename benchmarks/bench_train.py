@@ -25,7 +25,7 @@ mode's own. Columns, per variant (median over the rounds):
 ``patch_model(..., recompute_qkv=...)`` for every module (no prefix) or for the modules
 whose qualified names start with a prefix (``layers.1.``: the second stage).
 ``--python-road`` adds a variant patched alike whose op calls keep their Python road
-(``timm_flashwin.host_program.ENABLED`` off during its steps): what the host programs save.
+(``timm_flashwin.host_program.switched_off`` around its steps): what the host programs save.
 
 GPU only.
 """
@@ -66,13 +66,10 @@ def _peak_mib(model: torch.nn.Module, step, steps: int = 3) -> float:
 
 
 def _without_host_programs(step):
-    """``step`` with the op's calls on their Python road (``host_program.ENABLED`` off)."""
+    """``step`` with the op's calls on their Python road (``host_program.switched_off``)."""
     def run() -> None:
-        host_program.ENABLED = False
-        try:
+        with host_program.switched_off():
             step()
-        finally:
-            host_program.ENABLED = True
     return run
 
 

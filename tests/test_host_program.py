@@ -320,12 +320,8 @@ def test_calls_without_grad_replay_the_forward_alone(mode):
     calls = [lambda: window_attention(qkv, 3, bias=bias, mask=mask, scale=0.17),
              lambda: sliding_window_attention(q, k, v, window=(50, 7))]
     for op_call in calls:
-        host_program.ENABLED = False
-        try:
-            with context():
-                want = op_call()
-        finally:
-            host_program.ENABLED = True
+        with host_program.switched_off(), context():
+            want = op_call()
         ready = _ready()
         with context():
             outs = [op_call() for _ in range(3)]  # recorded, then replayed twice
@@ -365,13 +361,22 @@ def test_aliased_and_distinct_inputs_replay_apart():
     def run(inputs, leaves):
         out = sliding_window_attention(*inputs, window=(20, 3))
         return (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
-    host_program.ENABLED = False
-    try:
+    with host_program.switched_off():
         want_self, want = run((x, x, x), (x,)), run((q, k, v), (q, k, v))
-    finally:
-        host_program.ENABLED = True
     for _ in range(3):  # recorded, then replayed: self-attention and three tensors alternately
         for got, expected in zip(run((x, x, x), (x,)), want_self):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
         for got, expected in zip(run((q, k, v), (q, k, v)), want):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_switched_off_restores_the_previous_setting():
+    with host_program.switched_off():
+        assert not host_program.available()
+        with host_program.switched_off():
+            pass
+        assert host_program.ENABLED is False
+    assert host_program.ENABLED is True
+    with pytest.raises(RuntimeError), host_program.switched_off():
+        raise RuntimeError
+    assert host_program.ENABLED is True

@@ -221,6 +221,18 @@ _STATE = threading.local()  # the forward being recorded on this thread: (record
 ENABLED = True
 
 
+@contextlib.contextmanager
+def switched_off():
+    """Calls made in the block take the Python road (``ENABLED`` off; benchmarks compare the
+    two roads, tests take the one that recorded), then the previous setting again."""
+    global ENABLED
+    previous, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = previous
+
+
 def available() -> bool:
     """Whether host programs are used in this process: switched on, the extension built, and
     no launch plan overridden (the tuning scripts' ``OVERRIDES``, which no key holds)."""
