@@ -87,8 +87,9 @@ def test_recorder_notes_launches_by_the_compiled_signature():
 @pytest.mark.parametrize("op", ["window", "local"])
 def test_op_calls_are_recorded_up_to_their_launches(op):
     """An eager call's forward and backward record to the end: every tensor they touch is an
-    input, a saved tensor or made in the call. On the CPU (the interpreter makes no launch
-    that can be recorded) the recording then stops for want of launches alone."""
+    input, a saved tensor or made in the call; so does a call without a gradient (its forward
+    alone). On the CPU (the interpreter makes no launch that can be recorded) the recording
+    then stops for want of launches alone."""
     from timm_flashwin import local_attention, op as window_op
     if HAS_CUDA and native.module() is None:
         pytest.skip("the host-program extension cannot be built here")
@@ -99,10 +100,13 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
         inputs = (qkv, 2, bias, None, None, 0.3, False, 0.0, None, True)
         tensors = [qkv, bias]
         road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, None)[0]  # noqa: E731
+        forward_alone = lambda: window_op._forward_without_grad(*inputs[:-1], False, None, None)[0]  # noqa: E731
     else:
         q, k, v = (randn(1, 2, 20, 16) for _ in range(3))
         tensors = [q, k, v]
-        road = lambda: local_attention._EagerLocalAttention.apply(q, k, v, 1, 8, 1, 0, 0.25, 0.0, None)[0]  # noqa: E731
+        inputs = (q, k, v, 1, 8, 1, 0, 0.25, 0.0, None)
+        road = lambda: local_attention._EagerLocalAttention.apply(*inputs)[0]  # noqa: E731
+        forward_alone = lambda: local_attention._forward_without_grad(*inputs)  # noqa: E731
     key = ("test_op_calls_are_recorded_up_to_their_launches", op)
     out = host_program.call(key, tensors, road)
     signature = host_program._SIGNATURES.pop((key, True))
@@ -112,6 +116,13 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
         assert signature.failure is None and signature.index is not None
     else:
         assert signature.failure == "no launch, or launches on two devices"
+    with torch.no_grad():
+        host_program.call(key, tensors, forward_alone, grad=False)
+    signature = host_program._SIGNATURES.pop((key, False))
+    if HAS_CUDA:
+        assert signature.failure is None and signature.index is not None
+    else:
+        assert signature.failure == "no launch"
 
 
 def _relative_index(window: int) -> torch.Tensor:
