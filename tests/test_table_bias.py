@@ -131,16 +131,38 @@ def test_inference_gives_the_gathered_bias_output():
     assert torch.equal(ours, gathered)
 
 
-def test_the_registered_operators_take_the_gathered_bias(monkeypatch):
+@pytest.mark.parametrize("cosine, sigmoid_scale", FAMILIES)
+@pytest.mark.parametrize("window", [(4, 4), (9, 9)], ids=["one-tile", "several-blocks"])
+def test_the_registered_operators_read_the_table(window, cosine, sigmoid_scale, monkeypatch):
     """Where the op cannot skip the dispatch (torch.compile, dispatch modes, subclasses) it
-    gathers the bias with ``TableBias.dense()`` and runs the registered operators."""
-    from timm_flashwin import op
-    case, table, index = _table_case((4, 4), 2, cosine=False, dtype=torch.float32)
-    eager = _run(case, table, index, None, as_table=True)
-    monkeypatch.setattr(op, "dispatch_free", lambda t: False)
-    dispatched = _run(case, table, index, None, as_table=True)
+    runs the registered operators; their kernels read the table through the index (its own
+    int64, not the eager path's int32 copy) where windows are one tile, with no gather, and
+    sum the table's gradient in the backward operator; larger windows take the gathered
+    bias (``TableBias.dense()``). Bit for bit the eager path's results."""
+    from timm_flashwin import op, position_bias
+    case, table, index = _table_case(window, 2, cosine=cosine, dtype=torch.float32, windows=2)
+    assert index.dtype == torch.int64
+    eager = _run(case, table, index, sigmoid_scale, as_table=True)
+    for module in (op, position_bias):
+        monkeypatch.setattr(module, "dispatch_free", lambda t: False)
+    gathers = []
+    real_gather = position_bias.gather_position_bias_op
+    monkeypatch.setattr(position_bias, "gather_position_bias_op", lambda *a: gathers.append(1) or real_gather(*a))
+    dispatched = _run(case, table, index, sigmoid_scale, as_table=True)
+    assert len(gathers) == (0 if window == (4, 4) else 1)
     for a, b in zip(eager, dispatched):
         assert torch.equal(a, b)
+
+
+def test_operator_check_with_a_table():
+    """Schema, fake tensors (the table's gradient of the table's shape and dtype), autograd
+    registration and AOT dispatch of the forward operator given a table and its index."""
+    from timm_flashwin.op import window_attention_fwd
+    from timm_flashwin.position_bias import operator_table_rows
+    case, table, index = _table_case((4, 4), 2, cosine=True, dtype=torch.float32, windows=2)
+    args = (case.qkv.requires_grad_(), 2, table.requires_grad_(), case.mask, case.logit_scale.reshape(2), 1.0,
+            True, 0.0, None, True, index, *operator_table_rows(index, table.shape[0], False), 16.0)
+    torch.library.opcheck(window_attention_fwd, args)
 
 
 def test_pytorch_path_takes_the_gathered_bias():

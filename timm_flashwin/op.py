@@ -23,7 +23,8 @@ from .dispatch import direct_launches, dispatch_free, register_op, uses_kernels
 from .kernels.bias_mask import mask_regions_shapes, mask_regions_used
 from .kernels.launch import attention_backward, attention_forward
 from .kernels.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
-from .position_bias import TableBias, TableGather
+from .kernels.position_launch import relative_bias_table_grad
+from .position_bias import TableBias, TableGather, operator_table_rows
 from .op_checks import validate
 from .reference import window_attention_reference
 from .window_grid import WindowGrid
@@ -41,8 +42,17 @@ def _forward_impl(
     dropout_p: float,
     seed: Optional[torch.Tensor],
     save_stats: bool = True,
+    table_index: Optional[torch.Tensor] = None,
+    table_order: Optional[torch.Tensor] = None,
+    table_offsets: Optional[torch.Tensor] = None,
+    table_sigmoid: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_forward(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats)
+    """With ``table_index`` (N, N), ``bias`` is a position-bias table (T, H) that the kernels
+    read through it (``TableBias``, windows of one tile: ``plan.reads_table``); the pairs'
+    ``table_order`` and ``table_offsets`` (``position_bias.operator_table_rows``) are for the
+    backward, which sums the table's gradient."""
+    return attention_forward(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats,
+                             None, table_index, table_sigmoid)
 
 
 def _backward_impl(
@@ -62,14 +72,26 @@ def _backward_impl(
     scale_grad: bool,
     dropout_p: float,
     seed: Optional[torch.Tensor],
+    table_index: Optional[torch.Tensor] = None,
+    table_order: Optional[torch.Tensor] = None,
+    table_offsets: Optional[torch.Tensor] = None,
+    table_sigmoid: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dbias is the table's gradient (T, H) in its dtype where ``bias`` is a table
+    (``table_index``), else the dense bias's (H, N, N) in float32."""
     dqkv, dbias, dscale = attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale,
-                                             num_heads, scale, cosine, bias_grad, scale_grad, dropout_p, seed)
+                                             num_heads, scale, cosine, bias_grad, scale_grad, dropout_p, seed,
+                                             None, table_index, table_sigmoid)
+    if table_index is not None and bias_grad:
+        dbias = relative_bias_table_grad(dbias, table_order, table_offsets, bias.shape[0], bias.dtype,
+                                         index=table_index, table=bias if table_sigmoid else None,
+                                         sigmoid_scale=table_sigmoid)
     # the two are views of one sum (launch.attention_backward); an operator's outputs may not alias
     return dqkv, dbias, dscale.clone() if bias_grad and scale_grad else dscale
 
 
-def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats=True):
+def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats=True,
+                  table_index=None, table_order=None, table_offsets=None, table_sigmoid=0.0):
     num_windows, n, channels = windows_tokens_channels(qkv, None)
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
@@ -81,9 +103,13 @@ def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropou
 
 
 def _backward_fake(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, num_heads, scale, cosine,
-                   bias_grad, scale_grad, dropout_p, seed):
+                   bias_grad, scale_grad, dropout_p, seed, table_index=None, table_order=None, table_offsets=None,
+                   table_sigmoid=0.0):
     n = qkv.shape[1]
-    dbias = qkv.new_empty((num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
+    if table_index is not None and bias_grad:
+        dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)
+    else:
+        dbias = qkv.new_empty((num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
     dscale = qkv.new_empty((num_heads,) if scale_grad and cosine else (0,), dtype=torch.float32)
     return torch.empty_like(qkv), dbias, dscale  # the layout attention_backward gives
 
@@ -105,8 +131,10 @@ def _setup_context(ctx, inputs, output, *also_saved):
 
 def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
     saved = ctx.saved_tensors
-    dqkv, dbias, dscale = _backward_outputs(window_attention_bwd, ctx, saved, grad_out)
-    return _input_grads(ctx, dqkv, dbias.to(saved[5].dtype) if dbias is not None else None, dscale)
+    # the table's index and pairs (None where the bias is dense): _operator_setup_context
+    dqkv, dbias, dscale = _backward_outputs(window_attention_bwd, ctx, saved, grad_out, *saved[9:12],
+                                            ctx.table_sigmoid)
+    return _input_grads(ctx, dqkv, dbias.to(saved[5].dtype) if dbias is not None else None, dscale, extra_inputs=4)
 
 
 def _backward_outputs(backward_op, ctx, saved, grad_out, *layout):
@@ -141,7 +169,14 @@ def _input_grads(ctx, dqkv, dbias, dscale, extra_inputs: int = 0):
     ) + (None,) * extra_inputs
 
 
-window_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+def _operator_setup_context(ctx, inputs, output):
+    """The registered operator's: also keeps its table's index and sorted pairs (``_forward_impl``)."""
+    table_index, table_order, table_offsets, table_sigmoid = (*inputs[10:], None, None, None, 0.0)[:4]
+    _setup_context(ctx, inputs, output, table_index, table_order, table_offsets)
+    ctx.table_sigmoid = table_sigmoid
+
+
+window_attention_fwd.register_autograd(_backward, setup_context=_operator_setup_context)
 
 
 class _EagerWindowAttention(torch.autograd.Function):
@@ -313,12 +348,18 @@ def window_attention(
         windows = window_attention(grid.partition(qkv), num_heads, bias=bias, mask=mask, scale=scale,
                                    logit_scale=logit_scale, dropout_p=dropout_p)
         return grid.merge(windows)
-    table_gather = None
+    table_gather, operator_table = None, ()
+    in_kernels = table_bias and kernels and reads_table(n, head_dim, qkv.dtype, logit_scale is not None,
+                                                        dropout_p > 0)
     if table_bias and eager and dispatch_free(bias.table):
         # read from its table by the kernels, or gathered, and its table's gradient summed, in the
         # eager path's own node
-        in_kernels = reads_table(n, head_dim, qkv.dtype, logit_scale is not None, dropout_p > 0)
         table_gather, bias = TableGather.of(bias, in_kernels), bias.table
+    elif in_kernels and not eager:
+        # the registered operators read the table too (no gather launched, no dense bias kept)
+        # and sum its gradient; the index as it is now, its pairs sorted when traced
+        operator_table = _operator_table_args(bias, torch.is_grad_enabled() and bias.table.requires_grad)
+        bias = bias.table
     elif table_bias:
         bias = bias.dense()
     if not kernels:
@@ -333,5 +374,15 @@ def window_attention(
     inputs = (qkv, num_heads, bias, mask, logit_scale, float(scale) if scale is not None else 1.0,
               logit_scale is not None, dropout_p, seed, save_stats)
     if not eager:
-        return window_attention_fwd(*inputs)[0]
+        return window_attention_fwd(*inputs, *operator_table)[0]
     return _eager_call(inputs, grid, table_gather)
+
+
+def _operator_table_args(bias: TableBias, grad: bool) -> tuple:
+    """``window_attention_fwd``'s table arguments for a ``TableBias`` its kernels read: the
+    index (contiguous, any integer dtype: the kernels load it as it is), the pairs sorted by
+    table row where a gradient follows (``operator_table_rows``), the sigmoid scale."""
+    index, num_rows = bias.index, bias.table.shape[0]
+    order, offsets = operator_table_rows(index, num_rows, bias.constant_index) if grad else (None, None)
+    scale = float(bias.sigmoid_scale) if bias.sigmoid_scale is not None else 0.0
+    return index.contiguous(), order, offsets, scale

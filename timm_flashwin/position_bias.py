@@ -80,6 +80,15 @@ def _traced_table_rows(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor
     return rows.order, rows.offsets
 
 
+def operator_table_rows(index: torch.Tensor, num_rows: int, constant_index: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets) of ``index``'s pairs for the registered operators' table gradient:
+    constants of the compiled graph where the index is constant (``_traced_table_rows``),
+    else sorted in the graph (or, in a dispatch mode, at every call)."""
+    if constant_index and torch.compiler.is_compiling():
+        return _traced_table_rows(index, num_rows)
+    return _sorted_pairs(index, num_rows)
+
+
 class _GatherFromTable(torch.autograd.Function):
     """The eager path: the operators' kernels without their dispatch, the pairs sorted once
     (``TableGather``, as the op's eager path reads a ``TableBias``)."""
@@ -187,11 +196,8 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
             if dispatch_free(table):
                 return _GatherFromTable.apply(table, TableGather(index, TableRows.of(index, table.shape[0]),
                                                                  table.shape[0], scale, False))
-            if constant_index and torch.compiler.is_compiling():
-                order, offsets = _traced_table_rows(index, table.shape[0])
-            else:
-                order, offsets = _sorted_pairs(index, table.shape[0])
-            return gather_position_bias_op(table, index, order, offsets, scale)
+            return gather_position_bias_op(table, index, *operator_table_rows(index, table.shape[0], constant_index),
+                                           scale)
         if dispatch_free(table):
             # Without a gradient too: PyTorch's indexing took 201 us for a window of 24x24
             # (its vectorized_gather_kernel, H200, benchmarks/profile_op.py --forward), the

@@ -116,7 +116,19 @@ def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, drop
     return found if found is not None else _default_forward_config(n, head_dim, dtype, cosine, dropout, reads_mask)
 
 
-@functools.lru_cache(maxsize=None)  # pure, and looked up several times per call of the op
+def _cached(function):
+    """``functools.lru_cache`` for eager calls; while dynamo traces (``plan.reads_table``,
+    which ``window_attention`` asks under torch.compile too) the function itself: dynamo
+    traces through a cache regardless and warns of each one it meets."""
+    cached = functools.lru_cache(maxsize=None)(function)
+
+    @functools.wraps(function)
+    def lookup(*args):
+        return function(*args) if torch.compiler.is_compiling() else cached(*args)
+    return lookup
+
+
+@_cached  # pure, and looked up several times per call of the op
 def _default_forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool,
                             reads_mask: bool) -> LaunchConfig:
     block_d = _pow2(head_dim)
@@ -214,7 +226,7 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
     return found if found is not None else _default_backward_config(n, head_dim, dtype, cosine)
 
 
-@functools.lru_cache(maxsize=None)
+@_cached
 def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
     block_d = _pow2(head_dim)
     if n <= 64 and block_d <= 64:
