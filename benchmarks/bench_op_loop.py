@@ -6,7 +6,9 @@ For bench_op.py's shapes, V1 (the bias a ``TableBias``, as the V1 adapter hands 
 cosine (a ``TableBias`` with SwinV2's sigmoid), timm's shift mask: forward + backward
 (``torch.autograd.grad`` to qkv, the table and the logit scale: no accumulation into leaf
 gradients, which a model's step does not have for qkv) per call (``--no-grad``: the
-forward alone, as inference calls it)
+forward alone, as inference calls it); ``--compile``: the op's call compiled
+(``torch.compile``, default mode, fullgraph), its backward the compiled graph's:
+
 
 * ``graph us``: CUDA-graph replays of one call (the GPU's time alone);
 * ``loop us``: calls back to back in a Python loop, synchronized once at the end (what a
@@ -38,9 +40,10 @@ def relative_position_index(window: int) -> torch.Tensor:
     return rel[..., 0] * (2 * window - 1) + rel[..., 1]
 
 
-def make_call(shape, kind: str, grad: bool = True):
+def make_call(shape, kind: str, grad: bool = True, compiled: bool = False):
     """One forward + backward of the op on ``shape`` (bench_op's (B_, H, N, D, nW)); without
-    ``grad``, one forward under torch.no_grad (inference)."""
+    ``grad``, one forward under torch.no_grad (inference); ``compiled``: the op's call under
+    torch.compile."""
     num_windows, heads, n, head_dim, periods = shape
     window = int(round(n ** 0.5))
     device = "cuda"
@@ -56,13 +59,15 @@ def make_call(shape, kind: str, grad: bool = True):
         bias = TableBias(table, index, 16.0, constant_index=True)
         score, leaves = dict(logit_scale=logit_scale), (qkv, table, logit_scale)
 
+    attention = torch.compile(window_attention, fullgraph=True) if compiled else window_attention
+
     def call():
-        out = window_attention(qkv, heads, bias=bias, mask=mask, **score)
+        out = attention(qkv, heads, bias=bias, mask=mask, **score)
         torch.autograd.grad(out, leaves, grad_out)
 
     def forward():
         with torch.no_grad():
-            window_attention(qkv, heads, bias=bias, mask=mask, **score)
+            attention(qkv, heads, bias=bias, mask=mask, **score)
     return call if grad else forward
 
 
@@ -96,6 +101,8 @@ def main() -> None:
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most own time over 200 calls of each case")
     parser.add_argument("--no-grad", action="store_true", help="the forward alone, under torch.no_grad")
+    parser.add_argument("--compile", action="store_true",
+                        help="the op's call compiled (torch.compile, default mode; host programs do not apply)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
@@ -104,7 +111,7 @@ def main() -> None:
           f"{'loop/graph':>10s}", flush=True)
     for name in args.shapes:
         for kind in args.kinds:
-            call = make_call(SHAPES[name], kind, grad=not args.no_grad)
+            call = make_call(SHAPES[name], kind, grad=not args.no_grad, compiled=args.compile)
             measured = {on: {"graph": [], "loop": [], "host": []} for on in settings}
             for on in settings:  # the first calls record the host program
                 host_program.ENABLED = on
@@ -117,7 +124,7 @@ def main() -> None:
                     measured[on]["loop"].append(host_us_per_call(call, 100, warmup=0))
                     measured[on]["host"].append(enqueue_us(call, 20))
             for on in settings:
-                row = dict(shape=name, kind=kind, host_programs=on, grad=not args.no_grad,
+                row = dict(shape=name, kind=kind, host_programs=on, grad=not args.no_grad, compiled=args.compile,
                            **{f"{k}_us": statistics.median(v) for k, v in measured[on].items()},
                            rounds=measured[on], device=torch.cuda.get_device_name(), torch=torch.__version__,
                            code=code_version())

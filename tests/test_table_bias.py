@@ -133,12 +133,15 @@ def test_inference_gives_the_gathered_bias_output():
 
 @pytest.mark.parametrize("cosine, sigmoid_scale", FAMILIES)
 @pytest.mark.parametrize("window", [(4, 4), (9, 9)], ids=["one-tile", "several-blocks"])
-def test_the_registered_operators_read_the_table(window, cosine, sigmoid_scale, monkeypatch):
+def test_the_registered_operators_read_the_table(window, cosine, sigmoid_scale, monkeypatch,
+                                                 deterministic_algorithms):
     """Where the op cannot skip the dispatch (torch.compile, dispatch modes, subclasses) it
     runs the registered operators; their kernels read the table through the index (its own
     int64, not the eager path's int32 copy) where windows are one tile, with no gather, and
     sum the table's gradient in the backward operator; larger windows take the gathered
-    bias (``TableBias.dense()``). Bit for bit the eager path's results."""
+    bias (``TableBias.dense()``). Bit for bit the eager path's results (in deterministic
+    mode: on a GPU the larger windows' backward otherwise sums the logit scale's gradient
+    with atomic adds, in a varying order)."""
     from timm_flashwin import op, position_bias
     case, table, index = _table_case(window, 2, cosine=cosine, dtype=torch.float32, windows=2)
     assert index.dtype == torch.int64
@@ -154,6 +157,30 @@ def test_the_registered_operators_read_the_table(window, cosine, sigmoid_scale, 
         assert torch.equal(a, b)
 
 
+def test_compiled_with_a_table_matches_eager():
+    """torch.compile (fullgraph) of the op given a ``TableBias`` with a constant index, called
+    on two window sizes: the table read by the operators, and the eager path's output and
+    gradients. The second size recompiles with symbolic shapes (dynamo's automatic dynamic
+    shapes): the table's rows are then sorted in the graph (taken for constants, they
+    failed to trace)."""
+    compiled = torch.compile(window_attention, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    try:
+        for window in ((4, 4), (5, 3)):
+            case, table, index = _table_case(window, 2, cosine=True, dtype=torch.float32, windows=2)
+            results = []
+            for attention in (window_attention, compiled):
+                qkv, table_ = case.qkv.detach().requires_grad_(), table.detach().requires_grad_()
+                out = attention(qkv, 2, bias=TableBias(table_, index, 16.0, constant_index=True), mask=case.mask,
+                                logit_scale=case.logit_scale)
+                out.backward(case.grad_out)
+                results.append((out.detach(), qkv.grad, table_.grad))
+            for eager, traced in zip(*results):
+                torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-7)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_operator_check_with_a_table():
     """Schema, fake tensors (the table's gradient of the table's shape and dtype), autograd
     registration and AOT dispatch of the forward operator given a table and its index."""
@@ -161,7 +188,7 @@ def test_operator_check_with_a_table():
     from timm_flashwin.position_bias import operator_table_rows
     case, table, index = _table_case((4, 4), 2, cosine=True, dtype=torch.float32, windows=2)
     args = (case.qkv.requires_grad_(), 2, table.requires_grad_(), case.mask, case.logit_scale.reshape(2), 1.0,
-            True, 0.0, None, True, index, *operator_table_rows(index, table.shape[0], False), 16.0)
+            True, 0.0, None, True, index, *operator_table_rows(index, table, False), 16.0)
     torch.library.opcheck(window_attention_fwd, args)
 
 

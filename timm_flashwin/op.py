@@ -312,8 +312,8 @@ def window_attention(
         bias: (H, N, N) or (1, H, N, N), qkv's dtype or float32; gets a gradient. Or a
             ``TableBias`` (a table (T, H) of qkv's dtype or float32 and an (N, N) index into
             it, timm's relative-position bias): the same values, and the table gets the
-            gradient; in eager mode within the op's one autograd node, the kernels of
-            windows up to 64 tokens reading the table themselves.
+            gradient; the kernels of windows up to 64 tokens read the table themselves
+            (eager or compiled), in eager mode within the op's one autograd node.
         mask: (nW, N, N) additive float mask (timm's 0/-100, -inf works); B_ % nW == 0.
             Takes no gradient.
         scale: V1 score scale (a Python float).
@@ -382,7 +382,7 @@ def _operator_table_args(bias: TableBias, grad: bool) -> tuple:
     """``window_attention_fwd``'s table arguments for a ``TableBias`` its kernels read: the
     index (contiguous, any integer dtype: the kernels load it as it is), the pairs sorted by
     table row where a gradient follows (``operator_table_rows``), the sigmoid scale."""
-    index, num_rows = bias.index, bias.table.shape[0]
-    order, offsets = operator_table_rows(index, num_rows, bias.constant_index) if grad else (None, None)
+    index = bias.index
+    order, offsets = operator_table_rows(index, bias.table, bias.constant_index) if grad else (None, None)
     scale = float(bias.sigmoid_scale) if bias.sigmoid_scale is not None else 0.0
     return index.contiguous(), order, offsets, scale

@@ -17,10 +17,10 @@ without a gradient there, and on plain CPU tensors, it is the PyTorch expression
 SwinV2's 16 * sigmoid(table[index]) runs in the same kernels (``sigmoid_scale``).
 
 ``TableBias(table, index, ...)`` is the same bias handed to ``window_attention`` ungathered:
-in eager mode the op reads it within its own autograd node (``TableGather``: the attention
-kernels of one-tile windows read the table through the index themselves, larger windows
-take the gather kernel's bias) and sums the table's gradient with the same kernel;
-elsewhere it is ``gather_position_bias``'s.
+the attention kernels of one-tile windows read the table through the index themselves (in
+eager mode within the op's own autograd node, ``TableGather``; under torch.compile and
+dispatch modes in the registered operators, whose backward sums the table's gradient with
+the same kernel); larger windows take ``gather_position_bias``'s bias.
 """
 from __future__ import annotations
 
@@ -69,24 +69,29 @@ class TableRows:
 
 
 @torch.compiler.assume_constant_result
-def _traced_table_rows(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(order, offsets) of ``TableRows.of(index, num_rows)``. Marked as a constant for
+def _traced_table_rows(index: torch.Tensor, table: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets) of ``TableRows.of(index, len(table))``. Marked as a constant for
     torch.compile: dynamo calls it with the index's value when it traces (a module's
     buffer) and puts its result into the graph as constants, so that the compiled step
     does not sort the pairs again (a sort of the N*N pairs, arange, searchsorted): on an
     H200, 7 kernel launches and about 36 us of GPU time fewer per layer and training step
-    on 7x7 windows, 24 launches and 66 us on 24x24 ones (2026-11-24, 58bb2b2)."""
-    rows = TableRows.of(index, num_rows)
+    on 7x7 windows, 24 launches and 66 us on 24x24 ones (2026-11-24, 58bb2b2). The table,
+    not its row count: traced with symbolic shapes (dynamo's automatic dynamic shapes,
+    after a call with a table of another size) the count is a symbol, which dynamo cannot
+    hand a constant's function; a tensor it hands as its value."""
+    rows = TableRows.of(index, table.shape[0])
     return rows.order, rows.offsets
 
 
-def operator_table_rows(index: torch.Tensor, num_rows: int, constant_index: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(order, offsets) of ``index``'s pairs for the registered operators' table gradient:
-    constants of the compiled graph where the index is constant (``_traced_table_rows``),
-    else sorted in the graph (or, in a dispatch mode, at every call)."""
+def operator_table_rows(index: torch.Tensor, table: torch.Tensor, constant_index: bool
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets) of ``index``'s pairs for the registered operators' gradient of
+    ``table``: constants of the compiled graph where the index is constant
+    (``_traced_table_rows``), else sorted in the graph (or, in a dispatch mode, at every
+    call)."""
     if constant_index and torch.compiler.is_compiling():
-        return _traced_table_rows(index, num_rows)
-    return _sorted_pairs(index, num_rows)
+        return _traced_table_rows(index, table)
+    return _sorted_pairs(index, table.shape[0])
 
 
 class _GatherFromTable(torch.autograd.Function):
@@ -196,7 +201,7 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
             if dispatch_free(table):
                 return _GatherFromTable.apply(table, TableGather(index, TableRows.of(index, table.shape[0]),
                                                                  table.shape[0], scale, False))
-            return gather_position_bias_op(table, index, *operator_table_rows(index, table.shape[0], constant_index),
+            return gather_position_bias_op(table, index, *operator_table_rows(index, table, constant_index),
                                            scale)
         if dispatch_free(table):
             # Without a gradient too: PyTorch's indexing took 201 us for a window of 24x24
@@ -226,9 +231,11 @@ class TableBias(NamedTuple):
     a gather of its own (host time, which eager training steps of the tiny models are bound
     by); where a window is one tile of the kernels (N <= 64) they read the table themselves
     (``kernels.bias_mask_tiles.load_table_bias_mask``: no gather launched, no dense bias kept between
-    the passes), else a gather kernel writes the bias for them. Elsewhere (torch.compile, dispatch modes, tensor
-    subclasses, PyTorch's path) the op takes ``dense()``. A NamedTuple: torch.compile
-    traces it as it traces a tuple.
+    the passes), else a gather kernel writes the bias for them. Under torch.compile, dispatch
+    modes and for tensor subclasses the registered operators read the table of one-tile
+    windows the same way (12 gather launches fewer per compiled swin_tiny training step),
+    and take ``dense()`` for larger ones; PyTorch's path takes ``dense()``. A NamedTuple:
+    torch.compile traces it as it traces a tuple.
 
     table: (T, H); index: (N, N) integer table rows; sigmoid_scale: None, or SwinV2's 16;
     constant_index: as ``gather_position_bias``'s.
