@@ -27,27 +27,27 @@ SWIN_CR = timm.models.swin_transformer_v2_cr.WindowMultiHeadAttention
 #: two blocks in stage 3, not 6 (18 in SwinV2-base): blocks alternate between unshifted and
 #: shifted windows, so its third to last blocks run its first two's paths again (CI time)
 STAGE3_TWO = dict(depths=(2, 2, 2, 2))
-MODEL_CASES = [  # (name, create_model kwargs, image size)
-    ("swin_tiny_patch4_window7_224", dict(img_size=112, **STAGE3_TWO), (112, 112)),
-    ("swin_tiny_patch4_window7_224", dict(img_size=(96, 128), **STAGE3_TWO), (96, 128)),  # non-square feature maps
-    ("swinv2_tiny_window8_256", dict(img_size=128, **STAGE3_TWO), (128, 128)),
+MODEL_CASES = [  # (name, create_model kwargs, image size, modes)
+    ("swin_tiny_patch4_window7_224", dict(img_size=112, **STAGE3_TWO), (112, 112), ("eval",)),
+    # non-square feature maps (and windows), Swin V1's training run
+    ("swin_tiny_patch4_window7_224", dict(img_size=(96, 128), **STAGE3_TWO), (96, 128), ("train",)),
+    ("swinv2_tiny_window8_256", dict(img_size=128, **STAGE3_TWO), (128, 128), ("train",)),
     # window_size=7 keeps the model's 224 geometry; at 112 timm would otherwise derive 3x3 windows
-    ("swinv2_cr_tiny_224", dict(img_size=112, window_size=7, **STAGE3_TWO), (112, 112)),
+    ("swinv2_cr_tiny_224", dict(img_size=112, window_size=7, **STAGE3_TWO), (112, 112), ("train",)),
     # half the base width (head_dim 32 kept): its window-16 and pretrained-window paths at half the cost
     ("swinv2_base_window12to16_192to256", dict(img_size=128, embed_dim=64, num_heads=(2, 4, 8, 16), **STAGE3_TWO),
-     (128, 128)),
+     (128, 128), ("train",)),
 ]
 
 
-# Training mode for every case; eval mode too where it runs different code: a first model
-# (the module's mode is read at call time). SwinV2-CR's eval (its meta_mlp's dropout off) is
+# Training mode for every family; eval mode too where it runs different code: a first model
+# (the module's mode is read at call time), Swin V1 at 112 (its training at (96, 128) runs
+# the same kernels on non-square maps). SwinV2-CR's eval (its meta_mlp's dropout off) is
 # judged by the same rule in tests/test_cli.py's verify of it. The other models have no
 # dropout (drop_path_rate=0), so their eval runs the same kernels as their training run, for
 # 20 s to 50 s each under the interpreter (CI time).
-EVAL_TOO = {("swin_tiny_patch4_window7_224", (112, 112))}
-MODEL_RUNS = [pytest.param(name, kwargs, size, train, id=f"{name}-{size[0]}x{size[1]}-{'train' if train else 'eval'}")
-              for name, kwargs, size in MODEL_CASES for train in (False, True)
-              if train or (name, size) in EVAL_TOO]
+MODEL_RUNS = [pytest.param(name, kwargs, size, mode == "train", id=f"{name}-{size[0]}x{size[1]}-{mode}")
+              for name, kwargs, size, modes in MODEL_CASES for mode in modes]
 
 
 @pytest.mark.parametrize("name,kwargs,size,train", MODEL_RUNS)
