@@ -6,6 +6,7 @@ import torch
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from timm_flashwin import TableBias, WindowGrid, host_program, native, window_attention
 from timm_flashwin.host_program import Recorder
+from timm_flashwin.position_bias import TableGather
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -84,12 +85,15 @@ def test_recorder_notes_launches_by_the_compiled_signature():
     assert hp.fast_launch.RECORD is None  # switched off on leaving
 
 
-@pytest.mark.parametrize("op", ["window", "local"])
+@pytest.mark.parametrize("op", ["window", "window_gathered_table", "local"])
 def test_op_calls_are_recorded_up_to_their_launches(op):
     """An eager call's forward and backward record to the end: every tensor they touch is an
     input, a saved tensor or made in the call; so does a call without a gradient (its forward
     alone). On the CPU (the interpreter makes no launch that can be recorded) the recording
-    then stops for want of launches alone."""
+    then stops for want of launches alone. ``window_gathered_table``: windows of 81 tokens
+    (the kernels that stream key blocks) whose ``TableBias`` the op gathers, 16-bit (the
+    float16 bias copy made in the call): the gather reads the index the program takes as an
+    input (it read the module's own index, which stopped every such recording)."""
     from timm_flashwin import local_attention, op as window_op
     if HAS_CUDA and native.module() is None:
         pytest.skip("the host-program extension cannot be built here")
@@ -101,6 +105,14 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
         tensors = [qkv, bias]
         road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, None)[0]  # noqa: E731
         forward_alone = lambda: window_op._forward_without_grad(*inputs[:-1], False, None, None)[0]  # noqa: E731
+    elif op == "window_gathered_table":
+        qkv = torch.randn(2, 81, 3 * 2 * 16, generator=generator).to(KERNEL_DEVICE, torch.bfloat16).requires_grad_()
+        table = randn(17 * 17, 2)
+        table_gather = TableGather.of(TableBias(table, _relative_index(9).to(KERNEL_DEVICE)), False)
+        inputs = (qkv, 2, table, None, None, 0.25, False, 0.0, None, True)
+        tensors = [qkv, table, *window_op._host_tensors(table_gather)]
+        road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, table_gather)[0]  # noqa: E731
+        forward_alone = lambda: window_op._forward_without_grad(*inputs[:-1], False, None, table_gather)[0]  # noqa: E731
     else:
         q, k, v = (randn(1, 2, 20, 16) for _ in range(3))
         tensors = [q, k, v]

@@ -283,8 +283,9 @@ class TableGather:
         return (self.rows.index32, self.sigmoid_scale) if self.in_kernels else ()
 
     def gather(self, table: torch.Tensor) -> torch.Tensor:
-        """The dense bias (H, N, N) in the table's dtype."""
-        return relative_bias_gather(table, self.index, self.sigmoid_scale)
+        """The dense bias (H, N, N) in the table's dtype (read through ``rows.index32``, which
+        a host program takes as an input: ``op._host_tensors``)."""
+        return relative_bias_gather(table, self.rows.index32, self.sigmoid_scale)
 
     def table_grad(self, bias_grad: torch.Tensor, dtype: torch.dtype, table: Optional[torch.Tensor]) -> torch.Tensor:
         """The table's gradient (T, H) in ``dtype`` (the table's) from the bias gradient
