@@ -9,7 +9,6 @@ gradients, which a model's step does not have for qkv) per call (``--no-grad``: 
 forward alone, as inference calls it); ``--compile``: the op's call compiled
 (``torch.compile``, default mode, fullgraph), its backward the compiled graph's:
 
-
 * ``graph us``: CUDA-graph replays of one call (the GPU's time alone);
 * ``loop us``: calls back to back in a Python loop, synchronized once at the end (what a
   training step pays per call where the host is the bound);

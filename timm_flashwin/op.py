@@ -170,8 +170,9 @@ def _input_grads(ctx, dqkv, dbias, dscale, extra_inputs: int = 0):
 
 
 def _operator_setup_context(ctx, inputs, output):
-    """The registered operator's: also keeps its table's index and sorted pairs (``_forward_impl``)."""
-    table_index, table_order, table_offsets, table_sigmoid = (*inputs[10:], None, None, None, 0.0)[:4]
+    """The registered operator's: also keeps its table's index and sorted pairs (``_forward_impl``;
+    ``inputs`` are all fourteen, defaults filled in)."""
+    table_index, table_order, table_offsets, table_sigmoid = inputs[10:]
     _setup_context(ctx, inputs, output, table_index, table_order, table_offsets)
     ctx.table_sigmoid = table_sigmoid
 

@@ -199,7 +199,7 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
         grad = table.requires_grad and torch.is_grad_enabled()
         if grad:
             if dispatch_free(table):
-                return _GatherFromTable.apply(table, TableGather(index, TableRows.of(index, table.shape[0]),
+                return _GatherFromTable.apply(table, TableGather(TableRows.of(index, table.shape[0]),
                                                                  table.shape[0], scale, False))
             return gather_position_bias_op(table, index, *operator_table_rows(index, table, constant_index),
                                            scale)
@@ -255,12 +255,12 @@ class TableBias(NamedTuple):
 @dataclass(frozen=True)
 class TableGather:
     """How the op's eager path reads a ``TableBias`` and sums its table's gradient: the
-    index, its pairs sorted by table row (``TableRows``, the index's range checked once),
+    index as the kernels read it and its pairs sorted by table row (``TableRows``, the
+    index's range checked once),
     the sigmoid scale (0: none) and whether the attention kernels read the table
     themselves (``in_kernels``, ``plan.reads_table``: windows of one tile) or take the
     bias gathered by a kernel of its own. Call its launches in ``dispatch.direct_launches()``."""
 
-    index: torch.Tensor
     rows: TableRows
     num_rows: int
     sigmoid_scale: float
@@ -270,7 +270,7 @@ class TableGather:
     def of(bias: TableBias, in_kernels: bool) -> "TableGather":
         """Of a ``TableBias`` that ``window_attention`` has validated."""
         table, index, scale = bias.table, bias.index, bias.sigmoid_scale
-        return TableGather(index, TableRows.of(index, table.shape[0]), table.shape[0],
+        return TableGather(TableRows.of(index, table.shape[0]), table.shape[0],
                            float(scale) if scale is not None else 0.0, in_kernels)
 
     def key(self) -> Tuple:
