@@ -334,6 +334,12 @@ def _note_failure(signature: _Signature, recorder: Recorder) -> None:
         _log.debug("timm_flashwin host program not recorded: %s", recorder.failure)
 
 
+def noting_forward() -> bool:
+    """Whether the op's forward running now is noted for a host program (``note_forward``):
+    recorded, or its backward awaited for recording."""
+    return getattr(_STATE, "forward", None) is not None
+
+
 def note_forward(ctx, saved: Sequence[Optional[torch.Tensor]], kept: Sequence[torch.Tensor],
                  output: torch.Tensor) -> None:
     """Called by the op's autograd.Function forward with what it saves for the backward

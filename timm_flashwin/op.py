@@ -20,7 +20,7 @@ import torch
 
 from . import host_program
 from .dispatch import direct_launches, dispatch_free, register_op, uses_kernels
-from .kernels.bias_mask import mask_regions_shapes, mask_regions_used
+from .kernels.bias_mask import kept_streamed_bias, mask_regions_shapes, mask_regions_used
 from .kernels.launch import attention_backward, attention_forward
 from .kernels.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
 from .kernels.position_launch import relative_bias_table_grad
@@ -204,12 +204,17 @@ class _EagerWindowAttention(torch.autograd.Function):
         *inputs, grid, table_gather = inputs
         table = inputs[2] if table_gather is not None else None
         table_args = table_gather.kernel_args() if table is not None else ()
+        # the table is kept for the derivative of its sigmoid, where the bias saved is the gathered one
+        also_saved = (table,) if table is not None and not table_args and table_gather.sigmoid_scale else ()
         with direct_launches():
             if table is not None and not table_args:  # the kernels read the gathered bias
                 inputs[2] = table_gather.gather(table)
             output = attention_forward(*inputs, grid, *table_args)
-        # the table is kept for the derivative of its sigmoid, where the bias saved is the gathered one
-        also_saved = (table,) if table is not None and not table_args and table_gather.sigmoid_scale else ()
+            if host_program.noting_forward():
+                # the backward reads the bias copy the forward kept on the bias (kernels that
+                # stream key blocks): saved, its host program takes it from the forward's
+                bias_copy = kept_streamed_bias(inputs[2], inputs[3], inputs[0].dtype, inputs[1])
+                also_saved += (bias_copy,) if bias_copy is not None else ()
         _setup_context(ctx, inputs, output, *also_saved)
         ctx.grid, ctx.table_gather, ctx.table_args = grid, table_gather, table_args
         ctx.table_dtype = table.dtype if table is not None else None
@@ -254,12 +259,7 @@ def _eager_call(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optiona
         python_road = lambda: _EagerWindowAttention.apply(*inputs, grid, table_gather)[0]  # noqa: E731
     else:
         python_road = lambda: _forward_without_grad(*inputs, grid, table_gather)[0]  # noqa: E731
-    # A gathered table's calls (windows the kernels stream in key blocks) record to the end
-    # since the gather reads the program's int32 index (the CPU recording test), but their
-    # replay has not yet been held to the Python road on a GPU (test_host_program.py's
-    # v1_window12 case); until it is, they keep the Python road, as they did while their
-    # recording failed on the module's own index.
-    if not qkv.is_cuda or not host_program.available() or (table_gather is not None and not table_gather.in_kernels):
+    if not qkv.is_cuda or not host_program.available():
         return python_road()
     tensors = (qkv, bias, mask, logit_scale, seed)
     extra = _host_tensors(table_gather)

@@ -111,10 +111,37 @@ def streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], dt
     The copy is kept on the bias tensor (``kept_on``, keyed on the mask too; on the mask
     where there is no bias): the backward reuses the forward's.
     """
+    recipe = _streamed_recipe(bias, mask, dtype, num_heads)
+    if recipe is None:  # read as they are
+        return bias, mask, False
+    owner, make, log2e, read_mask, key = recipe
+    if key is None:
+        return make(), read_mask, log2e
+    return kept_on(owner, _STREAMED_BIAS, make, *key), read_mask, log2e
+
+
+def kept_streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], dtype: torch.dtype,
+                       num_heads: int) -> Optional[torch.Tensor]:
+    """The copy ``streamed_bias`` keeps for these inputs, where it keeps one and has made
+    it, else None; computes nothing. The op's forward hands it to its backward's host
+    program (the backward reads it from where the forward kept it)."""
+    recipe = _streamed_recipe(bias, mask, dtype, num_heads)
+    if recipe is None or recipe[4] is None:
+        return None
+    return kept(recipe[0], _STREAMED_BIAS, *recipe[4])
+
+
+_STREAMED_BIAS = "_flashwin_streamed_bias"
+
+
+def _streamed_recipe(bias, mask, dtype, num_heads):
+    """``streamed_bias``'s decision: None where bias and mask are read as they are, else
+    (owner, make, log2e, read_mask, key): ``make()`` computes the bias read, kept on
+    ``owner`` under ``key`` (None: not kept)."""
     if dtype != torch.float32:
         fold = mask is not None and folds_mask(dtype, num_heads, mask.shape[0], mask.shape[-1])
         if bias is None and not fold:
-            return None, mask, False
+            return None
         folded = mask if fold else None
         owner = bias if bias is not None else mask
         make, log2e, read_mask = (lambda: _log2e_float16_copy(bias, folded)), True, None if fold else mask
@@ -123,14 +150,14 @@ def streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], dt
         other = folded if bias is not None else None
         keep = other is None or (type(other) is torch.Tensor and not other.is_inference())
     elif bias is None or bias.is_contiguous():
-        return bias, mask, False
+        return None
     else:
         owner, make, log2e, read_mask, other, keep = bias, bias.contiguous, False, mask, None, True
     if not keep or traced_launch() or type(owner) is not torch.Tensor:
-        return make(), read_mask, log2e
-    key = () if other is None else (other.data_ptr(), other._version, other.shape, other.stride())
+        return owner, make, log2e, read_mask, None
     # keyed on the copy's kind too: the same bias may serve float32 and 16-bit inputs in turn
-    return kept_on(owner, "_flashwin_streamed_bias", make, log2e, *key), read_mask, log2e
+    key = (log2e,) if other is None else (log2e, other.data_ptr(), other._version, other.shape, other.stride())
+    return owner, make, log2e, read_mask, key
 
 
 def _log2e_float16_copy(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> torch.Tensor:
