@@ -140,6 +140,33 @@ def test_compiles_without_graph_break():
     assert_matches_reference(results, reference_forward_backward(case), 1e-4)
 
 
+def test_compiles_with_symbolic_float_arguments():
+    """torch.compile(dynamic=True) without float specialization hands the ops symbolic
+    floats (``scale``, a ``TableBias``'s ``sigmoid_scale``): their checks trace (the
+    sigmoid scale's finiteness check failed to), and a second value gives its own result."""
+    from timm_flashwin import TableBias, sliding_window_attention
+    from test_position_bias import relative_position_index
+
+    def window(qkv, table, index, scale, sigmoid_scale):
+        return window_attention(qkv, 2, bias=TableBias(table, index, sigmoid_scale), scale=scale)
+
+    def local(q, k, v, scale):
+        return sliding_window_attention(q, k, v, window=(3, 2), scale=scale)
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(4, 16, 3 * 2 * 16, generator=generator).to(KERNEL_DEVICE).requires_grad_()
+    table = torch.randn(49, 2, generator=generator).to(KERNEL_DEVICE).requires_grad_()
+    index = relative_position_index(4, 4).to(KERNEL_DEVICE)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=generator).to(KERNEL_DEVICE) for _ in range(3))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(specialize_float=False):
+        compiled = [torch.compile(f, dynamic=True, fullgraph=True, backend="aot_eager") for f in (window, local)]
+        for scale, sigmoid_scale in ((0.25, 16.0), (0.3, 12.0)):
+            got = compiled[0](qkv, table, index, scale, sigmoid_scale)
+            torch.testing.assert_close(got, window(qkv, table, index, scale, sigmoid_scale), rtol=1e-6, atol=1e-6)
+            got.sum().backward()
+            torch.testing.assert_close(compiled[1](q, k, v, scale), local(q, k, v, scale), rtol=1e-6, atol=1e-6)
+
+
 def test_compiled_inference_saves_no_statistics(monkeypatch):
     """Compiled under no_grad, the multi-block forward is traced without softmax
     statistics (the grad mode is a guard of the graph); trained, with them."""

@@ -160,9 +160,11 @@ gather_position_bias_op.register_autograd(_gather_backward, setup_context=_gathe
 
 # ----------------------------------------------------------------------- public function
 def check_sigmoid_scale(sigmoid_scale: Optional[float], caller: str) -> None:
-    """A ``sigmoid_scale`` is None or a finite nonzero real (not a bool)."""
+    """A ``sigmoid_scale`` is None or a finite nonzero real (not a bool). Finite as ``abs(s) <
+    inf`` (False for NaN), which torch.compile traces where a float input is symbolic
+    (``dynamic=True`` without float specialization); ``math.isfinite`` it cannot."""
     if sigmoid_scale is not None and (isinstance(sigmoid_scale, bool) or not isinstance(sigmoid_scale, Real)
-                                      or not math.isfinite(sigmoid_scale) or sigmoid_scale == 0):
+                                      or not abs(sigmoid_scale) < math.inf or sigmoid_scale == 0):
         raise ValueError(f"{caller}: `sigmoid_scale` must be None or a finite nonzero float, got {sigmoid_scale!r}")
 
 
