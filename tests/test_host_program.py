@@ -82,6 +82,13 @@ def test_recorder_notes_launches_by_the_compiled_signature():
     with Recorder([x]) as recorder:
         hp.fast_launch.RECORD(_kernel("x"), None, (1,), (x,))
     assert "Triton's own path" in recorder.failure
+    # the interpreter's launches (the CPU tests): no step, but their tensors are checked
+    with Recorder([x]) as recorder:
+        hp.fast_launch.RECORD(_kernel("x"), hp.fast_launch.INTERPRETED, (1,), (x, 3))
+    assert recorder.failure is None and recorder.steps == []
+    with Recorder([x]) as recorder:
+        hp.fast_launch.RECORD(_kernel("x"), hp.fast_launch.INTERPRETED, (1,), (x, outside))
+    assert "neither an input" in recorder.failure
     assert hp.fast_launch.RECORD is None  # switched off on leaving
 
 
@@ -90,10 +97,13 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
     """An eager call's forward and backward record to the end: every tensor they touch is an
     input, a saved tensor or made in the call; so does a call without a gradient (its forward
     alone). On the CPU (the interpreter makes no launch that can be recorded) the recording
-    then stops for want of launches alone. ``window_gathered_table``: windows of 81 tokens
-    (the kernels that stream key blocks) whose ``TableBias`` the op gathers, 16-bit (the
-    float16 bias copy made in the call): the gather reads the index the program takes as an
-    input (it read the module's own index, which stopped every such recording)."""
+    then stops for want of launches alone, each launch's tensors checked as on a GPU.
+    ``window_gathered_table``: windows of 144 tokens (the kernels of both passes stream key
+    blocks) whose ``TableBias`` the op gathers, 16-bit: the gather reads the index the
+    program takes as an input (it read the module's own index, which stopped every such
+    recording), and the backward's launches read the float16 bias copy that the forward
+    made and saved (kept on the gathered bias only, the backward's recording did not know
+    it)."""
     from timm_flashwin import local_attention, op as window_op
     if HAS_CUDA and native.module() is None:
         pytest.skip("the host-program extension cannot be built here")
@@ -106,9 +116,9 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
         road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, None)[0]  # noqa: E731
         forward_alone = lambda: window_op._forward_without_grad(*inputs[:-1], False, None, None)[0]  # noqa: E731
     elif op == "window_gathered_table":
-        qkv = torch.randn(2, 81, 3 * 2 * 16, generator=generator).to(KERNEL_DEVICE, torch.bfloat16).requires_grad_()
-        table = randn(17 * 17, 2)
-        table_gather = TableGather.of(TableBias(table, _relative_index(9).to(KERNEL_DEVICE)), False)
+        qkv = torch.randn(2, 144, 3 * 2 * 16, generator=generator).to(KERNEL_DEVICE, torch.bfloat16).requires_grad_()
+        table = randn(23 * 23, 2)
+        table_gather = TableGather.of(TableBias(table, _relative_index(12).to(KERNEL_DEVICE)), False)
         inputs = (qkv, 2, table, None, None, 0.25, False, 0.0, None, True)
         tensors = [qkv, table, *window_op._host_tensors(table_gather)]
         road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, table_gather)[0]  # noqa: E731

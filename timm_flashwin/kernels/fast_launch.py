@@ -40,6 +40,10 @@ ENABLED = _knobs is not None
 #: program is recorded (``timm_flashwin.host_program``); None otherwise
 RECORD = None
 
+#: what RECORD is given for the compiled kernel of a launch the interpreter ran
+#: (``TRITON_INTERPRET=1``, the CPU tests): nothing to record, but its tensors are checked
+INTERPRETED = object()
+
 
 def _arguments_key(args: Sequence) -> Tuple:
     """What Triton specializes the runtime arguments on, or more: each integer's value

@@ -49,9 +49,20 @@ class _Launcher:
         self.kernel = kernel
 
     def __getitem__(self, grid: Tuple[int, ...]) -> Callable[..., Any]:
-        if config.INTERPRET or traced_launch():
+        if traced_launch():
             return wrap_triton(self.kernel)[grid]
+        if config.INTERPRET:
+            return lambda *args, **kwargs: _interpret(self.kernel, grid, args, kwargs)
         return lambda *args, **kwargs: _launch_on_device(self.kernel, grid, args, kwargs)
+
+
+def _interpret(kernel: Any, grid: Tuple[int, ...], args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+    """The interpreter's run of a launch, shown to a host program's recorder where one
+    records (``fast_launch.INTERPRETED``): on the CPU a recording then checks each launch's
+    tensors as it does on a GPU."""
+    wrap_triton(kernel)[grid](*args, **kwargs)
+    if fast_launch.RECORD is not None:
+        fast_launch.RECORD(kernel, fast_launch.INTERPRETED, grid, args)
 
 
 def _launch_on_device(kernel: Any, grid: Tuple[int, ...], args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
