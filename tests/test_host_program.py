@@ -175,7 +175,7 @@ CASES = [
 
 def _call(case, qkv_grad: bool = True):
     name, window, heads, head_dim, dtype, bias_kind, with_mask, with_grid, dropout = case
-    n, images = window * window, 2
+    n, images = window * window, 2 if HAS_CUDA else 1  # the CPU: half the interpreter time
     grid = WindowGrid(2 * window, 2 * window, (window, window), (window // 2,) * 2) if with_grid else None
     windows = images * (grid.num_windows if grid else 4)
     generator = torch.Generator().manual_seed(0)
@@ -183,19 +183,19 @@ def _call(case, qkv_grad: bool = True):
         qkv = torch.randn(images, grid.height * grid.width, 3 * heads * head_dim, generator=generator)
     else:
         qkv = torch.randn(windows, n, 3 * heads * head_dim, generator=generator)
-    qkv = qkv.to("cuda", dtype).requires_grad_(qkv_grad)
-    table = torch.randn((2 * window - 1) ** 2, heads, generator=generator).cuda().requires_grad_()
-    index = _relative_index(window).cuda()
+    qkv = qkv.to(KERNEL_DEVICE, dtype).requires_grad_(qkv_grad)
+    table = torch.randn((2 * window - 1) ** 2, heads, generator=generator).to(KERNEL_DEVICE).requires_grad_()
+    index = _relative_index(window).to(KERNEL_DEVICE)
     leaves = [t for t in (qkv, table) if t.requires_grad]
     kwargs = dict(scale=head_dim ** -0.5)
     if bias_kind == "sigmoid":
-        logit_scale = torch.full((heads, 1, 1), 2.3, device="cuda", requires_grad=True)
+        logit_scale = torch.full((heads, 1, 1), 2.3, device=KERNEL_DEVICE, requires_grad=True)
         kwargs = dict(logit_scale=logit_scale)
         leaves.append(logit_scale)
     table_bias = TableBias(table, index, 16.0 if bias_kind == "sigmoid" else None, constant_index=True)
-    mask = _shift_mask(4 if not grid else grid.num_windows, n).cuda() if with_mask else None
+    mask = _shift_mask(4 if not grid else grid.num_windows, n).to(KERNEL_DEVICE) if with_mask else None
     out_shape = (*qkv.shape[:2], heads * head_dim)
-    grad_out = torch.randn(out_shape, generator=generator).to("cuda", dtype)
+    grad_out = torch.randn(out_shape, generator=generator).to(KERNEL_DEVICE, dtype)
 
     def run():
         torch.manual_seed(3)  # the dropout seed
@@ -207,6 +207,24 @@ def _call(case, qkv_grad: bool = True):
 
 def _ready() -> int:
     return sum(s.index is not None for s in host_program._SIGNATURES.values())
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU these cases replay (the next test)")
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_replay_cases_record_to_their_launches_on_the_cpu(case, monkeypatch):
+    """Each case of the GPU's replay test, through the op, records on the CPU up to the
+    want of launches that can be replayed: every tensor of its ATen calls and of the
+    interpreter's launches (``fast_launch.INTERPRETED``) is an input, saved or made in the
+    call, forward and backward."""
+    monkeypatch.setattr(host_program, "takes", lambda tensor: True)
+    before = set(host_program._SIGNATURES)
+    try:
+        _call(case)()
+        failures = [host_program._SIGNATURES[key].failure for key in set(host_program._SIGNATURES) - before]
+    finally:
+        for key in set(host_program._SIGNATURES) - before:
+            del host_program._SIGNATURES[key]
+    assert failures == ["no launch, or launches on two devices"]
 
 
 @cuda

@@ -244,6 +244,12 @@ def available() -> bool:
     return ENABLED and not (config.OVERRIDES or local_launch.OVERRIDES) and native.module() is not None
 
 
+def takes(tensor: torch.Tensor) -> bool:
+    """Whether the op's calls on ``tensor`` take host programs: a CUDA tensor, and host
+    programs ``available``."""
+    return tensor.is_cuda and available()
+
+
 def tensor_key(t: Optional[torch.Tensor]) -> Optional[Tuple]:
     """What a recorded program depends on of one tensor: its layout, dtype, device,
     16-byte alignment (Triton specializes on it) and whether it takes a gradient."""

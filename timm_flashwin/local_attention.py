@@ -122,7 +122,7 @@ def _eager_call(inputs: tuple, grad: bool) -> torch.Tensor:
     else:
         python_road = lambda: _forward_without_grad(*inputs)  # noqa: E731
     q, k, v, *scalars, seed = inputs
-    if not q.is_cuda or not host_program.available():
+    if not host_program.takes(q):
         return python_road()
     tensors = [q, k, v] if seed is None else [q, k, v, seed]
     key = ("local", *map(host_program.tensor_key, tensors), *scalars, host_program.settings_key())

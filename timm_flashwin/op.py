@@ -259,7 +259,7 @@ def _eager_call(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optiona
         python_road = lambda: _EagerWindowAttention.apply(*inputs, grid, table_gather)[0]  # noqa: E731
     else:
         python_road = lambda: _forward_without_grad(*inputs, grid, table_gather)[0]  # noqa: E731
-    if not qkv.is_cuda or not host_program.available():
+    if not host_program.takes(qkv):
         return python_road()
     tensors = (qkv, bias, mask, logit_scale, seed)
     extra = _host_tensors(table_gather)
