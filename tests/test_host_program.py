@@ -167,6 +167,8 @@ CASES = [
     ("v1_dropout", 7, 3, 32, torch.bfloat16, "table", False, False, 0.1),
     ("v1_window12", 12, 4, 32, torch.bfloat16, "table", True, False, 0.0),
     ("cosine_sigmoid_window12", 12, 4, 32, torch.bfloat16, "sigmoid", True, False, 0.0),
+    # float32: the kernels read the mask's region ids, kept on the mask, the programs' inputs
+    ("v1_window12_float32", 12, 4, 32, torch.float32, "table", True, False, 0.0),
     # a dense bias made anew each call (SwinV2-CR's meta-MLP bias), no mask: windows of
     # several key blocks that record to the end (their float16 bias copy made in the call)
     ("dense_window12_no_mask", 12, 4, 32, torch.bfloat16, "dense", False, False, 0.0),
@@ -225,6 +227,31 @@ def test_replay_cases_record_to_their_launches_on_the_cpu(case, monkeypatch):
         for key in set(host_program._SIGNATURES) - before:
             del host_program._SIGNATURES[key]
     assert failures == ["no launch, or launches on two devices"]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the replay tests hold this")
+def test_a_mask_kept_by_one_signature_serves_the_next_one_on_the_cpu(monkeypatch):
+    """Where the kernels read a mask's region ids (float32, windows over 64 tokens), they are
+    kept on the mask and taken by the host programs as inputs: a second signature of the same
+    mask (another batch size, a call without gradient) records too. It did not (a value kept
+    by an earlier call), and the first stopped at the ids' ``torch.cat``."""
+    monkeypatch.setattr(host_program, "takes", lambda tensor: True)
+    generator = torch.Generator().manual_seed(0)
+    mask = _shift_mask(4, 144).to(KERNEL_DEVICE)
+    table = torch.randn(23 * 23, 1, generator=generator).to(KERNEL_DEVICE).requires_grad_()
+    bias = TableBias(table, _relative_index(12).to(KERNEL_DEVICE), constant_index=True)
+    before = set(host_program._SIGNATURES)
+    try:
+        for windows in (4, 8):
+            qkv = torch.randn(windows, 144, 3 * 16, generator=generator).to(KERNEL_DEVICE).requires_grad_()
+            window_attention(qkv, 1, bias=bias, mask=mask, scale=0.25).sum().backward()
+            with torch.no_grad():
+                window_attention(qkv, 1, bias=bias, mask=mask, scale=0.25)
+        failures = sorted(host_program._SIGNATURES[key].failure for key in set(host_program._SIGNATURES) - before)
+    finally:
+        for key in set(host_program._SIGNATURES) - before:
+            del host_program._SIGNATURES[key]
+    assert failures == ["no launch"] * 2 + ["no launch, or launches on two devices"] * 2
 
 
 @cuda

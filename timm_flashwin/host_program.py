@@ -62,6 +62,7 @@ class Recorder(TorchDispatchMode):
         self._slots: Dict[int, int] = {}
         self._alive: List[torch.Tensor] = []  # ids stay unique while the recording lasts
         self.num_slots = 0
+        self.num_inputs = len(known)
         for tensor in known:
             self._new_slot(tensor)
         self.steps: List[Tuple] = []
@@ -379,8 +380,8 @@ def note_forward(ctx, saved: Sequence[Optional[torch.Tensor]], kept: Sequence[to
 def backward_recording(ctx, known: Sequence[Optional[torch.Tensor]]):
     """Records the backward run in the block (``known``: the saved tensors as unpacked, the
     kept ones, then the output's gradient) where ``ctx``'s forward was recorded; yields a
-    function that takes the backward's gradients, one per forward input (None where none), to
-    finish it, or None where nothing is recorded (the caller then builds no gradient list)."""
+    function that takes the backward's gradients, one per forward input (None where none;
+    the inputs past the last one given take none), to finish it, or None where nothing is recorded (the caller then builds no gradient list)."""
     signature = getattr(ctx, "host_program", None)
     if signature is None or signature.index is not None or signature.failure is not None:
         yield None
@@ -400,7 +401,11 @@ def backward_recording(ctx, known: Sequence[Optional[torch.Tensor]]):
 def _finish(signature: _Signature, backward: Recorder, grad_out: torch.Tensor,
             grads: Sequence[Optional[torch.Tensor]]) -> None:
     forward, saved_slots, kept_slots, output_slot = signature.forward
+    if len(grads) > forward.num_inputs:
+        raise _NotRecordable(f"{len(grads)} gradients for {forward.num_inputs} inputs")
+    # the inputs past those given (an index's int32 copy, a mask's region ids) take none
     gradient_slots = [backward.slot(g) if g is not None else -1 for g in grads]
+    gradient_slots += [-1] * (forward.num_inputs - len(grads))
     devices = {d for d in (forward.device, backward.device) if d is not None}
     if len(devices) != 1:
         raise _NotRecordable("no launch, or launches on two devices")

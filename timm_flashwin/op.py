@@ -20,7 +20,7 @@ import torch
 
 from . import host_program
 from .dispatch import direct_launches, dispatch_free, register_op, uses_kernels
-from .kernels.bias_mask import kept_streamed_bias, mask_regions_shapes, mask_regions_used
+from .kernels.bias_mask import kept_mask_structure, kept_streamed_bias, mask_regions_shapes, mask_regions_used
 from .kernels.launch import attention_backward, attention_forward
 from .kernels.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
 from .kernels.position_launch import relative_bias_table_grad
@@ -235,8 +235,7 @@ class _EagerWindowAttention(torch.autograd.Function):
                 table = None if not table_gather.sigmoid_scale else saved[5] if ctx.table_args else saved[9]
                 dbias = table_gather.table_grad(dbias, ctx.table_dtype, table)
             if recorded is not None:  # the gradients of the host program's inputs (``_eager_call``'s order)
-                recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None), saved[5:9]) if t is not None),
-                          *(None for _ in host_tensors)))
+                recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None), saved[5:9]) if t is not None)))
         return _input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2)
 
 
@@ -262,11 +261,28 @@ def _eager_call(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optiona
     if not host_program.takes(qkv):
         return python_road()
     tensors = (qkv, bias, mask, logit_scale, seed)
-    extra = _host_tensors(table_gather)
+    extra = _host_tensors(table_gather) + _kept_mask_regions(qkv, num_heads, mask, cosine, grid)
     key_of = host_program.tensor_key
     key = (tuple(map(key_of, tensors)), tuple(map(key_of, extra)), num_heads, scale, cosine, dropout_p, grid,
            table_gather.key() if table_gather is not None else None, host_program.settings_key())
     return host_program.call(key, [t for t in tensors if t is not None] + list(extra), python_road, grad=save_stats)
+
+
+def _kept_mask_regions(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Tensor], cosine: bool,
+                       grid: Optional[WindowGrid]) -> Tuple[torch.Tensor, ...]:
+    """The mask's region ids and info (``kept_mask_structure``) where the kernels read them,
+    kept on the mask: a host program takes them as inputs, as the Python road takes them
+    from the mask, rather than computing them in every replay (a dozen small kernels, and a
+    list ``torch.cat`` that stopped the recording) or failing to record a second signature
+    of the same mask (values kept by an earlier call). None for a mask made in inference
+    mode, which keeps nothing."""
+    if mask is None or mask.is_inference():
+        return ()
+    _, n, channels = windows_tokens_channels(qkv, grid)
+    if not mask_regions_used(n, channels // (3 * num_heads), qkv.dtype, cosine, mask, num_heads):
+        return ()
+    with direct_launches():
+        return kept_mask_structure(mask)
 
 
 def _forward_without_grad(*inputs):

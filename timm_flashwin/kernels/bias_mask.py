@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import config
+from . import config, fast_launch
 from .bias_copy import float16_bias_copy_kernel
 from .launcher import compiler_options, launcher, traced_launch
 from .tensor_cache import kept, kept_on
@@ -220,13 +220,16 @@ def kept_mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]
     second call with the same mask (one synchronization per mask, not per call; a mask
     built anew in every forward, as timm's ``dynamic_mask`` does, is never read), so
     that eager calls launch only the kernel build of that kind (``mask_kinds_to_launch``).
-    Not for inference tensors (nothing is kept) nor while a CUDA graph is captured."""
+    Not for inference tensors (nothing is kept) nor while a CUDA graph is captured; nor
+    read while a host program is recorded (``fast_launch.RECORD``): its replays launch the
+    builds of both kinds, whatever the mask becomes, and a read is no launch."""
     if traced_launch() or type(mask) is not torch.Tensor:
         return mask_structure(mask)
     structure = kept(mask, _MASK_STRUCTURE)
     if structure is None:  # the first call with this mask, or it changed: its kind stays on the device
         structure = kept_on(mask, _MASK_STRUCTURE, lambda: [*mask_structure(mask), None])
-    elif structure[2] is None and not (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+    elif structure[2] is None and fast_launch.RECORD is None and not (
+            mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         structure[2] = bool(structure[1][0])
     return structure[0], structure[1]
 
@@ -258,7 +261,8 @@ def mask_kinds_to_launch(mask_regions: bool, mask: Optional[torch.Tensor]) -> Tu
     if not mask_regions:
         return (False,)
     known = None
-    if not traced_launch() and type(mask) is torch.Tensor:
+    # a host program's recording launches both: its replays serve the mask as it will be
+    if not traced_launch() and type(mask) is torch.Tensor and fast_launch.RECORD is None:
         structure = kept(mask, _MASK_STRUCTURE)
         known = structure[2] if structure is not None else None
     return (True, False) if known is None else (known,)
