@@ -211,47 +211,46 @@ def _ready() -> int:
     return sum(s.index is not None for s in host_program._SIGNATURES.values())
 
 
+@pytest.fixture
+def cpu_recordings(monkeypatch):
+    """The op's CPU calls recorded as a GPU's are (``host_program.takes`` forced); yields a
+    function that gives the failures of the signatures recorded since, sorted; those
+    signatures are forgotten afterwards."""
+    monkeypatch.setattr(host_program, "takes", lambda tensor: True)
+    before = set(host_program._SIGNATURES)
+    recorded = lambda: [key for key in host_program._SIGNATURES if key not in before]  # noqa: E731
+    yield lambda: sorted(host_program._SIGNATURES[key].failure for key in recorded())
+    for key in recorded():
+        del host_program._SIGNATURES[key]
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU these cases replay (the next test)")
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_replay_cases_record_to_their_launches_on_the_cpu(case, monkeypatch):
+def test_replay_cases_record_to_their_launches_on_the_cpu(case, cpu_recordings):
     """Each case of the GPU's replay test, through the op, records on the CPU up to the
     want of launches that can be replayed: every tensor of its ATen calls and of the
     interpreter's launches (``fast_launch.INTERPRETED``) is an input, saved or made in the
     call, forward and backward."""
-    monkeypatch.setattr(host_program, "takes", lambda tensor: True)
-    before = set(host_program._SIGNATURES)
-    try:
-        _call(case)()
-        failures = [host_program._SIGNATURES[key].failure for key in set(host_program._SIGNATURES) - before]
-    finally:
-        for key in set(host_program._SIGNATURES) - before:
-            del host_program._SIGNATURES[key]
-    assert failures == ["no launch, or launches on two devices"]
+    _call(case)()
+    assert cpu_recordings() == ["no launch, or launches on two devices"]
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the replay tests hold this")
-def test_a_mask_kept_by_one_signature_serves_the_next_one_on_the_cpu(monkeypatch):
+def test_a_mask_kept_by_one_signature_serves_the_next_one_on_the_cpu(cpu_recordings):
     """Where the kernels read a mask's region ids (float32, windows over 64 tokens), they are
     kept on the mask and taken by the host programs as inputs: a second signature of the same
     mask (another batch size, a call without gradient) records too. It did not (a value kept
     by an earlier call), and the first stopped at the ids' ``torch.cat``."""
-    monkeypatch.setattr(host_program, "takes", lambda tensor: True)
     generator = torch.Generator().manual_seed(0)
     mask = _shift_mask(4, 144).to(KERNEL_DEVICE)
     table = torch.randn(23 * 23, 1, generator=generator).to(KERNEL_DEVICE).requires_grad_()
     bias = TableBias(table, _relative_index(12).to(KERNEL_DEVICE), constant_index=True)
-    before = set(host_program._SIGNATURES)
-    try:
-        for windows in (4, 8):
-            qkv = torch.randn(windows, 144, 3 * 16, generator=generator).to(KERNEL_DEVICE).requires_grad_()
-            window_attention(qkv, 1, bias=bias, mask=mask, scale=0.25).sum().backward()
-            with torch.no_grad():
-                window_attention(qkv, 1, bias=bias, mask=mask, scale=0.25)
-        failures = sorted(host_program._SIGNATURES[key].failure for key in set(host_program._SIGNATURES) - before)
-    finally:
-        for key in set(host_program._SIGNATURES) - before:
-            del host_program._SIGNATURES[key]
-    assert failures == ["no launch"] * 2 + ["no launch, or launches on two devices"] * 2
+    for windows in (4, 8):
+        qkv = torch.randn(windows, 144, 3 * 16, generator=generator).to(KERNEL_DEVICE).requires_grad_()
+        window_attention(qkv, 1, bias=bias, mask=mask, scale=0.25).sum().backward()
+        with torch.no_grad():
+            window_attention(qkv, 1, bias=bias, mask=mask, scale=0.25)
+    assert cpu_recordings() == ["no launch"] * 2 + ["no launch, or launches on two devices"] * 2
 
 
 @cuda

@@ -158,13 +158,17 @@ def test_compiles_with_symbolic_float_arguments():
     index = relative_position_index(4, 4).to(KERNEL_DEVICE)
     q, k, v = (torch.randn(1, 2, 20, 16, generator=generator).to(KERNEL_DEVICE) for _ in range(3))
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(specialize_float=False):
-        compiled = [torch.compile(f, dynamic=True, fullgraph=True, backend="aot_eager") for f in (window, local)]
-        for scale, sigmoid_scale in ((0.25, 16.0), (0.3, 12.0)):
-            got = compiled[0](qkv, table, index, scale, sigmoid_scale)
-            torch.testing.assert_close(got, window(qkv, table, index, scale, sigmoid_scale), rtol=1e-6, atol=1e-6)
-            got.sum().backward()
-            torch.testing.assert_close(compiled[1](q, k, v, scale), local(q, k, v, scale), rtol=1e-6, atol=1e-6)
+    try:
+        with torch._dynamo.config.patch(specialize_float=False):
+            compiled = [torch.compile(f, dynamic=True, fullgraph=True, backend="aot_eager") for f in (window, local)]
+            for scale, sigmoid_scale in ((0.25, 16.0), (0.3, 12.0)):
+                got = compiled[0](qkv, table, index, scale, sigmoid_scale)
+                torch.testing.assert_close(got, window(qkv, table, index, scale, sigmoid_scale), rtol=1e-6,
+                                           atol=1e-6)
+                got.sum().backward()
+                torch.testing.assert_close(compiled[1](q, k, v, scale), local(q, k, v, scale), rtol=1e-6, atol=1e-6)
+    finally:
+        torch._dynamo.reset()  # its dynamic-shape graphs are no other test's
 
 
 def test_compiled_inference_saves_no_statistics(monkeypatch):

@@ -381,7 +381,8 @@ def backward_recording(ctx, known: Sequence[Optional[torch.Tensor]]):
     """Records the backward run in the block (``known``: the saved tensors as unpacked, the
     kept ones, then the output's gradient) where ``ctx``'s forward was recorded; yields a
     function that takes the backward's gradients, one per forward input (None where none;
-    the inputs past the last one given take none), to finish it, or None where nothing is recorded (the caller then builds no gradient list)."""
+    the inputs past the last one given take none), to finish it, or None where nothing is
+    recorded (the caller then builds no gradient list)."""
     signature = getattr(ctx, "host_program", None)
     if signature is None or signature.index is not None or signature.failure is not None:
         yield None

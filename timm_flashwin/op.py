@@ -274,7 +274,7 @@ def _kept_mask_regions(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.T
     kept on the mask: a host program takes them as inputs, as the Python road takes them
     from the mask, rather than computing them in every replay (a dozen small kernels, and a
     list ``torch.cat`` that stopped the recording) or failing to record a second signature
-    of the same mask (values kept by an earlier call). None for a mask made in inference
+    of the same mask (values kept by an earlier call). Nothing for a mask made in inference
     mode, which keeps nothing."""
     if mask is None or mask.is_inference():
         return ()

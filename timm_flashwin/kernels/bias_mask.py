@@ -126,9 +126,10 @@ def kept_streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor
     it, else None; computes nothing. The op's forward hands it to its backward's host
     program (the backward reads it from where the forward kept it)."""
     recipe = _streamed_recipe(bias, mask, dtype, num_heads)
-    if recipe is None or recipe[4] is None:
+    if recipe is None:
         return None
-    return kept(recipe[0], _STREAMED_BIAS, *recipe[4])
+    owner, _, _, _, key = recipe
+    return kept(owner, _STREAMED_BIAS, *key) if key is not None else None
 
 
 _STREAMED_BIAS = "_flashwin_streamed_bias"
