@@ -10,7 +10,7 @@ import torch
 from conftest import KERNEL_DEVICE
 from opcases import (TOLERANCE, assert_matches_reference, bias_as_read, forward_backward, make_case,
                      reference_forward_backward, relative_error, shift_mask)
-from timm_flashwin import window_attention
+from timm_flashwin import host_program, window_attention
 from timm_flashwin.kernels.bias_mask import mask_structure
 from timm_flashwin.reference import window_attention_reference
 
@@ -68,8 +68,10 @@ def _record_launches(monkeypatch, flags=("FROM_REGIONS",)) -> list:
     """(kernel name, *the values of ``flags``) of every kernel launch from here on, recorded
     where the attention kernels' host side launches them (``launcher`` as launch.py and
     bias_mask.py call it): the GPU's direct launches, which skip ``wrap_triton``, as well
-    as the interpreter's and traced ones."""
+    as the interpreter's and traced ones. Host programs are switched off: a replayed call
+    launches from its recording, never through ``launcher``."""
     from timm_flashwin.kernels import bias_mask, launch, launcher as launcher_module
+    monkeypatch.setattr(host_program, "ENABLED", False)
     launches, real_launcher = [], launcher_module.launcher
 
     def recording(kernel):
@@ -142,8 +144,10 @@ def test_inference_tensors_are_not_kept_on(dtype, monkeypatch):
     """Bias and mask made under torch.inference_mode (a mask timm computes in the forward,
     a bias gathered there) have no version counter: what is derived from them (float32:
     the mask's region structure, a contiguous bias; 16-bit inputs: the float16 copy of
-    bias + mask) is computed in every call, not kept."""
+    bias + mask) is computed in every call, not kept. Host programs are switched off: a
+    replayed call recomputes what its recording did, without the functions counted here."""
     from timm_flashwin.kernels import bias_mask
+    monkeypatch.setattr(host_program, "ENABLED", False)
     found = []
     monkeypatch.setattr(bias_mask, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
     copies = []
