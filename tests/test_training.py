@@ -163,7 +163,7 @@ def test_model_gradients_are_bit_reproducible(family, deterministic_algorithms, 
     paths); the backward launches are counted instead."""
     import timm_flashwin.op as op_module
     from timm_flashwin import host_program
-    # the Python road, whose launches are counted (tests/test_host_program.py: replays give its bits)
+    # the Python road, whose launches are counted (tests/test_host_program_replay.py: replays give its bits)
     monkeypatch.setattr(host_program, "ENABLED", False)
     backward_calls = []
     backward = op_module.attention_backward
