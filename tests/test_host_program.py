@@ -7,7 +7,7 @@ import torch
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from host_program_cases import CASES, case_call, relative_index, shift_mask
 from timm_flashwin import TableBias, host_program, native, window_attention
-from timm_flashwin.host_program import Recorder
+from timm_flashwin.host_recorder import Recorder
 from timm_flashwin.position_bias import TableGather
 
 cuda = pytest.mark.cuda
@@ -59,7 +59,7 @@ def test_recorder_notes_launches_by_the_compiled_signature():
     parameters Triton specialized away (constexpr) are dropped, two null scratch pointers
     close the list; a runtime parameter passed by keyword, scratch memory or a tensor from
     outside refuse the recording."""
-    from timm_flashwin import host_program as hp
+    from timm_flashwin import host_recorder as hp
     x = torch.randn(4)
     kernel = _kernel("x", "y", "n", "one", "scale", "BLOCK")
     signature = {"x": "*fp32", "y": "*fp32", "n": "i32", "one": "constexpr", "scale": "fp32", "BLOCK": "constexpr"}

@@ -1,5 +1,5 @@
 // Host programs: one signature's forward and backward, recorded once in Python as a list of
-// ATen calls and Triton kernel launches (timm_flashwin/host_program.py), replayed here with
+// ATen calls and Triton kernel launches (timm_flashwin/host_recorder.py), replayed here with
 // a C++ autograd node. An eager call of the op then pays no Python past its signature key:
 // no plan lookups, no argument lists, no torch.autograd.Function, and each launch is one
 // cuLaunchKernel (Triton's launcher parses every argument from Python objects).
@@ -87,7 +87,7 @@ void ensure_context(int device) {
 
 // ------------------------------------------------------------------ programs
 // A kernel parameter: a slot's data pointer, a null pointer, or a scalar of the width the
-// compiled kernel's signature gives it (host_program.py numbers them alike).
+// compiled kernel's signature gives it (host_recorder.py numbers them alike).
 enum ParamKind : int64_t { kSlot = 0, kNull = 1, kI32 = 2, kI64 = 3, kU32 = 4, kU64 = 5, kF32 = 6, kF64 = 7 };
 
 struct Param {
