@@ -27,7 +27,8 @@ their tables within the op saves; ``flashwin-timm-meta-mlp`` is the patched mode
 SwinV2-CR's bias computed by timm's meta_mlp layers (``common.timm_meta_mlp``), to measure
 what ``position_mlp_table`` saves there. Two variants bound
 what any implementation can give: ``attention-free`` (every attention module computes
-proj(qkv(x)[..., :C]), nothing between the projections) and ``window-free`` (the same on the
+proj(qkv(x)[..., :C]), nothing between the projections; a tensor the call passes that takes a
+gradient gets a zero one) and ``window-free`` (the same on the
 unpartitioned feature map, without timm's shift, partition and merge around it).
 """
 from __future__ import annotations
@@ -127,14 +128,35 @@ def _through_triton(step):
     return run
 
 
+class _KeepsGradient(torch.autograd.Function):
+    """``out`` as it is; ``made`` gets a zero gradient, so that the layers that made it run
+    their backward as they do when attention reads it."""
+
+    @staticmethod
+    def forward(ctx, out, made):
+        ctx.made = made.shape, made.dtype, made.device
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.made
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _attention_free_forward(module, x, *args, **kwargs):
     """proj(the first C channels of qkv(x)): channels last (Swin, AttentionCl, ...), or
-    channels first for 1x1-convolution projections (Attention2d); a mask, shared_rel_pos or
-    q_global the call passes is not read."""
+    channels first for 1x1-convolution projections (Attention2d). A mask the call passes is
+    not read; a tensor that takes a gradient (GCViT's q_global, a shared_rel_pos) is not read
+    either, but gets a zero gradient: without it the bound also skipped the backward of the
+    layers that make it (GCViT's global-query network, one per stage)."""
     qkv = module.qkv(x)
     channels_first = isinstance(module.qkv, torch.nn.Conv2d)
     y = qkv[:, :module.proj.in_channels] if channels_first else qkv[..., :module.proj.in_features]
-    return getattr(module, "proj_drop", torch.nn.Identity())(module.proj(y))
+    out = getattr(module, "proj_drop", torch.nn.Identity())(module.proj(y))
+    for made in (*args, *kwargs.values()):
+        if isinstance(made, torch.Tensor) and made.requires_grad and torch.is_grad_enabled():
+            out = _KeepsGradient.apply(out, made)
+    return out
 
 
 def attention_free(model: torch.nn.Module) -> torch.nn.Module:

@@ -86,3 +86,19 @@ def test_gathered_bias_variant_gathers_apart_with_the_same_values(family):
     torch.testing.assert_close(results["apart"][0], results["within"][0], rtol=0, atol=0)
     assert "_GatherFromTableBackward" in results["apart"][1]
     assert "_GatherFromTableBackward" not in results["within"][1]
+
+
+def test_attention_free_gcvit_keeps_the_global_query_networks_backward():
+    """GCViT's global blocks take a q_global made by a network of its stage: the
+    attention-free modules do not read it, yet that network's backward runs as with
+    attention (its parameters get gradients, zero), and the output is the projections'."""
+    torch.manual_seed(0)
+    model = attention_free(timm.models.gcvit.GlobalContextVit(
+        img_size=56, depths=(2, 2), num_heads=(1, 2), embed_dim=16, window_size=(7, 7), num_classes=5))
+    attns = [m for m in model.modules() if adapter_for(m) is not None]
+    assert len(attns) == 4 and sum(m.use_global for m in attns) == 2
+    model(torch.randn(2, 3, 56, 56)).sum().backward()
+    global_network = [p for n, p in model.named_parameters() if ".global_block." in n]
+    assert global_network and all(p.grad is not None and not p.grad.any() for p in global_network)
+    x, q_global = torch.randn(4, 49, 16), torch.randn(1, 7, 7, 16, requires_grad=True)
+    torch.testing.assert_close(attns[1](x, q_global), _projections(attns[1], x), rtol=0, atol=0)
