@@ -9,10 +9,10 @@ alignment and ``requires_grad``, the scalars, the settings the launches depend o
 before instead runs the ATen calls and kernel launches that the first call of that
 signature made, in the same order, on this call's tensors:
 
-1. The first call runs the Python road under a ``Recorder``: a dispatch mode notes each
-   ATen call, ``fast_launch.RECORD`` each launch (the compiled kernel, its grid, and every
-   argument as an input or an earlier result, or a constant). Its backward, when it runs,
-   is recorded the same way.
+1. The first call runs the Python road under a ``Recorder`` (``host_recorder.py``): a
+   dispatch mode notes each ATen call, ``fast_launch.RECORD`` each launch (the compiled
+   kernel, its grid, and every argument as an input or an earlier result, or a constant).
+   Its backward, when it runs, is recorded the same way.
 2. Once both are recorded, C++ holds them (``native.module().add_signature``) and later
    calls go there. A signature whose first call's graph was dropped unused has its backward
    recorded by a later call.
