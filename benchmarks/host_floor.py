@@ -9,14 +9,17 @@ with ``TRITON_INTERPRET=1`` and every Triton launch replaced by a no-op, so that
 runs and no GPU is needed. Small windows (4 windows of 7x7, 3 heads of 32), V1 with timm's
 bias table read through its index and a shift mask, as the Swin adapters call the op.
 
-Rows, us per call (median of 5 rounds of 300 calls, ``bench_dispatch.us_per_call``): the forward without and with autograd,
-the backward alone (``torch.autograd.grad`` on a kept graph), forward + backward, and the
-same forward + backward of a trivial ``torch.autograd.Function`` with the op's inputs and
-output shapes (empty tensors out, nothing computed): the floor that any Python autograd
-operator pays in torch's machinery. (``bench_dispatch.py`` stubs the launchers whole to
-compare the two roads to them.) The launches this leaves out cost 10 to 30 us each on a
-GPU host (benchmarks/bench_launch.py). Timings depend on the CPU: compare rows of one run.
-The first two rows: ``sliding_window_attention`` (causal; B 2, H 16, S 256, D 64) the same way.
+Rows, us per call (median of 5 rounds of 300 calls, ``bench_dispatch.us_per_call``): the
+forward's Python up to the host program that replays it on a GPU (the replay stubbed: what
+a replayed call pays before C++ takes over); ``sliding_window_attention`` (causal; B 2,
+H 16, S 256, D 64) forward without autograd and forward + backward; the window op's forward
+without and with autograd, the backward alone (``torch.autograd.grad`` on a kept graph),
+forward + backward, and the same forward + backward of a trivial ``torch.autograd.Function``
+with the op's inputs and output shapes (empty tensors out, nothing computed): the floor that
+any Python autograd operator pays in torch's machinery. (``bench_dispatch.py`` stubs the
+launchers whole to compare the two roads to them.) The launches this leaves out cost 10 to
+30 us each on a GPU host (benchmarks/bench_launch.py). Timings depend on the CPU: compare
+rows of one run.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from bench_dispatch import us_per_call  # noqa: E402
 from bench_op import timm_mask  # noqa: E402
 from bench_op_loop import relative_position_index  # noqa: E402
 from common import code_version, write_json  # noqa: E402
-from timm_flashwin import TableBias, sliding_window_attention, window_attention  # noqa: E402
+from timm_flashwin import TableBias, host_program, sliding_window_attention, window_attention  # noqa: E402
 from timm_flashwin.kernels import launcher  # noqa: E402
 
 WINDOWS, HEADS, TOKENS, HEAD_DIM, WINDOW = 4, 3, 49, 32, 7
@@ -51,6 +54,20 @@ class _Trivial(torch.autograd.Function):
     def backward(ctx, grad_out):
         qkv, table = ctx.saved_tensors
         return torch.empty_like(qkv), torch.empty_like(table)
+
+
+def _up_to_host_program(forward, out):
+    """``forward``'s Python before a host program replays it (validation, the road's
+    decisions, the signature key): ``host_program.takes`` answers yes, ``call`` returns
+    ``out`` at once."""
+    def run():
+        takes, call = host_program.takes, host_program.call
+        host_program.takes, host_program.call = (lambda tensor: True), (lambda *args, **kwargs: out)
+        try:
+            forward()
+        finally:
+            host_program.takes, host_program.call = takes, call
+    return run
 
 
 def calls():
@@ -79,6 +96,7 @@ def calls():
 
     kept = forward()
     return {
+        "forward up to its host program (replay stubbed)": _up_to_host_program(forward, kept),
         "sliding_window_attention causal, forward, no grad": causal_no_grad,
         "sliding_window_attention causal, forward + backward":
             lambda: torch.autograd.grad(causal(), (q, k, v), grad_local),
