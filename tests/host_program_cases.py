@@ -3,13 +3,8 @@ are built from, and the count of signatures whose program is ready."""
 import torch
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
+from test_position_bias import relative_position_index
 from timm_flashwin import TableBias, WindowGrid, host_program, window_attention
-
-
-def relative_index(window: int) -> torch.Tensor:
-    coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
-    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
-    return rel[..., 0] * (2 * window - 1) + rel[..., 1]
 
 
 def shift_mask(windows: int, n: int) -> torch.Tensor:
@@ -47,7 +42,7 @@ def case_call(case, qkv_grad: bool = True):
         qkv = torch.randn(windows, n, 3 * heads * head_dim, generator=generator)
     qkv = qkv.to(KERNEL_DEVICE, dtype).requires_grad_(qkv_grad)
     table = torch.randn((2 * window - 1) ** 2, heads, generator=generator).to(KERNEL_DEVICE).requires_grad_()
-    index = relative_index(window).to(KERNEL_DEVICE)
+    index = relative_position_index(window, window).to(KERNEL_DEVICE)
     leaves = [t for t in (qkv, table) if t.requires_grad]
     kwargs = dict(scale=head_dim ** -0.5)
     if bias_kind == "sigmoid":

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
-from host_program_cases import CASES, case_call, relative_index, shift_mask
+from host_program_cases import CASES, case_call, shift_mask
+from test_position_bias import relative_position_index
 from timm_flashwin import TableBias, host_program, native, window_attention
 from timm_flashwin.host_recorder import Recorder
 from timm_flashwin.position_bias import TableGather
@@ -120,7 +121,7 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
     elif op == "window_gathered_table":
         qkv = torch.randn(2, 144, 3 * 2 * 16, generator=generator).to(KERNEL_DEVICE, torch.bfloat16).requires_grad_()
         table = randn(23 * 23, 2)
-        table_gather = TableGather.of(TableBias(table, relative_index(12).to(KERNEL_DEVICE)), False)
+        table_gather = TableGather.of(TableBias(table, relative_position_index(12, 12).to(KERNEL_DEVICE)), False)
         inputs = (qkv, 2, table, None, None, 0.25, False, 0.0, None, True)
         tensors = [qkv, table, *window_op._host_tensors(table_gather)]
         road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, table_gather)[0]  # noqa: E731
@@ -182,7 +183,7 @@ def test_a_mask_kept_by_one_signature_serves_the_next_one_on_the_cpu(cpu_recordi
     generator = torch.Generator().manual_seed(0)
     mask = shift_mask(4, 144).to(KERNEL_DEVICE)
     table = torch.randn(23 * 23, 1, generator=generator).to(KERNEL_DEVICE).requires_grad_()
-    bias = TableBias(table, relative_index(12).to(KERNEL_DEVICE), constant_index=True)
+    bias = TableBias(table, relative_position_index(12, 12).to(KERNEL_DEVICE), constant_index=True)
     for windows in (4, 8):
         qkv = torch.randn(windows, 144, 3 * 16, generator=generator).to(KERNEL_DEVICE).requires_grad_()
         window_attention(qkv, 1, bias=bias, mask=mask, scale=0.25).sum().backward()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA
-from host_program_cases import CASES, case_call, ready_programs, relative_index, shift_mask
+from host_program_cases import CASES, case_call, ready_programs, shift_mask
+from test_position_bias import relative_position_index
 from timm_flashwin import TableBias, host_program, native, window_attention
 
 cuda = pytest.mark.cuda
@@ -43,7 +44,7 @@ def test_replayed_backward_takes_any_gradient_layout():
         pytest.skip("the host-program extension cannot be built here")
     qkv = torch.randn(8, 49, 3 * 3 * 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     table = torch.randn(169, 3, device="cuda", requires_grad=True)
-    bias = TableBias(table, relative_index(7).cuda(), constant_index=True)
+    bias = TableBias(table, relative_position_index(7, 7).cuda(), constant_index=True)
     grad = torch.randn(49, 8, 96, device="cuda", dtype=torch.bfloat16).transpose(0, 1)  # not dense
 
     def run(grad_out):
@@ -67,7 +68,7 @@ def test_a_signature_whose_first_graph_is_dropped_is_recorded_by_a_later_call():
         pytest.skip("the host-program extension cannot be built here")
     qkv = torch.randn(8, 49, 3 * 5 * 16, device="cuda", dtype=torch.float16, requires_grad=True)
     table = torch.randn(169, 5, device="cuda", requires_grad=True)
-    bias = TableBias(table, relative_index(7).cuda(), constant_index=True)
+    bias = TableBias(table, relative_position_index(7, 7).cuda(), constant_index=True)
     ready = ready_programs()
     window_attention(qkv, 5, bias=bias, scale=0.25)  # forward recorded, graph dropped
     assert ready_programs() == ready
@@ -136,7 +137,7 @@ def test_calls_without_grad_replay_the_forward_alone(mode):
     size = 0 if mode == "no_grad" else 1  # a signature of each mode's own
     qkv = torch.randn(8 + 4 * size, 49, 3 * 3 * 32, generator=generator).to("cuda", torch.bfloat16)
     table = torch.randn(169, 3, generator=generator).cuda()
-    bias = TableBias(table, relative_index(7).cuda(), constant_index=True)
+    bias = TableBias(table, relative_position_index(7, 7).cuda(), constant_index=True)
     mask = shift_mask(4, 49).cuda()
     q, k, v = (torch.randn(1, 4, 333 + size, 64, generator=generator).to("cuda", torch.float16) for _ in range(3))
     calls = [lambda: window_attention(qkv, 3, bias=bias, mask=mask, scale=0.17),
