@@ -40,7 +40,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import code_version, write_json  # noqa: E402
+from common import code_version, peak_mib, write_json  # noqa: E402
 from profile_step import _profile, _wall_and_enqueue_ms  # noqa: E402
 from timm_flashwin import host_program, patch_model  # noqa: E402
 from timm_flashwin.bench import _step_fn, model_variants, recompute_qkv_option  # noqa: E402
@@ -48,21 +48,6 @@ from timm_flashwin.verify import build_model  # noqa: E402
 
 MODELS = ["swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_224"]
 MODES = {"eager": None, "compile": "default", "reduce-overhead": "reduce-overhead"}
-
-
-def _state_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and of AdamW's two moments of each (``_step_fn``)."""
-    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def _peak_mib(model: torch.nn.Module, step, steps: int = 3) -> float:
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before + _state_bytes(model)) / 2 ** 20
 
 
 def _without_host_programs(step):
@@ -107,7 +92,7 @@ def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmu
         launches, gpu_ms, host_ops, gpu_kernels = _profile(step, 2, 25)
         rows.append(dict(model=name, batch=batch, mode=mode, variant=variant, images_per_s=batch / wall * 1e3,
                          wall_ms=wall, host_ms=host, gpu_ms=gpu_ms, launches=launches,
-                         peak_mib=_peak_mib(model, step), wall_ms_rounds=timings[variant][0],
+                         peak_mib=peak_mib(model, step, train=True), wall_ms_rounds=timings[variant][0],
                          host_ms_rounds=timings[variant][1], host_ops=host_ops, gpu_kernels=gpu_kernels,
                          device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version()))
     # each round times the variants back to back: the ratio within a round shares the

@@ -140,3 +140,18 @@ def python_profile(fn, calls: int, top: int) -> str:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     return text.getvalue()
+
+
+def peak_mib(model, step, train: bool, steps: int = 3) -> float:
+    """A variant's peak memory as if it ran alone, MiB: the allocator's peak during ``steps``
+    steps, less what was allocated before them (every variant of a run stays resident),
+    plus the model's parameters, and in training AdamW's two moments of each."""
+    import torch
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    state = (3 if train else 1) * sum(p.numel() * p.element_size() for p in model.parameters())
+    return (torch.cuda.max_memory_allocated() - before + state) / 2 ** 20

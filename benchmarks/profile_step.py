@@ -6,7 +6,8 @@ For each variant (timm, patched), after warm-up: the wall time per step (synchro
 the host time to enqueue one step (the step call alone, the GPU left to catch up
 between steps), and under torch.profiler the GPU kernel time and the number of kernel
 launches per step, with the operators that take the most host (self CPU) time and the
-kernels that take the most GPU time. A step whose enqueue time exceeds its GPU time is
+kernels that take the most GPU time, and its peak memory as if it ran alone
+(``common.peak_mib``). A step whose enqueue time exceeds its GPU time is
 bound by the host. GPU only.
 
 The variants are built and warmed up first, then timed in alternating rounds (median
@@ -46,8 +47,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
-from common import (code_version, cuda_kernel_times, enqueue_us, gathered_bias, python_profile, timm_meta_mlp,  # noqa: E402
-                    write_json)
+from common import (code_version, cuda_kernel_times, enqueue_us, gathered_bias, peak_mib, python_profile,  # noqa: E402
+                    timm_meta_mlp, write_json)
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
@@ -234,7 +235,7 @@ def main() -> None:
     base = build_model(args.model)
     size = base.pretrained_cfg["input_size"][1:]
     images = torch.randn(batch, 3, *size, device="cuda")
-    steps = {}
+    steps, models = {}, {}
     for variant in args.variants:
         model = copy.deepcopy(base).cuda().train(train)
         if variant == "attention-free":
@@ -250,7 +251,7 @@ def main() -> None:
             model, x = model.to(torch.bfloat16), images.to(torch.bfloat16)
         if args.compile:
             model = torch.compile(model, mode=args.compile_mode)
-        steps[variant] = _step_fn(model, x, torch.bfloat16, train)
+        steps[variant], models[variant] = _step_fn(model, x, torch.bfloat16, train), model
         if variant == "flashwin-triton-launch":
             steps[variant] = _through_triton(steps[variant])
         elif variant == "flashwin-gathered-bias":
@@ -271,10 +272,11 @@ def main() -> None:
     for variant, step in steps.items():
         wall, enqueue = (statistics.median(t) for t in timings[variant])
         launches, gpu_ms, host_ops, gpu_kernels = _profile(step, 2, args.top)
+        peak = peak_mib(models[variant], step, train)
         row = dict(model=args.model, mode=args.mode, compile=args.compile, compile_mode=args.compile_mode,
                    inductor=args.inductor, variant=variant, batch=batch, wall_ms=wall, enqueue_ms=enqueue,
                    wall_ms_rounds=timings[variant][0], enqueue_ms_rounds=timings[variant][1],
-                   gpu_kernel_ms=gpu_ms, launches_per_step=launches, host_ops=host_ops, gpu_kernels=gpu_kernels,
+                   gpu_kernel_ms=gpu_ms, launches_per_step=launches, peak_mib=peak, host_ops=host_ops, gpu_kernels=gpu_kernels,
                    device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version())
         if args.syncs:
             row["sync_points"] = _sync_points(step)
@@ -282,7 +284,7 @@ def main() -> None:
             row["cprofile"] = python_profile(step, 10, args.cprofile)
         rows.append(row)
         print(f"{args.model} {args.mode} compile={args.compile} {variant}: wall {wall:.1f} ms, enqueue {enqueue:.1f} ms,"
-              f" GPU kernels {gpu_ms:.1f} ms, {launches:.0f} launches per step", flush=True)
+              f" GPU kernels {gpu_ms:.1f} ms, {launches:.0f} launches per step, peak {peak:.0f} MiB", flush=True)
         for op in host_ops[:15]:
             print(f"    host {op['self_cpu_us_per_step']:9.0f} us {op['calls_per_step']:6.0f}x  {op['name'][:90]}")
         for k in gpu_kernels[:8]:
