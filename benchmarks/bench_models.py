@@ -22,12 +22,16 @@ MODELS = {  # name: (inference batch, training batch)
     "swinv2_tiny_window8_256": (128, 64),
     "swinv2_cr_tiny_224": (128, 64),
     "swinv2_base_window12to24_192to384": (32, 16),
-    # the other window-attention families (issue: MaxViT, CoAtNet, GCViT, TinyViT, DaViT)
+    # the other window-attention families: MaxViT, CoAtNet, GCViT, TinyViT, then the plain
+    # windows (no bias): DaViT, Twins-SVT, NesT, Hiera
     "maxvit_tiny_tf_224": (128, 64),
     "coatnet_0_rw_224": (128, 64),
     "gcvit_tiny": (128, 64),
     "tiny_vit_21m_224": (128, 64),
     "davit_tiny": (128, 64),
+    "twins_svt_small": (128, 64),
+    "nest_tiny": (128, 64),
+    "hiera_tiny_224": (128, 64),
 }
 
 

@@ -161,10 +161,13 @@ def _attention_free_forward(module, x, *args, **kwargs):
 
 
 def attention_free(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with every window-attention module's forward replaced by
-    ``_attention_free_forward`` (the ``attention-free`` variant), in place."""
+    """The model with every window-attention module that ``patch_model`` serves given
+    ``_attention_free_forward`` as its forward (the ``attention-free`` variant), in place;
+    those it leaves to timm (Hiera's q-pooling blocks: fewer queries than keys) keep timm's,
+    as in the patched model."""
     for module in model.modules():
-        if adapter_for(module) is not None:
+        adapter = adapter_for(module)
+        if adapter is not None and adapter.unsupported(module) is None:
             module.forward = types.MethodType(_attention_free_forward, module)
     return model
 

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from common import gathered_bias  # noqa: E402
-from profile_step import WINDOW_METHODS, attention_free, window_free  # noqa: E402
+from profile_step import WINDOW_METHODS, _attention_free_forward, attention_free, window_free  # noqa: E402
 
 from conftest import KERNEL_DEVICE  # noqa: E402
 from model_cases import autograd_nodes  # noqa: E402
@@ -102,3 +102,18 @@ def test_attention_free_gcvit_keeps_the_global_query_networks_backward():
     assert global_network and all(p.grad is not None and not p.grad.any() for p in global_network)
     x, q_global = torch.randn(4, 49, 16), torch.randn(1, 7, 7, 16, requires_grad=True)
     torch.testing.assert_close(attns[1](x, q_global), _projections(attns[1], x), rtol=0, atol=0)
+
+
+def test_attention_free_keeps_timms_forward_where_the_patcher_does():
+    """Hiera's q-pooling blocks (fewer queries than keys) keep timm's forward when patched;
+    the bound keeps it too (reduced to its projections, they would return every token)."""
+    torch.manual_seed(0)
+    model = timm.create_model("hiera_tiny_224", img_size=64, num_classes=5)
+    attns = [m for m in model.modules() if adapter_for(m) is not None]
+    pooling = [m for m in attns if adapter_for(m).unsupported(m) is not None]
+    assert pooling and len(pooling) < len(attns)
+    timm_forwards = {id(m): m.forward for m in pooling}
+    attention_free(model)
+    assert all(m.forward == timm_forwards[id(m)] for m in pooling)
+    assert all(m.forward.__func__ is _attention_free_forward for m in attns if m not in pooling)
+    assert model(torch.randn(1, 3, 64, 64)).shape == (1, 5)
