@@ -16,7 +16,9 @@ H 16, S 256, D 64) forward without autograd and forward + backward; the window o
 without and with autograd, the backward alone (``torch.autograd.grad`` on a kept graph),
 forward + backward, and the same forward + backward of a trivial ``torch.autograd.Function``
 with the op's inputs and output shapes (empty tensors out, nothing computed): the floor that
-any Python autograd operator pays in torch's machinery. (``bench_dispatch.py`` stubs the
+any Python autograd operator pays in torch's machinery; and one ATen operator (a multiply of
+one element) forward + backward through ``torch.autograd.grad``: the floor of any operator
+with a C++ autograd node, such as a replayed host program. (``bench_dispatch.py`` stubs the
 launchers whole to compare the two roads to them.) The launches this leaves out cost 10 to
 30 us each on a GPU host (benchmarks/bench_launch.py). Timings depend on the CPU: compare
 rows of one run.
@@ -94,6 +96,7 @@ def calls():
         with torch.no_grad():
             causal()
 
+    element, grad_element = torch.ones(1, requires_grad=True), torch.ones(1)
     kept = forward()
     return {
         "forward up to its host program (replay stubbed)": _up_to_host_program(forward, kept),
@@ -106,6 +109,8 @@ def calls():
         "forward + backward": lambda: torch.autograd.grad(forward(), (qkv, table), grad_out),
         "trivial autograd.Function, forward + backward":
             lambda: torch.autograd.grad(_Trivial.apply(qkv, table), (qkv, table), grad_out),
+        "one ATen op on one element, forward + backward":
+            lambda: torch.autograd.grad(element.mul(2.0), element, grad_element),
     }
 
 
