@@ -9,7 +9,7 @@ with ``TRITON_INTERPRET=1`` and every Triton launch replaced by a no-op, so that
 runs and no GPU is needed. Small windows (4 windows of 7x7, 3 heads of 32), V1 with timm's
 bias table read through its index and a shift mask, as the Swin adapters call the op.
 
-Rows, us per call (median of 5 rounds of 300 calls, ``bench_dispatch.us_per_call``): the
+Rows, us per call (the median of 9 alternating rounds of 200 calls of each row): the
 forward's Python up to the host program that replays it on a GPU (the replay stubbed: what
 a replayed call pays before C++ takes over); ``sliding_window_attention`` (causal; B 2,
 H 16, S 256, D 64) forward without autograd and forward + backward; the window op's forward
@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels' CPU road
 
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_dispatch import us_per_call  # noqa: E402
 from bench_op import timm_mask  # noqa: E402
 from bench_op_loop import relative_position_index  # noqa: E402
 from common import code_version, write_json  # noqa: E402
@@ -70,6 +71,23 @@ def _up_to_host_program(forward, out):
         finally:
             host_program.takes, host_program.call = takes, call
     return run
+
+
+def _alternating_us_per_call(fns: dict, calls: int, rounds: int) -> dict:
+    """us per call of each function: ``rounds`` rounds, each timing ``calls`` calls of every
+    function in turn, medians: this CPU's pace drifts between seconds (a row read 37 and 81
+    us in two runs a minute apart), and a drift then moves every row of a round alike."""
+    for fn in fns.values():
+        for _ in range(50):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def calls():
@@ -116,11 +134,12 @@ def calls():
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=9, help="alternating rounds (medians)")
     parser.add_argument("--top", type=int, default=0, help="also print cProfile's N largest own times of f+b")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     launcher._Launcher.__getitem__ = lambda self, grid: (lambda *a, **k: None)  # every launch a no-op
-    rows = {name: us_per_call(fn, 300) for name, fn in calls().items()}
+    rows = _alternating_us_per_call(calls(), 200, args.rounds)
     for name, us in rows.items():
         print(f"{name:52s} {us:8.1f} us")
     if args.top:
