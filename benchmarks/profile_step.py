@@ -262,9 +262,13 @@ def main() -> None:
         elif variant == "flashwin-timm-meta-mlp":
             steps[variant] = timm_meta_mlp(steps[variant])
         # compiled (forward and backward) in the first steps, with the variant's options
+        start = time.perf_counter()
         with inductor_config.patch(VARIANT_INDUCTOR_OPTIONS.get(variant, {})):
             for _ in range(5):
                 steps[variant]()
+        torch.cuda.synchronize()
+        # a run cut short by a time limit still says how far it got (compiles take minutes)
+        print(f"{variant}: built, compiled and warmed up in {time.perf_counter() - start:.0f} s", flush=True)
     timings = {variant: ([], []) for variant in steps}
     for _ in range(args.rounds):
         for variant, step in steps.items():
