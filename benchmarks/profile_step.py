@@ -146,10 +146,14 @@ class _KeepsGradient(torch.autograd.Function):
 
 def _attention_free_forward(module, x, *args, **kwargs):
     """proj(the first C channels of qkv(x)): channels last (Swin, AttentionCl, ...), or
-    channels first for 1x1-convolution projections (Attention2d). A mask the call passes is
-    not read; a tensor that takes a gradient (GCViT's q_global, a shared_rel_pos) is not read
+    channels first for 1x1-convolution projections (Attention2d); x normalized first where
+    the module normalizes its own input (TinyViT's ``norm``). A mask the call passes is not
+    read; a tensor that takes a gradient (GCViT's q_global, a shared_rel_pos) is not read
     either, but gets a zero gradient: without it the bound also skipped the backward of the
     layers that make it (GCViT's global-query network, one per stage)."""
+    norm = getattr(module, "norm", None)
+    if isinstance(norm, torch.nn.Module):
+        x = norm(x)
     qkv = module.qkv(x)
     channels_first = isinstance(module.qkv, torch.nn.Conv2d)
     y = qkv[:, :module.proj.in_channels] if channels_first else qkv[..., :module.proj.in_features]

@@ -117,3 +117,17 @@ def test_attention_free_keeps_timms_forward_where_the_patcher_does():
     assert all(m.forward == timm_forwards[id(m)] for m in pooling)
     assert all(m.forward.__func__ is _attention_free_forward for m in attns if m not in pooling)
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 5)
+
+
+def test_attention_free_tiny_vit_normalizes_as_the_module_does():
+    """TinyViT's Attention normalizes its own input before qkv: the bound keeps that norm."""
+    torch.manual_seed(0)
+    model = attention_free(timm.create_model("tiny_vit_5m_224", embed_dims=(16, 32, 32, 64), depths=(1, 1, 1, 1),
+                                             num_heads=(1, 2, 2, 2), window_sizes=(7, 3, 4, 3), num_classes=5))
+    attns = [m for m in model.modules() if adapter_for(m) is not None]
+    assert len(attns) == 3
+    for attn in attns:
+        x = torch.randn(2, 9, attn.qkv.in_features)
+        expected = attn.proj(attn.qkv(attn.norm(x))[..., :attn.proj.in_features])
+        torch.testing.assert_close(attn(x), expected, rtol=0, atol=0)
+    assert model(torch.randn(1, 3, 64, 64)).shape == (1, 5)
