@@ -36,6 +36,7 @@ import copy
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -77,8 +78,12 @@ def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmu
         step = _step_fn(runnable, images, torch.bfloat16, train=True)
         if variant == "flashwin-python":
             step = _without_host_programs(step)
+        start = time.perf_counter()
         for _ in range(warmup):
             step()
+        torch.cuda.synchronize()
+        # a run cut short by a time limit still says how far it got (compiles take minutes)
+        print(f"{name} b{batch} {mode} {variant}: warmed up in {time.perf_counter() - start:.0f} s", flush=True)
         variants[variant] = (model, step)
     timings = {variant: ([], []) for variant in variants}
     for _ in range(rounds):
