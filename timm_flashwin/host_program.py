@@ -170,7 +170,7 @@ def _call_without_grad(key: Tuple, inputs: List[torch.Tensor], python_road: Call
             signature.index = native.module().add_signature(
                 recorder.num_slots, recorder.steps, 0, [], recorder.device, [], [], output_slot, [], [])
     except NotRecordable as error:
-        recorder._fail(error)
+        recorder.fail(error)
     finally:
         recorder.forget_tensors()
     _note_failure(signature, recorder)
@@ -208,7 +208,7 @@ def note_forward(ctx, saved: Sequence[Optional[torch.Tensor]], kept: Sequence[to
         kept_slots = [recorder.slot(t) for t in kept]
         output_slot = recorder.slot(output)
     except NotRecordable as error:
-        recorder._fail(error)
+        recorder.fail(error)
         return
     signature.forward = (recorder, saved_slots, kept_slots, output_slot)
     ctx.host_program = signature
@@ -233,7 +233,7 @@ def backward_recording(ctx, known: Sequence[Optional[torch.Tensor]]):
         try:
             _finish(signature, recorder, known[-1], result["grads"])
         except NotRecordable as error:
-            recorder._fail(error)
+            recorder.fail(error)
     _note_failure(signature, recorder)
 
 

@@ -69,7 +69,8 @@ class Recorder(TorchDispatchMode):
         fast_launch.RECORD = None
         return super().__exit__(*exc)
 
-    def _fail(self, error: Exception) -> None:
+    def fail(self, error: Exception) -> None:
+        """Notes why the call cannot be recorded: the first reason (later ones follow from it)."""
         if self.failure is None:
             self.failure = str(error)
 
@@ -80,7 +81,7 @@ class Recorder(TorchDispatchMode):
             try:
                 self._record_call(func, args, kwargs, out)
             except NotRecordable as error:
-                self._fail(error)
+                self.fail(error)
         return out
 
     def _record_call(self, func, args, kwargs, out) -> None:
@@ -113,7 +114,7 @@ class Recorder(TorchDispatchMode):
         if self.failure is not None:
             return
         if threading.get_ident() != self._thread:
-            self._fail(NotRecordable("another thread launched while the call was recorded"))
+            self.fail(NotRecordable("another thread launched while the call was recorded"))
             return
         try:
             if compiled is fast_launch.INTERPRETED:  # the CPU tests: no launch to record, known tensors
@@ -123,7 +124,7 @@ class Recorder(TorchDispatchMode):
                 return
             self.steps.append(self._launch_step(kernel, compiled, grid, args))
         except NotRecordable as error:
-            self._fail(error)
+            self.fail(error)
 
     def _launch_step(self, kernel, compiled, grid, args) -> Tuple:
         if compiled is None:
