@@ -38,16 +38,27 @@ def stub_launchers(num_windows: int, n: int, channels: int, heads: int):
     op.attention_forward, op.attention_backward = forward, backward
 
 
-def us_per_call(fn, calls: int, rounds: int = 5) -> float:
-    for _ in range(50):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
+def alternating_us_per_call(fns: dict, calls: int, rounds: int) -> dict:
+    """us per call of each function (name -> fn), after 50 warm-up calls of each: ``rounds``
+    rounds, each timing ``calls`` calls of every function in turn; the medians. A CPU whose
+    pace drifts between seconds (a row read 37 and 81 us in two runs a minute apart) then
+    moves every row of a round alike."""
+    for fn in fns.values():
+        for _ in range(50):
             fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def us_per_call(fn, calls: int, rounds: int = 5) -> float:
+    """us per call of ``fn``: the median of ``rounds`` rounds of ``calls`` calls."""
+    return alternating_us_per_call({"fn": fn}, calls, rounds)["fn"]
 
 
 def main() -> None:

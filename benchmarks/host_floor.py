@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels' CPU road
 
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_dispatch import alternating_us_per_call  # noqa: E402
 from bench_op import timm_mask  # noqa: E402
 from bench_op_loop import relative_position_index  # noqa: E402
 from common import code_version, write_json  # noqa: E402
@@ -71,23 +70,6 @@ def _up_to_host_program(forward, out):
         finally:
             host_program.takes, host_program.call = takes, call
     return run
-
-
-def _alternating_us_per_call(fns: dict, calls: int, rounds: int) -> dict:
-    """us per call of each function: ``rounds`` rounds, each timing ``calls`` calls of every
-    function in turn, medians: this CPU's pace drifts between seconds (a row read 37 and 81
-    us in two runs a minute apart), and a drift then moves every row of a round alike."""
-    for fn in fns.values():
-        for _ in range(50):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def calls():
@@ -139,7 +121,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     launcher._Launcher.__getitem__ = lambda self, grid: (lambda *a, **k: None)  # every launch a no-op
-    rows = _alternating_us_per_call(calls(), 200, args.rounds)
+    rows = alternating_us_per_call(calls(), 200, args.rounds)
     for name, us in rows.items():
         print(f"{name:52s} {us:8.1f} us")
     if args.top:
