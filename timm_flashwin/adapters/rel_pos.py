@@ -7,8 +7,9 @@ that timm adds to the scores. Handed to the op:
 - ``RelPosBias``: a table ((2Wh-1)(2Ww-1), H) gathered by relative_position_index, Swin
   V1's bias: ``TableBias(table, index)``.
 - ``RelPosBiasTf``: a table (H, 2Wh-1, 2Ww-1) whose rows two one-hot einsums pick
-  (height_lookup, width_lookup): where the op's eager path reads it, ``TableBias`` of the
-  table as a (T, H) view and the rows the lookups pick; elsewhere ``get_bias()``.
+  (height_lookup, width_lookup): where the kernels take the table, ``TableBias`` of the
+  table as a (T, H) view and the rows the lookups pick (under torch.compile constants of
+  the graph); under torch.export and dispatch modes ``get_bias()``.
 - ``RelPosMlp``: its Mlp on the log-spaced offsets, gathered by the index (mode "swin": 16
   sigmoid of it): where the kernels take the tensors and the Mlp is timm's,
   ``TableBias(position_mlp_table(...), index, sigmoid_scale)``, its dropout drawn as timm's
@@ -86,23 +87,43 @@ def _square_index(module: nn.Module, index: torch.Tensor) -> torch.Tensor:
     return _kept(module, "index", (index,), lambda: index.view(n, n))
 
 
-def _tf_rows(module: nn.Module, rel_pos: nn.Module) -> Optional[torch.Tensor]:
+def _one_hot_rows(height: torch.Tensor, width: torch.Tensor) -> Optional[torch.Tensor]:
     """The (N, N) rows of RelPosBiasTf's table flattened to (H, (2Wh-1)(2Ww-1)) that its two
-    einsums pick: query (i, j) and key (x, y) read row hv[i, x] * (2Ww-1) + wv[j, y], hv and wv
-    the hot columns of height_lookup[i, x] and width_lookup[j, y]. None where a lookup row is
-    not one-hot (then the einsum is no gather)."""
+    einsums pick from the lookups ``height`` (Wh, Wh, 2Wh-1) and ``width`` (Ww, Ww, 2Ww-1):
+    query (i, j) and key (x, y) read row hv[i, x] * (2Ww-1) + wv[j, y], hv and wv the hot
+    columns of height[i, x] and width[j, y]. None where a lookup row is not one-hot (then
+    the einsum is no gather)."""
+    for lookup in (height, width):
+        if not (((lookup == 0) | (lookup == 1)).all() and (lookup.sum(-1) == 1).all()):
+            return None
+    hv, wv = height.argmax(-1), width.argmax(-1)
+    rows = hv[:, None, :, None] * width.shape[-1] + wv[None, :, None, :]  # (Wh, Ww, Wh, Ww)
+    n = hv.shape[0] * wv.shape[0]
+    return rows.reshape(n, n)
+
+
+@torch.compiler.assume_constant_result
+def _traced_one_hot_rows(height: torch.Tensor, width: torch.Tensor) -> Tuple[Optional[torch.Tensor]]:
+    """``(_one_hot_rows(height, width),)`` as a constant of a graph torch.compile traces:
+    dynamo calls it with the lookups' values (the module's buffers, which timm computes from
+    the window size) when it traces, so that the graph neither checks them (a
+    data-dependent ``.all()``) nor computes the rows in every step. A tuple: dynamo gives
+    a tuple constant a name of its own in each call, a lone tensor the function's name,
+    which the second call in a graph shares (torch 2.14: AOTAutograd then stops, "source
+    ... already in seen_sources")."""
+    return (_one_hot_rows(height, width),)
+
+
+def _tf_rows(module: nn.Module, rel_pos: nn.Module) -> Optional[torch.Tensor]:
+    """``_one_hot_rows`` of RelPosBiasTf's lookups: kept on ``module`` in eager mode,
+    constants of the graph under torch.compile; None under torch.export and dispatch modes
+    (FakeTensorMode, ...), where the lookups' values cannot be read."""
     height, width = rel_pos.height_lookup, rel_pos.width_lookup
-
-    def compute() -> Optional[torch.Tensor]:
-        for lookup in (height, width):
-            if not (((lookup == 0) | (lookup == 1)).all() and (lookup.sum(-1) == 1).all()):
-                return None
-        hv, wv = height.argmax(-1), width.argmax(-1)
-        rows = hv[:, None, :, None] * width.shape[-1] + wv[None, :, None, :]  # (Wh, Ww, Wh, Ww)
-        n = hv.shape[0] * wv.shape[0]
-        return rows.reshape(n, n)
-
-    return _kept(module, "tf_rows", (height, width), compute)
+    if torch.compiler.is_compiling():
+        return None if exporting() else _traced_one_hot_rows(height, width)[0]
+    if not dispatch_free(height):
+        return None
+    return _kept(module, "tf_rows", (height, width), lambda: _one_hot_rows(height, width))
 
 
 def rel_pos_bias(module: nn.Module, rel_pos: nn.Module) -> Union[TableBias, torch.Tensor]:
@@ -117,10 +138,11 @@ def rel_pos_bias(module: nn.Module, rel_pos: nn.Module) -> Union[TableBias, torc
                                lambda: TableBias(table, _square_index(module, index), constant_index=constant))
     if kind is rel_pos_tf_cls:
         table = rel_pos.relative_position_bias_table
-        rows = _tf_rows(module, rel_pos) if uses_kernels(table) and dispatch_free(table) else None
+        rows = _tf_rows(module, rel_pos) if uses_kernels(table) else None
         if rows is None:
             return inference_cache(module, (table, rel_pos.height_lookup, rel_pos.width_lookup), rel_pos.get_bias)
-        return inference_cache(module, (table, rows), lambda: TableBias(table.flatten(1).t(), rows))
+        return inference_cache(module, (table, rows),
+                               lambda: TableBias(table.flatten(1).t(), rows, constant_index=constant))
     return _mlp_bias(module, rel_pos)
 
 
