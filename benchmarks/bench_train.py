@@ -36,13 +36,12 @@ import copy
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, peak_mib, write_json  # noqa: E402
-from profile_step import _profile, _wall_and_enqueue_ms  # noqa: E402
+from profile_step import _profile, alternating_rounds, warm_up  # noqa: E402
 from timm_flashwin import host_program, patch_model  # noqa: E402
 from timm_flashwin.bench import _step_fn, model_variants, recompute_qkv_option  # noqa: E402
 from timm_flashwin.verify import build_model  # noqa: E402
@@ -78,19 +77,9 @@ def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmu
         step = _step_fn(runnable, images, torch.bfloat16, train=True)
         if variant == "flashwin-python":
             step = _without_host_programs(step)
-        start = time.perf_counter()
-        for _ in range(warmup):
-            step()
-        torch.cuda.synchronize()
-        # a run cut short by a time limit still says how far it got (compiles take minutes)
-        print(f"{name} b{batch} {mode} {variant}: warmed up in {time.perf_counter() - start:.0f} s", flush=True)
+        warm_up(step, warmup, f"{name} b{batch} {mode} {variant}")
         variants[variant] = (model, step)
-    timings = {variant: ([], []) for variant in variants}
-    for _ in range(rounds):
-        for variant, (_, step) in variants.items():
-            wall, host = _wall_and_enqueue_ms(step, repeats)
-            timings[variant][0].append(wall)
-            timings[variant][1].append(host)
+    timings = alternating_rounds({variant: step for variant, (_, step) in variants.items()}, rounds, repeats)
     rows = []
     for variant, (model, step) in variants.items():
         wall, host = (statistics.median(t) for t in timings[variant])
@@ -100,10 +89,7 @@ def run_group(name: str, batch: int, mode: str, rounds: int, repeats: int, warmu
                          peak_mib=peak_mib(model, step, train=True), wall_ms_rounds=timings[variant][0],
                          host_ms_rounds=timings[variant][1], host_ops=host_ops, gpu_kernels=gpu_kernels,
                          device=torch.cuda.get_device_name(), torch=torch.__version__, code=code_version()))
-    # each round times the variants back to back: the ratio within a round shares the
-    # host's state of the moment, which drifts between rounds (H200: one variant's wall
-    # time read 22 to 34 ms across 5 rounds of one run)
-    for row in rows[1:]:
+    for row in rows[1:]:  # per round (``alternating_rounds``)
         ratios = [t / p for t, p in zip(timings["timm"][0], timings[row["variant"]][0])]
         row.update(speedup_rounds=ratios, speedup_round_median=statistics.median(ratios))
     del variants

@@ -67,6 +67,31 @@ def _wall_and_enqueue_ms(step, repeats: int):
     return wall, enqueue_us(step, repeats) / 1e3
 
 
+def warm_up(step, steps: int, label: str) -> None:
+    """``steps`` steps (the first compiles, under torch.compile), then a line saying how long
+    they took: a run cut short by a time limit still says how far it got (compiles take
+    minutes)."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    print(f"{label}: warmed up in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def alternating_rounds(steps: dict, rounds: int, repeats: int) -> dict:
+    """{variant: (wall ms per round, enqueue ms per round)}: in each round every variant's
+    ``_wall_and_enqueue_ms`` back to back, so that a ratio within a round shares the host's
+    state of the moment, which drifts between rounds (H200: one variant's wall time read 22
+    to 34 ms across 5 rounds of one run)."""
+    timings = {variant: ([], []) for variant in steps}
+    for _ in range(rounds):
+        for variant, step in steps.items():
+            wall, enqueue = _wall_and_enqueue_ms(step, repeats)
+            timings[variant][0].append(wall)
+            timings[variant][1].append(enqueue)
+    return timings
+
+
 def _profile(step, steps: int, top: int):
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
@@ -266,19 +291,9 @@ def main() -> None:
         elif variant == "flashwin-timm-meta-mlp":
             steps[variant] = timm_meta_mlp(steps[variant])
         # compiled (forward and backward) in the first steps, with the variant's options
-        start = time.perf_counter()
         with inductor_config.patch(VARIANT_INDUCTOR_OPTIONS.get(variant, {})):
-            for _ in range(5):
-                steps[variant]()
-        torch.cuda.synchronize()
-        # a run cut short by a time limit still says how far it got (compiles take minutes)
-        print(f"{variant}: compiled and warmed up in {time.perf_counter() - start:.0f} s", flush=True)
-    timings = {variant: ([], []) for variant in steps}
-    for _ in range(args.rounds):
-        for variant, step in steps.items():
-            wall, enqueue = _wall_and_enqueue_ms(step, args.repeats)
-            timings[variant][0].append(wall)
-            timings[variant][1].append(enqueue)
+            warm_up(steps[variant], 5, variant)
+    timings = alternating_rounds(steps, args.rounds, args.repeats)
     rows = []
     for variant, step in steps.items():
         wall, enqueue = (statistics.median(t) for t in timings[variant])
