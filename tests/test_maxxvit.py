@@ -200,6 +200,24 @@ def test_compiles_without_graph_break(config, train):
     assert not failures, failures
 
 
+def test_tf_bias_where_the_lookups_cannot_be_read():
+    """torch.export (its graph may not read the lookups' values: RelPosBiasTf's einsums stay
+    in it) and FakeTensorMode (no values at all) take ``get_bias()``; the exported program
+    calls the op and gives timm's output."""
+    plain, model = tiny("tf").eval(), patch_model(tiny("tf"), strict=True).eval()
+    x = images(2, (SIZE, SIZE))
+    program = torch.export.export(model, (x,))
+    targets = [str(n.target) for n in program.graph_module.graph.nodes if n.op == "call_function"]
+    assert sum("timm_flashwin" in t for t in targets) == 2 and any("einsum" in t for t in targets)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), plain(x), rtol=1e-4, atol=1e-5)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = mode.from_tensor(x)
+    with mode:
+        assert model.train()(fake).shape == (2, 10)
+
+
 def test_float64_and_plain_cpu_run_timms_math():
     """float64 (and any tensor the kernels do not take) computes in PyTorch: timm's values."""
     model = tiny("tf").double().eval()
