@@ -26,7 +26,8 @@ place saves; ``flashwin-gathered-bias`` is the patched model with its V1 and Swi
 biases gathered before the op (``common.gathered_bias``), to measure what reading them from
 their tables within the op saves; ``flashwin-timm-meta-mlp`` is the patched model with
 SwinV2-CR's bias computed by timm's meta_mlp layers (``common.timm_meta_mlp``), to measure
-what ``position_mlp_table`` saves there. Two variants bound
+what ``position_mlp_table`` saves there. ``--loop-vs-idle N`` finds what a step's host
+waits on in a loop of steps and not with the GPU idle. Two variants bound
 what any implementation can give: ``attention-free`` (every attention module computes
 proj(qkv(x)[..., :C]), nothing between the projections; a tensor the call passes that takes a
 gradient gets a zero one) and ``window-free`` (the same on the
@@ -108,6 +109,43 @@ def _profile(step, steps: int, top: int):
                 for e in ops]
     gpu_kernels = [dict(name=name[:120], calls_per_step=c / steps, us_per_step=t / steps) for name, (c, t) in by_gpu]
     return launches, gpu_ms, host_ops, gpu_kernels
+
+
+def _host_self_us(step, steps: int, idle: bool):
+    """({host op: (calls, self us) per step}, median ms of one ``step()`` call) under
+    torch.profiler over ``steps`` steps: back to back, or (``idle``) each started with the
+    GPU idle (a synchronization and a short sleep before it, as ``common.enqueue_us``)."""
+    from torch.profiler import ProfilerActivity, profile
+    calls = []
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            if idle:
+                torch.cuda.synchronize()
+                time.sleep(0.002)
+            start = time.perf_counter()
+            step()
+            calls.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+    ops = {e.key: (e.count / steps, e.self_cpu_time_total / steps) for e in prof.key_averages()
+           if e.key not in ("cudaDeviceSynchronize", "cudaStreamSynchronize") or not idle}
+    return ops, statistics.median(calls)
+
+
+def loop_against_idle(step, steps: int, top: int) -> dict:
+    """Where a step's host time goes when steps run back to back (a training loop) and not
+    when each starts with the GPU idle (``enqueue_ms``): the ``top`` host ops by the growth
+    of their self time per step, each (name, calls per step, us per step in the loop, us
+    with the GPU idle, the difference). For steps whose loop runs slower than their enqueue
+    time with the GPU faster than both (Hiera's eager patched step, RESULTS.md)."""
+    loop, loop_ms = _host_self_us(step, steps, idle=False)
+    idle, idle_ms = _host_self_us(step, steps, idle=True)
+    ops = [dict(name=name, calls_per_step=loop.get(name, idle.get(name))[0], loop_us=loop.get(name, (0, 0.0))[1],
+                idle_us=idle.get(name, (0, 0.0))[1]) for name in set(loop) | set(idle)]
+    for op in ops:
+        op["extra_us"] = op["loop_us"] - op["idle_us"]
+    ops.sort(key=lambda op: -op["extra_us"])
+    return dict(loop_step_ms=loop_ms, idle_step_ms=idle_ms, ops=ops[:top])
 
 
 #: CUDA runtime and ATen calls at which the host may wait for the GPU: a step that makes one
@@ -254,6 +292,9 @@ def main() -> None:
                         help="also list the calls at which the host may wait for the GPU, with their Python stacks")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most own time over 10 steps (cProfile)")
+    parser.add_argument("--loop-vs-idle", type=int, default=0, metavar="STEPS",
+                        help="also profile STEPS steps back to back and STEPS started with the GPU idle, and list "
+                             "the host ops whose self time grows most in the loop")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch._inductor.config as inductor_config
@@ -308,6 +349,8 @@ def main() -> None:
             row["sync_points"] = _sync_points(step)
         if args.cprofile:
             row["cprofile"] = python_profile(step, 10, args.cprofile)
+        if args.loop_vs_idle:
+            row["loop_vs_idle"] = loop_against_idle(step, args.loop_vs_idle, args.top)
         rows.append(row)
         print(f"{args.model} {args.mode} compile={args.compile} {variant}: wall {wall:.1f} ms, enqueue {enqueue:.1f} ms,"
               f" GPU kernels {gpu_ms:.1f} ms, {launches:.0f} launches per step, peak {peak:.0f} MiB", flush=True)
@@ -321,6 +364,13 @@ def main() -> None:
                 print(f"           {frame[:110]}")
         if args.cprofile:
             print(row["cprofile"])
+        if args.loop_vs_idle:
+            found = row["loop_vs_idle"]
+            print(f"    step call in a loop {found['loop_step_ms']:.1f} ms, with the GPU idle "
+                  f"{found['idle_step_ms']:.1f} ms; host ops' growth in the loop:")
+            for op in found["ops"]:
+                print(f"    loop {op['extra_us']:+9.0f} us {op['calls_per_step']:6.0f}x  {op['name'][:90]}"
+                      f"  ({op['loop_us']:.0f} against {op['idle_us']:.0f})")
         if args.out:
             write_json(args.out, rows)
 
