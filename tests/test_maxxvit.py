@@ -200,10 +200,10 @@ def test_compiles_without_graph_break(config, train):
     assert not failures, failures
 
 
-def test_tf_bias_where_the_lookups_cannot_be_read():
-    """torch.export (its graph may not read the lookups' values: RelPosBiasTf's einsums stay
-    in it) and FakeTensorMode (no values at all) take ``get_bias()``; the exported program
-    calls the op and gives timm's output."""
+def test_tf_bias_under_export():
+    """torch.export, whose graph may not read the lookups' values, takes ``get_bias()``
+    (RelPosBiasTf's einsums stay in the graph); the exported program calls the op and gives
+    timm's output."""
     plain, model = tiny("tf").eval(), patch_model(tiny("tf"), strict=True).eval()
     x = images(2, (SIZE, SIZE))
     program = torch.export.export(model, (x,))
@@ -211,11 +211,35 @@ def test_tf_bias_where_the_lookups_cannot_be_read():
     assert sum("timm_flashwin" in t for t in targets) == 2 and any("einsum" in t for t in targets)
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x), plain(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", ["tf", "rmlp"])
+def test_calls_under_fake_tensor_mode_keep_nothing(config):
+    """Calls under FakeTensorMode (shape inference, memory estimates), training and
+    inference, compute what patched modules keep between eager calls (the index's (N, N)
+    view, the TF lookups' rows, the grid's window maps, RelPosMlp's dropout ones, the
+    inference bias) without keeping it: fake values kept there were read by the next eager
+    calls (fake outputs, or a data-dependent error). Those calls then give timm's values, in
+    float32 and in float64 (PyTorch's path, which reads the window maps)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    plain = tiny(config)
+    model = patch_model(copy.deepcopy(plain), strict=True)
+    x = images(1, (SIZE, SIZE))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = mode.from_tensor(x)
-    with mode:
-        assert model.train()(fake).shape == (2, 10)
+    for train in (True, False):
+        with mode, torch.set_grad_enabled(train):
+            assert model.train(train)(fake).shape == (1, 10)
+    for dtype in (torch.float32, torch.float64):
+        model, plain = model.to(dtype), plain.to(dtype)
+        for train in (True, False):
+            with torch.set_grad_enabled(train):
+                torch.manual_seed(1)
+                ours = model.train(train)(x.to(dtype))
+                torch.manual_seed(1)
+                expected = plain.train(train)(x.to(dtype))
+            assert type(ours) is torch.Tensor
+            torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_float64_and_plain_cpu_run_timms_math():

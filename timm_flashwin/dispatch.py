@@ -51,16 +51,23 @@ def direct_launches():
     return _set_wrap_triton_enabled(False) if _set_wrap_triton_enabled is not None else contextlib.nullcontext()
 
 
-def dispatch_free(tensor: torch.Tensor) -> bool:
-    """Whether a call on ``tensor`` can skip the operator dispatch: eager mode on a plain
-    tensor (or parameter), with no torch.compile tracing and no dispatch mode
-    (FakeTensorMode, ...) in effect."""
-    if _set_wrap_triton_enabled is None and hasattr(torch.library, "wrap_triton"):
-        return False  # a torch whose wrap_triton cannot be switched off
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or type(tensor) not in PLAIN_TENSOR_TYPES:
+def no_dispatch_mode() -> bool:
+    """Whether this is plain eager mode: no torch.compile or torch.jit tracing and no
+    dispatch mode (FakeTensorMode, ...) in effect. Only then is a value computed outside the
+    operators real and may be kept for later calls (under FakeTensorMode a kept index view
+    or window map would be a fake tensor, which later eager calls would read)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
     return dispatch_modes is not None and dispatch_modes() == 0
+
+
+def dispatch_free(tensor: torch.Tensor) -> bool:
+    """Whether a call on ``tensor`` can skip the operator dispatch: eager mode
+    (``no_dispatch_mode``) on a plain tensor (or parameter)."""
+    if _set_wrap_triton_enabled is None and hasattr(torch.library, "wrap_triton"):
+        return False  # a torch whose wrap_triton cannot be switched off
+    return type(tensor) in PLAIN_TENSOR_TYPES and no_dispatch_mode()
 
 
 def uses_kernels(tensor: torch.Tensor) -> bool:

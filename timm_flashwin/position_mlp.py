@@ -27,7 +27,7 @@ from torch import nn
 
 from .hooks import runs_hooks
 from .kernels.position_launch import position_mlp_grads, position_mlp_table as _launch_table, split_position_mlp_grads
-from .dispatch import PLAIN_TENSOR_TYPES, direct_launches, dispatch_free, register_op, uses_kernels
+from .dispatch import PLAIN_TENSOR_TYPES, direct_launches, dispatch_free, no_dispatch_mode, register_op, uses_kernels
 
 
 def _weight_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
@@ -192,7 +192,9 @@ def meta_mlp_dropout_mask(mlp: nn.Module, coords: torch.Tensor) -> Optional[torc
     # timm's fc1 output: the autocast dtype, else its weight's (F.linear takes coordinates of that dtype)
     dtype = torch.get_autocast_dtype(device_type) if autocast else mlp.fc1.weight.dtype
     shape = (coords.shape[0], mlp.fc1.out_features)
-    if torch.compiler.is_compiling():  # in the graph: inductor fuses the ones into the dropout
+    # under torch.compile in the graph (inductor fuses the ones into the dropout); under a
+    # dispatch mode made anew (FakeTensorMode's would be fake: kept, later calls would read them)
+    if not no_dispatch_mode():
         return F.dropout(torch.ones(shape, dtype=dtype, device=coords.device), drop.p, training=True)
     key = (*shape, dtype, coords.device)
     ones = _ONES.get(key)

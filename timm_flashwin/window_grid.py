@@ -17,6 +17,7 @@ from typing import Dict, Tuple
 
 import torch
 
+from .dispatch import no_dispatch_mode
 from .tracing import exporting
 
 #: (grid, device) -> (the map rows of the windows' tokens in window order (H*W,) int64, the
@@ -104,6 +105,8 @@ class WindowGrid:
             if exporting():  # torch.export: the exported graph computes them
                 return self._compute_maps(device)
             return _constant_maps(self.height, self.width, *self.window, *self.shift, self.strided, device)
+        if not no_dispatch_mode():  # under FakeTensorMode they would be fake: kept, later calls would read them
+            return self._compute_maps(device)
         maps = _MAPS.get((self, device))
         if maps is None:
             # made outside inference mode: maps kept by a call under torch.inference_mode serve

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..dispatch import no_dispatch_mode
 from ..kernels.config import MAX_HEAD_DIM, MAX_TOKENS
 from ..op import window_attention
 from ..position_bias import TableBias
@@ -240,14 +241,15 @@ def inference_cache(module: nn.Module, sources: Sequence[torch.Tensor], compute:
     """``compute()``, reused across calls while nothing it reads can have changed; a
     ``TableBias`` is kept gathered (``dense()``), the (H, N, N) bias the kernels read.
 
-    Only in inference (no autograd recording, module in eval mode, not under
-    torch.compile, which fuses the computation anyway). The key holds the identity,
+    Only in inference (no autograd recording, module in eval mode) in plain eager mode (not
+    under torch.compile, which fuses the computation anyway, nor a dispatch mode:
+    ``no_dispatch_mode``). The key holds the identity,
     storage and version counter of every source tensor (optimizer steps, in-place
     edits and load_state_dict bump versions; ``.to()`` and set_input_size() make new
     tensors) and the autocast state, which decides the result's dtype. Sources made under
     torch.inference_mode (a model built there) have no version counter: nothing is reused.
     """
-    if (module.training or torch.is_grad_enabled() or torch.compiler.is_compiling()
+    if (module.training or torch.is_grad_enabled() or not no_dispatch_mode()
             or any(t.is_inference() for t in sources)):
         return compute()
     device_type = sources[0].device.type

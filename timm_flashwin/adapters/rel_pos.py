@@ -27,7 +27,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..dispatch import dispatch_free, uses_kernels
+from ..dispatch import dispatch_free, no_dispatch_mode, uses_kernels
 from ..position_bias import TableBias
 from ..position_mlp import fusable_meta_mlp, meta_mlp_dropout_mask, position_mlp_table
 from ..tracing import exporting
@@ -63,13 +63,14 @@ def rel_pos_tokens(rel_pos: nn.Module) -> int:
 
 def _kept(module: nn.Module, name: str, sources: Tuple[torch.Tensor, ...], compute: Callable):
     """``compute()``, kept on ``module`` while every source tensor is the same object with the
-    same storage, shape and version (eager mode; under torch.compile computed in the graph).
+    same storage, shape and version (eager mode; under torch.compile computed in the graph,
+    under dispatch modes at every call: ``no_dispatch_mode``).
 
     Sources made under torch.inference_mode have no version counter: their value is computed
     at every call. From other sources it is computed outside inference mode, so that what is
     kept has a version too (``inference_cache`` keys on it) and can serve a later training
     step (an inference tensor cannot be saved for backward)."""
-    if torch.compiler.is_compiling() or any(t.is_inference() for t in sources):
+    if not no_dispatch_mode() or any(t.is_inference() for t in sources):
         return compute()
     key = tuple((id(t), t.data_ptr(), t.shape, t._version) for t in sources)
     kept = module.__dict__.setdefault(KEPT_ATTR, {})
