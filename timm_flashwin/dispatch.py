@@ -28,6 +28,7 @@ NAMESPACE = "timm_flashwin"
 #: step of swin_tiny on an H100, benchmarks/bench_host.py --profile).
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
+_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _set_wrap_triton_enabled = getattr(getattr(torch._library, "triton", None), "set_wrap_triton_enabled", None)
 
 
@@ -52,11 +53,12 @@ def direct_launches():
 
 
 def no_dispatch_mode() -> bool:
-    """Whether this is plain eager mode: no torch.compile or torch.jit tracing and no
+    """Whether this is plain eager mode: no torch.compile or torch.jit tracing, no torch.func
+    transform (grad, vmap, ...: the eager path's autograd.Function takes none) and no
     dispatch mode (FakeTensorMode, ...) in effect. Only then is a value computed outside the
     operators real and may be kept for later calls (under FakeTensorMode a kept index view
     or window map would be a fake tensor, which later eager calls would read)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _functorch_transforms_active():
         return False
     dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
     return dispatch_modes is not None and dispatch_modes() == 0

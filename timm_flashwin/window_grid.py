@@ -157,12 +157,18 @@ class _PermuteRows(torch.autograd.Function):
     """x.index_select(1, index) for a permutation ``index`` of x's rows, whose gradient is
     the gather by its ``inverse``: index_select's own backward adds into zeros with
     index_add_, which on CUDA adds atomically (its order varies) and which
-    ``torch.use_deterministic_algorithms(True)`` refuses."""
+    ``torch.use_deterministic_algorithms(True)`` refuses. Its context set apart from its
+    forward (``setup_context``), as torch.func's transforms require."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
+    def forward(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
         return x.index_select(1, index)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(inputs[2])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
