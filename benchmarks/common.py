@@ -105,21 +105,27 @@ def gathered_bias(step):
     return run
 
 
-def enqueue_us(fn, calls: int) -> float:
-    """Median host us to enqueue one call of ``fn`` with the GPU idle when it starts (a
-    synchronization and a short sleep before each): the host's own time per call."""
-    import statistics
-
+def call_times_us(fn, calls: int, idle: bool) -> list:
+    """Host us of each of ``calls`` calls of ``fn``: back to back, or (``idle``) each started
+    with the GPU idle (a synchronization and a short sleep before it)."""
     import torch
     times = []
     for _ in range(calls):
-        torch.cuda.synchronize()
-        time.sleep(0.002)
+        if idle:
+            torch.cuda.synchronize()
+            time.sleep(0.002)
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
-    return statistics.median(times)
+    return times
+
+
+def enqueue_us(fn, calls: int) -> float:
+    """Median host us to enqueue one call of ``fn`` with the GPU idle when it starts: the
+    host's own time per call."""
+    import statistics
+    return statistics.median(call_times_us(fn, calls, idle=True))
 
 
 def python_profile(fn, calls: int, top: int) -> str:

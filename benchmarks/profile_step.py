@@ -48,8 +48,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
-from common import (code_version, cuda_kernel_times, enqueue_us, gathered_bias, peak_mib, python_profile,  # noqa: E402
-                    timm_meta_mlp, write_json)
+from common import (call_times_us, code_version, cuda_kernel_times, enqueue_us, gathered_bias, peak_mib,  # noqa: E402
+                    python_profile, timm_meta_mlp, write_json)
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
@@ -114,22 +114,14 @@ def _profile(step, steps: int, top: int):
 def _host_self_us(step, steps: int, idle: bool):
     """({host op: (calls, self us) per step}, median ms of one ``step()`` call) under
     torch.profiler over ``steps`` steps: back to back, or (``idle``) each started with the
-    GPU idle (a synchronization and a short sleep before it, as ``common.enqueue_us``)."""
+    GPU idle (``common.call_times_us``, as ``common.enqueue_us`` times them)."""
     from torch.profiler import ProfilerActivity, profile
-    calls = []
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            if idle:
-                torch.cuda.synchronize()
-                time.sleep(0.002)
-            start = time.perf_counter()
-            step()
-            calls.append((time.perf_counter() - start) * 1e3)
-        torch.cuda.synchronize()
+        calls = call_times_us(step, steps, idle)
     ops = {e.key: (e.count / steps, e.self_cpu_time_total / steps) for e in prof.key_averages()
            if e.key not in ("cudaDeviceSynchronize", "cudaStreamSynchronize") or not idle}
-    return ops, statistics.median(calls)
+    return ops, statistics.median(calls) / 1e3
 
 
 def loop_against_idle(step, steps: int, top: int) -> dict:
