@@ -6,13 +6,14 @@ yardstick."""
 import contextlib
 import copy
 import io
+from collections import Counter
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from model_cases import flashwin_ops, images, recording_backend
-from timm_flashwin import is_patched, patch_model, patch_report, unpatch_model
+from timm_flashwin import dispatch, is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.comparison import Comparison, compare, group_error, jitter_images, larger_error
 from timm_flashwin.verify import GRADIENT_FACTOR, verify_model
 
@@ -44,6 +45,46 @@ def training_step_runs(model: nn.Module, ours: nn.Module, x: torch.Tensor) -> Li
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
         runs.append((out.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}))
     return runs
+
+
+def gradient_transform_failures(model: nn.Module, x: torch.Tensor, strict: bool = True) -> List[Comparison]:
+    """``training_step_runs`` through torch.func: each run's parameter gradients by
+    ``torch.func.vjp`` of ``functional_call`` (the same fixed output gradient), a patched
+    copy of ``model`` against timm's, judged (``judge``). The patched run calls the op once
+    per patched module, through its operator's ``autograd.Function`` (``dispatch.call_operator``).
+    ``strict``: patch_model's."""
+    ours = patch_model(copy.deepcopy(model), strict=strict)
+    runs = []
+    for net, x_in in ((ours, x), (model, x), (copy.deepcopy(model).double(), x.double()), (model, jitter_images(x))):
+        params = {n: p.detach() for n, p in net.named_parameters()}
+        with counting_transform_calls() as calls:
+            out, vjp = torch.func.vjp(lambda p: torch.func.functional_call(net, p, (x_in,)), params)
+            grads, = vjp(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
+        assert calls["window_attention_fwd"] == (len(patch_report(ours).patched) if net is ours else 0)
+        runs.append((out.detach(), grads))
+    return judge(*runs)
+
+
+@contextlib.contextmanager
+def counting_transform_calls() -> Iterator[Counter]:
+    """Counts the forward calls of each registered operator's torch.func Function, by name
+    (its ``apply`` is entered twice a call: torch.func applies it again one level down)."""
+    calls: Counter = Counter()
+    functions = [(op._opoverload._opname, function, function.__dict__["forward"])
+                 for op, function in dispatch._FOR_TRANSFORMS.items()]
+    def counting(name, forward):  # no keyword arguments: torch.func reads the signature
+        def counted(*inputs):
+            calls[name] += 1
+            return forward(*inputs)
+        return staticmethod(counted)
+
+    for name, function, forward in functions:
+        function.forward = counting(name, forward.__func__)
+    try:
+        yield calls
+    finally:
+        for _, function, forward in functions:
+            function.forward = forward
 
 
 def compiled_against_timm(model: nn.Module, strict: bool = True, device: str = "cuda",

@@ -371,14 +371,3 @@ def test_gpu_aot_inductor_runs_the_kernels(family):
                         f"torch {torch.__version__}): {control.stderr.strip().splitlines()[-1:]}")
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr[-4000:]
 
-
-# ---------------------------------------------------------------------------- torch.func
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_vmap_inference_takes_the_operator(family):
-    """torch.func.vmap of a patched model without gradients: the registered operators (torch
-    runs each once per vmapped element: no batching rule) give timm's outputs. The eager
-    path's direct launches cannot read vmap's batched tensors (they have no storage)."""
-    plain, model = pair(family)
-    x = torch.stack([images(plain, seed=seed) for seed in range(2)])  # (2, 1, 3, H, W)
-    with torch.no_grad():
-        torch.testing.assert_close(torch.func.vmap(model)(x), torch.func.vmap(plain)(x), rtol=1e-4, atol=1e-5)

@@ -8,11 +8,13 @@ which those can see and trace. In plain eager mode on plain tensors (``dispatch_
 it skips that dispatch and launches the kernels itself (``direct_launches``): eager
 training steps of the tiny models are bound by host time (benchmarks/RESULTS.md). Tensors
 the kernels do not take (``uses_kernels``: plain CPU tensors, float64) take PyTorch's
-expressions instead.
+expressions instead. Under torch.func's transforms (grad, vjp, vmap) the operators are
+called through an ``autograd.Function`` each (``call_operator``), which torch.func takes.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -32,16 +34,73 @@ _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_acti
 _set_wrap_triton_enabled = getattr(getattr(torch._library, "triton", None), "set_wrap_triton_enabled", None)
 
 
+#: registered operator -> the autograd.Function that runs it under torch.func's transforms
+_FOR_TRANSFORMS: Dict[object, type] = {}
+
+
 def register_op(name: str, impl, fake):
     """``NAMESPACE::name`` running ``impl``. triton_op lets torch.compile see the Triton
     kernels; the interpreter's kernels are plain Python functions that cannot be traced,
-    so there (and on torch < 2.6) the op is an opaque custom_op with an explicit fake."""
+    so there (and on torch < 2.6) the op is an opaque custom_op with an explicit fake.
+    Call it through ``call_operator``, which torch.func's transforms take."""
     qualname = f"{NAMESPACE}::{name}"
     if hasattr(torch.library, "triton_op") and not config.INTERPRET:
-        return torch.library.triton_op(qualname, impl, mutates_args=())
-    op = torch.library.custom_op(qualname, impl, mutates_args=())
-    op.register_fake(fake)
+        op = torch.library.triton_op(qualname, impl, mutates_args=())
+    else:
+        op = torch.library.custom_op(qualname, impl, mutates_args=())
+        op.register_fake(fake)
+    _FOR_TRANSFORMS[op] = _function_for_transforms(op, None, None)
     return op
+
+
+def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
+    """Registers ``op``'s autograd, and the same ``backward`` and ``setup_context`` as the
+    ``autograd.Function`` that ``call_operator`` takes under torch.func's transforms."""
+    op.register_autograd(backward, setup_context=setup_context)
+    _FOR_TRANSFORMS[op] = _function_for_transforms(op, backward, setup_context)
+
+
+def _function_for_transforms(op, backward: Optional[Callable], setup_context: Optional[Callable]) -> type:
+    """An ``autograd.Function`` running ``op`` (``backward`` None: it takes no gradient).
+    The autograd torch.library generates for a custom operator has no ``setup_context``,
+    and torch.func's transforms refuse it (``grad``, ``vjp``, ``jacrev``; torch 2.11 to
+    2.14), also for an operator called in another's backward, which is why every registered
+    operator has one. ``generate_vmap_rule``: ``vmap`` runs ``op`` once per element (it has
+    no batching rule), so ``vmap(grad(...))`` gives per-sample gradients."""
+    name = op._opoverload._opname
+
+    def no_backward(ctx, *grads):
+        raise RuntimeError(f"{NAMESPACE}::{name} is not differentiable (a backward's operator: no second derivative)")
+
+    class ForTransforms(torch.autograd.Function):
+        generate_vmap_rule = True
+        # the arguments a call leaves out: its setup_context reads them all
+        defaults = tuple(a.default_value if a.has_default_value() else None for a in op._opoverload._schema.arguments)
+
+        @staticmethod
+        def forward(*inputs):
+            return op(*inputs)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            if setup_context is not None:
+                setup_context(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (backward or no_backward)(ctx, *grads)
+
+    ForTransforms.__name__ = ForTransforms.__qualname__ = f"{name}_for_transforms"
+    return ForTransforms
+
+
+def call_operator(op, *inputs):
+    """``op(*inputs)`` (a ``register_op`` operator); under a torch.func transform through its
+    ``autograd.Function`` (``_function_for_transforms``)."""
+    function = _FOR_TRANSFORMS.get(op) if _functorch_transforms_active() else None
+    if function is None:
+        return op(*inputs)
+    return function.apply(*inputs, *function.defaults[len(inputs):])
 
 
 def direct_launches():

@@ -11,13 +11,15 @@ computes ``local_reference``'s math, with the same semantics.
 """
 from __future__ import annotations
 
+from functools import partial
 from numbers import Real
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 from . import host_program
-from .dispatch import KERNEL_DTYPES, direct_launches, dispatch_free, register_op, uses_kernels
+from .dispatch import (KERNEL_DTYPES, call_operator, direct_launches, dispatch_free, register_autograd, register_op,
+                       uses_kernels)
 from .kernels.local_launch import local_backward, local_forward
 from .local_reference import (LocalPattern, Visible, block_window_visible, local_attention_reference,
                               sliding_window_visible)
@@ -78,10 +80,10 @@ def _gradients(backward, ctx, saved, grad_out) -> tuple:
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    return _gradients(local_attention_bwd, ctx, ctx.saved_tensors, grad_out)
+    return _gradients(partial(call_operator, local_attention_bwd), ctx, ctx.saved_tensors, grad_out)
 
 
-local_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(local_attention_fwd, _backward, _setup_context)
 
 
 class _EagerLocalAttention(torch.autograd.Function):
@@ -137,7 +139,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: LocalPat
     seed = draw_dropout_seed(q.device) if dropout_p > 0 else None
     inputs = (q, k, v, pattern.period, pattern.before, pattern.after, pattern.sink, scale, dropout_p, seed)
     if not (dispatch_free(q) and dispatch_free(k) and dispatch_free(v)):
-        return local_attention_fwd(*inputs)[0]
+        return call_operator(local_attention_fwd, *inputs)[0]
     return _eager_call(inputs, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 

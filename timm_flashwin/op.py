@@ -14,12 +14,13 @@ with the same semantics.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
 
 from . import host_program
-from .dispatch import direct_launches, dispatch_free, register_op, uses_kernels
+from .dispatch import call_operator, direct_launches, dispatch_free, register_autograd, register_op, uses_kernels
 from .kernels.bias_mask import kept_mask_structure, kept_streamed_bias, mask_regions_shapes, mask_regions_used
 from .kernels.launch import attention_backward, attention_forward
 from .kernels.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
@@ -132,7 +133,7 @@ def _setup_context(ctx, inputs, output, *also_saved):
 def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
     saved = ctx.saved_tensors
     # the table's index and pairs (None where the bias is dense): _operator_setup_context
-    dqkv, dbias, dscale = _backward_outputs(window_attention_bwd, ctx, saved, grad_out, *saved[9:12],
+    dqkv, dbias, dscale = _backward_outputs(partial(call_operator, window_attention_bwd), ctx, saved, grad_out, *saved[9:12],
                                             ctx.table_sigmoid)
     return _input_grads(ctx, dqkv, dbias.to(saved[5].dtype) if dbias is not None else None, dscale, extra_inputs=4)
 
@@ -177,7 +178,7 @@ def _operator_setup_context(ctx, inputs, output):
     ctx.table_sigmoid = table_sigmoid
 
 
-window_attention_fwd.register_autograd(_backward, setup_context=_operator_setup_context)
+register_autograd(window_attention_fwd, _backward, _operator_setup_context)
 
 
 class _EagerWindowAttention(torch.autograd.Function):
@@ -397,7 +398,7 @@ def window_attention(
     inputs = (qkv, num_heads, bias, mask, logit_scale, float(scale) if scale is not None else 1.0,
               logit_scale is not None, dropout_p, seed, save_stats)
     if not eager:
-        return window_attention_fwd(*inputs, *operator_table)[0]
+        return call_operator(window_attention_fwd, *inputs, *operator_table)[0]
     return _eager_call(inputs, grid, table_gather)
 
 

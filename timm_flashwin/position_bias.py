@@ -33,7 +33,7 @@ import torch
 
 from .kernels.tensor_cache import kept_on
 from .kernels.position_launch import relative_bias_gather, relative_bias_table_grad
-from .dispatch import direct_launches, dispatch_free, register_op, uses_kernels
+from .dispatch import call_operator, direct_launches, dispatch_free, register_autograd, register_op, uses_kernels
 
 
 def _sorted_pairs(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -152,10 +152,11 @@ def _gather_backward(ctx, grad):
     table, index, order, offsets = ctx.saved_tensors
     if order is None:
         raise RuntimeError("gather_position_bias: the gather ran without the sorted pairs its gradient needs")
-    return position_bias_table_grad_op(grad, table, index, order, offsets, ctx.sigmoid_scale), None, None, None, None
+    grad = call_operator(position_bias_table_grad_op, grad, table, index, order, offsets, ctx.sigmoid_scale)
+    return grad, None, None, None, None
 
 
-gather_position_bias_op.register_autograd(_gather_backward, setup_context=_gather_setup_context)
+register_autograd(gather_position_bias_op, _gather_backward, _gather_setup_context)
 
 
 # ----------------------------------------------------------------------- public function
@@ -203,8 +204,8 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
             if dispatch_free(table):
                 return _GatherFromTable.apply(table, TableGather(TableRows.of(index, table.shape[0]),
                                                                  table.shape[0], scale, False))
-            return gather_position_bias_op(table, index, *operator_table_rows(index, table, constant_index),
-                                           scale)
+            return call_operator(gather_position_bias_op, table, index,
+                                 *operator_table_rows(index, table, constant_index), scale)
         if dispatch_free(table):
             # Without a gradient too: PyTorch's indexing took 201 us for a window of 24x24
             # (its vectorized_gather_kernel, H200, benchmarks/profile_op.py --forward), the
@@ -216,7 +217,7 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
             # under a dispatch mode or for a tensor subclass, the operator: its kernel gives
             # the values the gradient's path gives (an activation checkpoint's two passes,
             # the first without a gradient, agree to the bit with a sigmoid_scale too)
-            return gather_position_bias_op(table, index, None, None, scale)
+            return call_operator(gather_position_bias_op, table, index, None, None, scale)
     n = index.shape[0]
     bias = table[index.reshape(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
     return scale * torch.sigmoid(bias) if scale else bias

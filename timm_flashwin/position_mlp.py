@@ -19,6 +19,7 @@ modules it computes exactly (the adapters keep timm's layers for others), and
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -27,7 +28,8 @@ from torch import nn
 
 from .hooks import runs_hooks
 from .kernels.position_launch import position_mlp_grads, position_mlp_table as _launch_table, split_position_mlp_grads
-from .dispatch import PLAIN_TENSOR_TYPES, direct_launches, dispatch_free, no_dispatch_mode, register_op, uses_kernels
+from .dispatch import (PLAIN_TENSOR_TYPES, call_operator, direct_launches, dispatch_free, no_dispatch_mode,
+                       register_autograd, register_op, uses_kernels)
 
 
 def _weight_grads(grad: torch.Tensor, coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
@@ -83,11 +85,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    grads = _weight_grads(grad, *ctx.saved_tensors, ctx.dropout_p, ctx.heads_first, position_mlp_grads_op)
+    grads = _weight_grads(grad, *ctx.saved_tensors, ctx.dropout_p, ctx.heads_first,
+                          partial(call_operator, position_mlp_grads_op))
     return (None, *grads, None, None, None)
 
 
-position_mlp_table_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(position_mlp_table_op, _backward, _setup_context)
 
 
 # ----------------------------------------------------------------------- public functions
@@ -133,7 +136,7 @@ def position_mlp_table(coords: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
         inputs = (coords, w1, b1, w2, b2, dropout_mask, dropout_p, heads_first)
         # the weights are checked too: tensor subclasses (a DTensor weight) take the operator
         if not (dispatch_free(coords) and all(type(t) in PLAIN_TENSOR_TYPES for t in weights)):
-            return position_mlp_table_op(*inputs)
+            return call_operator(position_mlp_table_op, *inputs)
         if torch.is_grad_enabled() and any(t.requires_grad for t in weights):
             return _PositionMLP.apply(*inputs)
         with direct_launches():
