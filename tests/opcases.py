@@ -14,7 +14,7 @@ from timm_flashwin.kernels.bias_mask import streams_key_blocks
 from timm_flashwin.reference import CLAMP_GRADIENT_AT_BOUND, LOGIT_SCALE_MAX, window_attention_reference
 
 #: Relative error bound (||x - ref|| / ||ref||) against the float64 reference, for the
-#: output and every gradient. These are the numbers the README states.
+#: output and every gradient. These are the numbers the README and docs/support.md state.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 #: Logit scales below and above the clamp at ln(100), per head. Exactly float32(ln 100) is
@@ -187,7 +187,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def _log_error(name: str, tol: float, err: float) -> None:
     """With FLASHWIN_ERRLOG=PATH set, append (test, tensor, bound, error) as a tab-separated
     line to PATH.<pid> (one file per pytest-xdist worker): the measured errors that
-    README's accuracy section quotes the largest of."""
+    docs/support.md's accuracy section quotes the largest of."""
     path = os.environ.get("FLASHWIN_ERRLOG")
     if path:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]

@@ -1,5 +1,5 @@
-"""What each model-capturing tool gets from a patched model (README, "Tools: export,
-TorchScript, FX, ONNX"; timm_flashwin/tracing.py): torch.export keeps the op in the graph,
+"""What each model-capturing tool gets from a patched model (docs/support.md, "Tools";
+timm_flashwin/tracing.py; torch.func: test_func_transforms.py): torch.export keeps the op in the graph,
 TorchScript (script and trace) and ONNX export take timm's forward, torch.fx traces timm's
 math or, in timm's fx feature extraction, calls the patched module as a leaf. Tiny models,
 the kernels under the interpreter on CPU."""
