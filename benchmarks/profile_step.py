@@ -205,13 +205,15 @@ def _attention_free_forward(module, x, *args, **kwargs):
     the module normalizes its own input (TinyViT's ``norm``). A mask the call passes is not
     read; a tensor that takes a gradient (GCViT's q_global, a shared_rel_pos) is not read
     either, but gets a zero gradient: without it the bound also skipped the backward of the
-    layers that make it (GCViT's global-query network, one per stage)."""
+    layers that make it (GCViT's global-query network, one per stage). A module that pools
+    its queries (Hiera's ``q_stride``) returns as many tokens as it has queries."""
     norm = getattr(module, "norm", None)
     if isinstance(norm, torch.nn.Module):
         x = norm(x)
     qkv = module.qkv(x)
     channels_first = isinstance(module.qkv, torch.nn.Conv2d)
     y = qkv[:, :module.proj.in_channels] if channels_first else qkv[..., :module.proj.in_features]
+    y = y[:, :y.shape[1] // getattr(module, "q_stride", 1)]
     out = getattr(module, "proj_drop", torch.nn.Identity())(module.proj(y))
     for made in (*args, *kwargs.values()):
         if isinstance(made, torch.Tensor) and made.requires_grad and torch.is_grad_enabled():
@@ -222,8 +224,7 @@ def _attention_free_forward(module, x, *args, **kwargs):
 def attention_free(model: torch.nn.Module) -> torch.nn.Module:
     """The model with every window-attention module that ``patch_model`` serves given
     ``_attention_free_forward`` as its forward (the ``attention-free`` variant), in place;
-    those it leaves to timm (Hiera's q-pooling blocks: fewer queries than keys) keep timm's,
-    as in the patched model."""
+    those it leaves to timm keep timm's, as in the patched model."""
     for module in model.modules():
         adapter = adapter_for(module)
         if adapter is not None and adapter.unsupported(module) is None:

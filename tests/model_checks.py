@@ -47,13 +47,12 @@ def training_step_runs(model: nn.Module, ours: nn.Module, x: torch.Tensor) -> Li
     return runs
 
 
-def gradient_transform_failures(model: nn.Module, x: torch.Tensor, strict: bool = True) -> List[Comparison]:
+def gradient_transform_failures(model: nn.Module, x: torch.Tensor) -> List[Comparison]:
     """``training_step_runs`` through torch.func: each run's parameter gradients by
     ``torch.func.vjp`` of ``functional_call`` (the same fixed output gradient), a patched
     copy of ``model`` against timm's, judged (``judge``). The patched run calls the op once
-    per patched module, through its operator's ``autograd.Function`` (``dispatch.call_operator``).
-    ``strict``: patch_model's."""
-    ours = patch_model(copy.deepcopy(model), strict=strict)
+    per patched module, through its operator's ``autograd.Function`` (``dispatch.call_operator``)."""
+    ours = patch_model(copy.deepcopy(model), strict=True)
     runs = []
     for net, x_in in ((ours, x), (model, x), (copy.deepcopy(model).double(), x.double()), (model, jitter_images(x))):
         params = {n: p.detach() for n, p in net.named_parameters()}
@@ -87,11 +86,10 @@ def counting_transform_calls() -> Iterator[Counter]:
             function.forward = forward
 
 
-def compiled_against_timm(model: nn.Module, strict: bool = True, device: str = "cuda",
+def compiled_against_timm(model: nn.Module, device: str = "cuda",
                           backend: str = "inductor") -> List[Comparison]:
     """torch.compile(fullgraph=True) of a patched copy of ``model`` (perturbed, float32;
-    ``strict``: patch_model's):
-    its eval output, then a training step's gradients, judged (``judge``); the compiled
+    strict): its eval output, then a training step's gradients, judged (``judge``); the compiled
     graphs call the op once per patched module. Not against the eager patched model:
     inductor rounds the other layers otherwise, and perturbed models amplify rounding (H200,
     torch 2.11: maxvit_tiny's eval logits moved by up to 3e-3 between the compiled and the
@@ -99,7 +97,7 @@ def compiled_against_timm(model: nn.Module, strict: bool = True, device: str = "
     torch._dynamo.reset()
     model = model.to(device)
     reference, again_model = copy.deepcopy(model).double(), copy.deepcopy(model)  # BatchNorm: each its own stats
-    patched_model = patch_model(copy.deepcopy(model), strict=strict)
+    patched_model = patch_model(copy.deepcopy(model), strict=True)
     graphs: List = []
     compiled = torch.compile(patched_model, fullgraph=True, backend=recording_backend(graphs, backend))
     x = images(4, model.pretrained_cfg["input_size"][1:], device=device)

@@ -104,18 +104,22 @@ def test_attention_free_gcvit_keeps_the_global_query_networks_backward():
     torch.testing.assert_close(attns[1](x, q_global), _projections(attns[1], x), rtol=0, atol=0)
 
 
-def test_attention_free_keeps_timms_forward_where_the_patcher_does():
-    """Hiera's q-pooling blocks (fewer queries than keys) keep timm's forward when patched;
-    the bound keeps it too (reduced to its projections, they would return every token)."""
+def test_attention_free_hiera_returns_one_token_a_query():
+    """Hiera's q-pooling blocks (t / q_stride queries against t keys) are reduced like the
+    others and return the module's output shape: one token a query, projected."""
     torch.manual_seed(0)
     model = timm.create_model("hiera_tiny_224", img_size=64, num_classes=5)
     attns = [m for m in model.modules() if adapter_for(m) is not None]
-    pooling = [m for m in attns if adapter_for(m).unsupported(m) is not None]
-    assert pooling and len(pooling) < len(attns)
-    timm_forwards = {id(m): m.forward for m in pooling}
+    pooling = [m for m in attns if m.q_stride > 1]
+    assert pooling and all(adapter_for(m).unsupported(m) is None for m in attns)
+    x = [torch.randn(2, 64 * m.q_stride, m.qkv.in_features) for m in pooling]
+    expected = [m(t).shape for m, t in zip(pooling, x)]
     attention_free(model)
-    assert all(m.forward == timm_forwards[id(m)] for m in pooling)
-    assert all(m.forward.__func__ is _attention_free_forward for m in attns if m not in pooling)
+    assert all(m.forward.__func__ is _attention_free_forward for m in attns)
+    for m, t, shape in zip(pooling, x, expected):
+        out = m(t)
+        assert out.shape == shape
+        torch.testing.assert_close(out, _projections(m, t)[:, :t.shape[1] // m.q_stride], rtol=0, atol=0)
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 5)
 
 

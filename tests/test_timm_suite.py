@@ -16,8 +16,8 @@ timm tests that runs the eager model takes one to six minutes (timm's tiny model
 on smaller models. On a GPU, FLASHWIN_TIMM_SUITE_DEVICE=cuda has the models made there, and
 the kernels run. The whole swin* selection, unpatched and patched, then compared (fetch the
 source distribution of the GPU machine's timm here first, ``python tests/test_timm_suite.py
---fetch VERSION``, and carry .timm_tests/ along; "abswin" names Hiera models, whose q-pooling
-blocks strict patching refuses; four workers fill an 80 GB GPU with the largest models, and
+--fetch VERSION``, and carry .timm_tests/ along; "abswin" names Hiera models, left out of the
+swin* selection measured; four workers fill an 80 GB GPU with the largest models, and
 counts on one are in benchmarks/RESULTS.md)::
 
     cd .timm_tests/timm-VERSION
