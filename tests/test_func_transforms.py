@@ -26,7 +26,8 @@ from timm_flashwin.verify import build_model, perturb_
 
 @pytest.fixture(autouse=True)
 def _no_batching_rule_warnings():
-    with warnings.catch_warnings():  # "There is a performance drop because we have not yet implemented the batching rule"
+    # "There is a performance drop because we have not yet implemented the batching rule"
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         yield
 

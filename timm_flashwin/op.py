@@ -133,8 +133,8 @@ def _setup_context(ctx, inputs, output, *also_saved):
 def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
     saved = ctx.saved_tensors
     # the table's index and pairs (None where the bias is dense): _operator_setup_context
-    dqkv, dbias, dscale = _backward_outputs(partial(call_operator, window_attention_bwd), ctx, saved, grad_out, *saved[9:12],
-                                            ctx.table_sigmoid)
+    backward_op = partial(call_operator, window_attention_bwd)
+    dqkv, dbias, dscale = _backward_outputs(backward_op, ctx, saved, grad_out, *saved[9:12], ctx.table_sigmoid)
     return _input_grads(ctx, dqkv, dbias.to(saved[5].dtype) if dbias is not None else None, dscale, extra_inputs=4)
 
 
