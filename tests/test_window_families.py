@@ -73,7 +73,7 @@ def test_nest_model_matches_timm():
 # ------------------------------------------------------------------------- modules
 #: case -> family
 MODULE_CASES = {"tiny_vit": "tiny_vit", "davit": "davit", "twins": "twins", "twins_padded": "twins", "nest": "nest",
-                "hiera": "hiera", "hiera_global": "hiera"}
+                "hiera": "hiera", "hiera_global": "hiera", "hiera_pooling": "hiera", "hiera_global_pooling": "hiera"}
 
 
 def case_inputs(case: str, x: torch.Tensor):
@@ -83,7 +83,9 @@ def case_inputs(case: str, x: torch.Tensor):
             "twins": (x, (6, 6)),  # the 36 tokens as a 6x6 map: four 3x3 windows
             "twins_padded": (x, (6, 6)),  # 4x4 windows: padded to 8x8
             "nest": (x.reshape(x.shape[0], 3, 12, 32),),  # 3 blocks of 12 tokens
-            "hiera": (x,), "hiera_global": (x,)}[case]  # 4 mask units of 9 tokens; one window of 36
+            # 4 mask units of 9 tokens; one window of 36; 3 units of 12 tokens pooled to 3 queries
+            # each; 36 tokens pooled to 9 queries
+            "hiera": (x,), "hiera_global": (x,), "hiera_pooling": (x,), "hiera_global_pooling": (x,)}[case]
 
 
 def module_case(case: str, **kwargs) -> nn.Module:
@@ -95,7 +97,10 @@ def module_case(case: str, **kwargs) -> nn.Module:
               "twins_padded": lambda: M.twins.LocallyGroupedAttn(32, 2, ws=4, **kwargs),
               "nest": lambda: M.nest.Attention(32, 2, qkv_bias=True, **kwargs),
               "hiera": lambda: M.hiera.MaskUnitAttention(32, 48, 2, window_size=9, use_mask_unit_attn=True),
-              "hiera_global": lambda: M.hiera.MaskUnitAttention(32, 32, 2, window_size=9)}[case]()
+              "hiera_global": lambda: M.hiera.MaskUnitAttention(32, 32, 2, window_size=9),
+              "hiera_pooling": lambda: M.hiera.MaskUnitAttention(32, 48, 2, q_stride=4, window_size=3,
+                                                                 use_mask_unit_attn=True),
+              "hiera_global_pooling": lambda: M.hiera.MaskUnitAttention(32, 32, 2, q_stride=4, window_size=1)}[case]()
     return perturb_(module)
 
 
@@ -192,7 +197,7 @@ def test_list_shows_families_and_windows(no_tiny_vit_index):
 def test_state_dict_unpatch_deepcopy_script_and_torch_save():
     model = OneOfEach().eval().to(KERNEL_DEVICE)
     x = some_x().to(KERNEL_DEVICE)
-    with patched_in_place(model, x, patched=6) as (expected, patched_out):
+    with patched_in_place(model, x, patched=8) as (expected, patched_out):
         assert all(f"flashwin={MODULE_CASES[case]}" in repr(module) for case, module in model.parts.items())
         for case in ("tiny_vit", "twins_padded"):  # the patched forwards of x alone and of Twins' (x, size)
             module = model.parts[case]  # TorchScript compiles timm's forward
