@@ -121,11 +121,12 @@ def _tf_rows(module: nn.Module, rel_pos: nn.Module) -> Optional[torch.Tensor]:
     (FakeTensorMode, ...), where the lookups' values cannot be read."""
     height, width = rel_pos.height_lookup, rel_pos.width_lookup
     if torch.compiler.is_compiling():
-        rows = None if exporting() else _traced_one_hot_rows(height, width)[0]
+        if exporting():
+            return None
         # viewed with the lookups' static sizes: compiled with dynamic=True, dynamo gives the
         # constant symbolic sizes, whose shape it cannot then read as a tuple (torch 2.14)
         n = height.shape[0] * width.shape[0]
-        return rows.view(n, n) if rows is not None else None
+        return _traced_one_hot_rows(height, width)[0].view(n, n)
     if not dispatch_free(height):
         return None
     return _kept(module, "tf_rows", (height, width), lambda: _one_hot_rows(height, width))
