@@ -370,4 +370,3 @@ def test_gpu_aot_inductor_runs_the_kernels(family):
             pytest.skip(f"AOTInductor fails on this machine without the op too (exit {control.returncode}, "
                         f"torch {torch.__version__}): {control.stderr.strip().splitlines()[-1:]}")
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr[-4000:]
-
