@@ -334,7 +334,9 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     rows_class = local_launch.row_class(astuple(case.pattern), seq_len, case.batch * case.heads, torch.device("cuda"))
     inputs = make_inputs(case, seq_len)
     fn = ours(case.pattern)
-    warps_stages = ((4, 3), (4, 4), (8, 2), (8, 3))
+    # (4, 2): the fastest of forward_ceiling.py's minimal forwards at head_dim 128 on an H100
+    # (128 x 64 tiles; RESULTS.md, "Other patterns, and the long calls' forward")
+    warps_stages = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
     tile_pairs = {"fwd": ((64, 32), (64, 64), (64, 128), (128, 64), (128, 128)),
              "dq": ((32, 64), (64, 32), (64, 64), (128, 32), (128, 64)),
              "dkdv": ((16, 64), (32, 32), (32, 64), (64, 64), (16, 128), (32, 128), (64, 128))}
