@@ -57,6 +57,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+    # The tests marked ``long`` first (the order otherwise kept): with -n, a test of 20 s to 60 s
+    # that started last kept one worker busy while the other, its queue and the queue it
+    # could steal from empty, waited (CI's 2 cores: the sm_90 builds, timm's suite).
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 def _patch_the_language_once_per_launch() -> None:

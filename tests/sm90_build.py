@@ -6,7 +6,8 @@ tiles in registers. This script builds the launch configurations of kernels/conf
 representative shapes with triton.compile for sm_90, prints each kernel's registers and
 stack frame (where spilled registers go) (cuobjdump's resource usage), and exits non-zero if any fails to build.
 
-    TRITON_INTERPRET=0 python tests/sm90_build.py
+    TRITON_INTERPRET=0 python tests/sm90_build.py            # every case and the bias copy
+    TRITON_INTERPRET=0 python tests/sm90_build.py 0 3 copy   # CASES[0], CASES[3] and the copy
 """
 from __future__ import annotations
 
@@ -132,11 +133,15 @@ def build_bias_copy() -> None:
     _report(float16_bias_copy_kernel, triton.compile(source, target=TARGET, options=options))
 
 
-def main() -> int:
+def main(selected: list) -> int:
+    """Build CASES[i] for each index in ``selected`` and the bias copy where it names "copy"
+    (everything where it is empty)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
-    for n, head_dim, dtype, cosine, dropout in CASES:
+    if not selected:
+        selected = [*map(str, range(len(CASES))), "copy"]
+    for n, head_dim, dtype, cosine, dropout in (CASES[int(i)] for i in selected if i != "copy"):
         # the partitioned layout (MAPPED 0), or the feature-map layout of square windows (every
         # case's N is a square): block windows (1), MaxViT's strided grid windows (2)
         layout = lambda mapped: dict(MAPPED=int(mapped), WINDOW_W=math.isqrt(n) if mapped else 1)  # noqa: E731
@@ -206,9 +211,10 @@ def main() -> int:
             build(backward_dq_dbias.window_attention_bwd_dbias_kernel, dtype,
                   dict(blocks, BLOCK_M=dbias.block_m, BLOCK_N=dbias.block_n, BLOCK_D=dbias.block_d,
                        ATOMIC_SUM=atomic_sum), dbias, streamed_bias)
-    build_bias_copy()
+    if "copy" in selected:
+        build_bias_copy()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

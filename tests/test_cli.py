@@ -25,6 +25,7 @@ def run_cli(capsys, *args):
     ("maxvit_nano_rw_256", "128", ["--batch", "1"]),  # 4x4 block and grid windows (maxxvit)
     ("coatnet_nano_rw_224", "128", ["--batch", "1"]),  # the 8x8 and 4x4 maps (maxxvit_2d); timm fails at 112
 ])
+@pytest.mark.long
 def test_verify_passes(capsys, name, size, extra):
     code, out, err = run_cli(capsys, "verify", name, "--img-size", size, *extra)
     assert code == 0, out + err
@@ -34,6 +35,7 @@ def test_verify_passes(capsys, name, size, extra):
         assert "gradients:" in out
 
 
+@pytest.mark.long
 def test_verify_json(capsys):
     """Also the passing verify of Swin V1 (the human-readable report: test_verify_passes)."""
     code, out, _ = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--train", "--json",

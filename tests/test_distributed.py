@@ -152,6 +152,7 @@ def run_and_compare(tmp_path, device_type: str) -> None:
                                                msg=lambda m: f"{kind} rank {rank} {what} {name}: {m}")
 
 
+@pytest.mark.long
 def test_one_step_matches_single_process(tmp_path):
     run_and_compare(tmp_path, "cpu")
 
@@ -174,6 +175,7 @@ def docstring_cpu_command() -> List[str]:
 
 
 @pytest.mark.parametrize("extra", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+@pytest.mark.long
 def test_example_runs_on_cpu(extra):
     """The docstring's CPU command, one step, with DDP and with FSDP2: exit code 0, and rank
     0 reports the patch and the step."""

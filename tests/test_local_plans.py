@@ -82,6 +82,7 @@ def test_row_class_plans():
 # ----------------------------------------------------------------------- the sm_90 build
 @pytest.mark.skipif(not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
                     reason="this triton build has no NVIDIA backend")
+@pytest.mark.long
 def test_kernels_compile_for_sm90():
     """What the interpreter cannot see (constexpr branches, loop-carried types, the plan's
     shared memory): the three kernels with sink, dropout and a sliding window's period built

@@ -107,6 +107,7 @@ def test_module_matches_timm(cls, head_first, rel_pos):
 
 
 # ----------------------------------------------------------------------- every model's modules
+@pytest.mark.long
 def test_every_registered_model_is_fully_patched_on_meta():
     """Every attention module of every maxxvit.py model (built on the meta device), strict:
     56 models and 1310 modules on timm 1.0.29 and 1.0.31, besides timm's tiny test models."""

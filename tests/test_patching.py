@@ -51,6 +51,7 @@ MODEL_RUNS = [pytest.param(name, kwargs, size, mode == "train", id=f"{name}-{siz
 
 
 @pytest.mark.parametrize("name,kwargs,size,train", MODEL_RUNS)
+@pytest.mark.long
 def test_patched_model_matches_timm(name, kwargs, size, train):
     """Forward and every parameter gradient of the patched model (float32, the Triton
     kernels) against timm's unpatched model in float32 and in float64, with the rule of
@@ -96,6 +97,7 @@ def test_non_square_windows_occur():
     assert any(h != w for h, w in sizes), sizes
 
 
+@pytest.mark.long
 def test_every_registered_model_is_fully_patched_on_meta():
     """Every attention module of every swin* model (built on the meta device), strict: 37
     models and 864 modules. One loop, each model built once (a separate count built all 37

@@ -187,6 +187,7 @@ def compare_runs(unpatched: Path, patched: Path) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.long
 def test_timm_model_tests_pass_patched(timm_tests, tmp_path):
     """timm's scripting, tracing, fx, features and input-size tests of the three tiny
     models, every model patched: each passes (or skips for timm's own size limits) and made
