@@ -155,9 +155,9 @@ def main() -> None:
     for index in args.shapes:
         result = measure(SHAPES[index], flex)
         results.append(result)
-        print(f"D {result['head_dim']} B {result['batch']} H {result['heads']} S {result['seq']}: " + ", ".join(
-            f"{name} {row['tflops']:.0f}" for name, row in sorted(result["best"].items(), key=lambda r: -r[1]["tflops"]))
-            + " TFLOP/s", flush=True)
+        fastest_first = sorted(result["best"].items(), key=lambda item: -item[1]["tflops"])
+        print(f"D {result['head_dim']} B {result['batch']} H {result['heads']} S {result['seq']}: "
+              + ", ".join(f"{name} {row['tflops']:.0f}" for name, row in fastest_first) + " TFLOP/s", flush=True)
         if args.out:
             write_json(args.out, dict(meta=meta, results=results))
 
