@@ -331,7 +331,8 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     from timm_flashwin.kernels import local_launch
     name, seq_len = spec.split(":")
     case, seq_len = CASES[name], int(seq_len)
-    rows_class = local_launch.row_class(astuple(case.pattern), seq_len, case.batch * case.heads, torch.device("cuda"))
+    rows_class = local_launch.row_class(astuple(case.pattern), seq_len, seq_len, case.batch * case.heads,
+                                        torch.device("cuda"))
     inputs = make_inputs(case, seq_len)
     fn = ours(case.pattern)
     # (4, 2): the fastest of forward_ceiling.py's minimal forwards at head_dim 128 on an H100

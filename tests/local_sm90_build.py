@@ -30,10 +30,10 @@ from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # no
 #: H100: 227 KiB of shared memory per block
 SHARED_LIMIT = 232448
 #: integer arguments a launch specializes to the constant 1 where they are 1 (Triton does so
-#: for any integer not in a kernel's do_not_specialize): S = 1 with one head; and "period",
+#: for any integer not in a kernel's do_not_specialize): S_q = S_k = 1 with one head; and "period",
 #: which stands for a sliding window here (PERIODIC False: the kernels make it the constant 1)
 SLIDING = ("period",)
-ALL_ONE = ("S", "H", "H_kv", "period")
+ALL_ONE = ("S_q", "S_k", "H", "H_kv", "period")
 #: (head_dim, dtype, sink, dropout, the integer arguments that are 1)
 CASES = [
     (64, torch.bfloat16, False, False, SLIDING),

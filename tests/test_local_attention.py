@@ -20,10 +20,16 @@ from timm_flashwin.local_reference import (LocalPattern, block_window_visible, l
 NAMES = ("out", "dq", "dk", "dv")
 
 
+def lengths(S):
+    """(S_q, S_k) of a case's S: an int (both) or a pair."""
+    return (S, S) if isinstance(S, int) else S
+
+
 def make_inputs(B, H, H_kv, S, D, dtype=torch.float32, device=KERNEL_DEVICE, seed=0):
+    S_q, S_k = lengths(S)
     g = torch.Generator().manual_seed(seed)
-    q, do = (torch.randn(B, H, S, D, generator=g).to(dtype).to(device) for _ in range(2))
-    k, v = (torch.randn(B, H_kv, S, D, generator=g).to(dtype).to(device) for _ in range(2))
+    q, do = (torch.randn(B, H, S_q, D, generator=g).to(dtype).to(device) for _ in range(2))
+    k, v = (torch.randn(B, H_kv, S_k, D, generator=g).to(dtype).to(device) for _ in range(2))
     return q, k, v, do
 
 
@@ -54,18 +60,23 @@ def sliding_visible(window, causal=False):
     return sliding_window_visible(window[0], 0 if causal else window[1])
 
 
-# (id, op, visible, (B, H, H_kv, S, D), dtype); S = 37 is not a multiple of the tile (16)
+# (id, op, visible, (B, H, H_kv, S, D), dtype); S = 37 is not a multiple of the tile (16); S a
+# pair (S_q, S_k): fewer or more queries than keys, the last query at the last key
 CASES = [
     ("window0", sliding((0, 0)), sliding_visible((0, 0)), (1, 2, 2, 37, 16), torch.float32),
     ("window-3-5", sliding((3, 5)), sliding_visible((3, 5)), (1, 2, 2, 37, 16), torch.float32),
     ("global", sliding((None, None)), sliding_visible((None, None)), (1, 2, 2, 37, 16), torch.float32),
-    ("window-over-S", sliding((100, 64)), sliding_visible((100, 64)), (1, 2, 2, 37, 16), torch.float32),
+    ("window-over-S-Sq37-Sk11", sliding((100, 64)), sliding_visible((100, 64)), (1, 2, 2, (37, 11), 16),
+     torch.float32),
     ("causal", sliding((None, None), True), sliding_visible((None, None), True), (1, 2, 2, 37, 16), torch.float32),
+    ("causal-Sq20-Sk37", sliding((None, None), True), sliding_visible((None, None), True), (1, 2, 2, (20, 37), 16),
+     torch.float32),
     ("causal-window-7", sliding((7, 3), True), sliding_visible((7, 3), True), (1, 2, 2, 37, 16), torch.float32),
     ("S1", sliding((None, None)), sliding_visible((None, None)), (2, 2, 1, 1, 16), torch.float32),
     ("mqa-window-10-3-f16-D24", sliding((10, 3)), sliding_visible((10, 3)), (1, 4, 1, 45, 24), torch.float16),
     ("window-5-2-bf16-D8", sliding((5, 2)), sliding_visible((5, 2)), (1, 2, 2, 33, 8), torch.bfloat16),
-    ("blocks-5-2-sink3", blocks(5, 2, 3), block_window_visible(5, 2, 3), (1, 2, 2, 40, 16), torch.float32),
+    ("blocks-5-2-sink3-Sq40-Sk33", blocks(5, 2, 3), block_window_visible(5, 2, 3), (1, 2, 2, (40, 33), 16),
+     torch.float32),
     ("blocks-16-2-sink20", blocks(16, 2, 20), block_window_visible(16, 2, 20), (1, 2, 2, 50, 16), torch.float32),
     ("gqa-blocks-16-1", blocks(16, 1), block_window_visible(16, 1), (1, 4, 2, 40, 16), torch.float32),
     ("blocks-1-1", blocks(1, 1), block_window_visible(1, 1), (1, 1, 1, 20, 16), torch.float32),
@@ -79,8 +90,8 @@ def test_matches_float64_reference(fn, visible, shape, dtype):
     q, k, v, do = make_inputs(*shape, dtype=dtype)
     results = forward_backward(fn, q, k, v, do)
     expected = reference(visible, q, k, v, do)
-    positions = torch.arange(shape[3])
-    if visible(positions[:, None], positions[None, :]).sum(-1).eq(1).all():
+    S_q, S_k = lengths(shape[3])
+    if visible(torch.arange(S_q)[:, None] + S_k - S_q, torch.arange(S_k)[None, :]).sum(-1).eq(1).all():
         # one key per query: P = 1, dS = 0, dq = dk = 0 up to rounding
         for got in results[1:3]:
             assert got.abs().max() < 1e-5
@@ -132,35 +143,37 @@ def test_scales_that_are_not_positive(scale):
 
 
 # ----------------------------------------------------------------------- tiles visited
-def expected_tiles(visible, S, rows_block, cols_block, transposed=False):
+def expected_tiles(visible, S_q, S_k, rows_block, cols_block, transposed=False):
     """(tiles with no mask, tiles with one) a kernel should visit: every tile holding a
     visible pair; without a mask exactly those whose real pairs are all visible and whose
     visited dimension is a whole block (a partial last block is masked)."""
-    seen = visible(torch.arange(S)[:, None], torch.arange(S)[None, :])
+    seen = visible(torch.arange(S_q)[:, None] + S_k - S_q, torch.arange(S_k)[None, :])
     if transposed:
         seen = seen.T
     full = edge = 0
-    for r in range(0, S, rows_block):
-        for c in range(0, S, cols_block):
+    for r in range(0, seen.shape[0], rows_block):
+        for c in range(0, seen.shape[1], cols_block):
             tile = seen[r:r + rows_block, c:c + cols_block]
             if not tile.any():
                 continue
-            whole = bool(tile.all()) and c + cols_block <= S
+            whole = bool(tile.all()) and c + cols_block <= seen.shape[1]
             full, edge = (full + 1, edge) if whole else (full, edge + 1)
     return full, edge
 
 
-@pytest.mark.parametrize("pattern,visible", [
-    pytest.param(LocalPattern.sliding(20, 9), sliding_window_visible(20, 9), id="window-20-9"),
-    pytest.param(LocalPattern.sliding(None, 0), sliding_window_visible(None, 0), id="causal"),
-    pytest.param(LocalPattern.blocks(16, 2), block_window_visible(16, 2), id="blocks-16-2"),
-    pytest.param(LocalPattern.blocks(5, 3, 35), block_window_visible(5, 3, 35), id="blocks-5-3-sink35"),
+@pytest.mark.parametrize("pattern,visible,keys", [
+    pytest.param(LocalPattern.sliding(20, 9), sliding_window_visible(20, 9), 1.0, id="window-20-9"),
+    pytest.param(LocalPattern.sliding(None, 0), sliding_window_visible(None, 0), 1.6, id="causal-Sk1.6xSq"),
+    pytest.param(LocalPattern.blocks(16, 2), block_window_visible(16, 2), 1.0, id="blocks-16-2"),
+    pytest.param(LocalPattern.blocks(5, 3, 35), block_window_visible(5, 3, 35), 0.7, id="blocks-5-3-sink35-Sk0.7xSq"),
 ])
-def test_kernels_visit_only_tiles_with_visible_pairs(pattern, visible):
+def test_kernels_visit_only_tiles_with_visible_pairs(pattern, visible, keys):
     """Tiles wholly outside the pattern are never visited, and, but around the sink, tiles
-    wholly inside are visited without mask arithmetic (exact counts)."""
+    wholly inside are visited without mask arithmetic (exact counts); with as many keys as
+    queries, more and fewer (``keys`` times S)."""
     S = 90 if KERNEL_DEVICE == "cpu" else 1000  # the interpreter's tiles are 16, the GPU's 32 to 128
-    q, k, v, do = make_inputs(1, 1, 1, S, 16)
+    S_k = int(S * keys)
+    q, k, v, do = make_inputs(1, 1, 1, (S, S_k), 16)
     counts = torch.zeros(4, dtype=torch.int32, device=KERNEL_DEVICE)
     numbers = (pattern.period, pattern.before, pattern.after, pattern.sink)
     out, lse = local_launch.local_forward(q, k, v, numbers, 0.25, counts=counts[:2])
@@ -169,9 +182,9 @@ def test_kernels_visit_only_tiles_with_visible_pairs(pattern, visible):
     local_launch.local_backward(do, q, k, v, out, lse, numbers, 0.25, counts=counts)
     dkdv, dq = counts[:2].tolist(), counts[2:].tolist()
     fwd_tiles, dq_tiles, dkdv_tiles = (local_launch.plan(kind, 16, q.dtype) for kind in ("fwd", "dq", "dkdv"))
-    by_query = expected_tiles(visible, S, fwd_tiles.block_m, fwd_tiles.block_n)
-    by_query_dq = expected_tiles(visible, S, dq_tiles.block_m, dq_tiles.block_n)
-    by_key = expected_tiles(visible, S, dkdv_tiles.block_n, dkdv_tiles.block_m, transposed=True)
+    by_query = expected_tiles(visible, S, S_k, fwd_tiles.block_m, fwd_tiles.block_n)
+    by_query_dq = expected_tiles(visible, S, S_k, dq_tiles.block_m, dq_tiles.block_n)
+    by_key = expected_tiles(visible, S, S_k, dkdv_tiles.block_n, dkdv_tiles.block_m, transposed=True)
     assert sum(forward) == sum(by_query) and sum(dq) == sum(by_query_dq) and sum(dkdv) == sum(by_key)
     if pattern.sink:
         assert forward[0] <= by_query[0] and dq[0] <= by_query_dq[0] and dkdv[0] <= by_key[0]
@@ -215,8 +228,8 @@ def _set_rng_state(state):
 
 
 @pytest.mark.parametrize("fn,visible,shape,dtype", [
-    pytest.param(sliding((6, 6), dropout_p=0.3), sliding_window_visible(6, 6), (1, 2, 1, 37, 16), torch.float32,
-                 id="sliding-gqa-f32"),
+    pytest.param(sliding((6, 6), dropout_p=0.3), sliding_window_visible(6, 6), (1, 2, 1, (30, 37), 16),
+                 torch.float32, id="sliding-gqa-f32-Sq30-Sk37"),
     pytest.param(blocks(8, 2, 3, dropout_p=0.3), block_window_visible(8, 2, 3), (1, 2, 2, 30, 16), torch.float16,
                  id="blocks-f16"),
 ])
@@ -227,7 +240,8 @@ def test_dropout_matches_reference_with_the_kernels_mask(fn, visible, shape, dty
     ours = forward_backward(fn, q, k, v, do)
     _set_rng_state(state)  # the op drew its seed here: draw it again
     seed = torch.randint(0, 2 ** 62, (1,), device=q.device, dtype=torch.int64)
-    factor = local_launch.dropout_factors(seed, shape[0], shape[1], shape[3], 0.3)
+    factor = local_launch.dropout_factors(seed, shape[0], shape[1], *lengths(shape[3])[:1], 0.3,
+                                          keys=lengths(shape[3])[1])
     dropped = (factor == 0).float().mean().item()
     assert 0.2 < dropped < 0.4
     expected = reference(visible, q, k, v, do, dropout_factor=factor)
@@ -300,8 +314,9 @@ def test_eager_path_equals_the_operator(monkeypatch):
 
 
 def test_opcheck():
-    """Schema, fake tensors, autograd registration and AOT dispatch of the operator pair."""
-    q, k, v, _ = make_inputs(1, 2, 1, 9, 16)
+    """Schema, fake tensors, autograd registration and AOT dispatch of the operator pair,
+    with fewer queries than keys."""
+    q, k, v, _ = make_inputs(1, 2, 1, (9, 13), 16)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), 4, 3, 4, 2, 0.25, 0.0, None)
     torch.library.opcheck(local_attention_fwd, args)
     seed = torch.tensor([1234], dtype=torch.int64, device=KERNEL_DEVICE)
@@ -376,7 +391,7 @@ def _bad(**changes):
     (lambda: sliding_window_attention(**_bad(k=torch.zeros(1, 2, 8, 16, dtype=torch.float16))), TypeError, "`k`"),
     (lambda: sliding_window_attention(**_bad(q=torch.zeros(1, 4, 8, 16, dtype=torch.int32))), TypeError, "`q`"),
     (lambda: sliding_window_attention(**_bad(k=torch.zeros(1, 3, 8, 16))), ValueError, "`k`"),
-    (lambda: sliding_window_attention(**_bad(k=torch.zeros(1, 2, 9, 16))), ValueError, "`k`"),
+    (lambda: sliding_window_attention(**_bad(k=torch.zeros(1, 2, 8, 8))), ValueError, "`k`"),
     (lambda: sliding_window_attention(**_bad(v=torch.zeros(1, 2, 8, 8))), ValueError, "`v`"),
     (lambda: sliding_window_attention(**_bad(q=torch.zeros(1, 4, 8, 300), k=torch.zeros(1, 2, 8, 300),
                                              v=torch.zeros(1, 2, 8, 300))), ValueError, "`q`"),

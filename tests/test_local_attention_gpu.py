@@ -37,6 +37,11 @@ def _compare_on_gpu(fn, visible, shape, dtype, chunk=None, scale=None):
     pytest.param(sliding((512, 511)), sliding_window_visible(512, 511), (4, 16, 4, 8192, 64), id="window-1024-tall"),
     pytest.param(sliding((None, None), True), sliding_window_visible(None, 0), (8, 16, 16, 4096, 64),
                  id="causal-B8-tall"),
+    # fewer queries than keys (the last at the last key: a decoder's new tokens), and more
+    pytest.param(sliding((None, None), True), sliding_window_visible(None, 0), (1, 4, 2, (2048, 16384), 128),
+                 id="causal-Sq2k-Sk16k"),
+    pytest.param(blocks(256, 4, 64), block_window_visible(256, 4, 64), (1, 4, 4, (8192, 6000), 64),
+                 id="frames-Sq8k-Sk6k"),
 ])
 def test_gpu_long_sequences(fn, visible, shape):
     """Against the float64 reference computed a chunk of queries at a time (O(S * window))."""

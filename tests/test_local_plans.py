@@ -59,15 +59,15 @@ def test_tall_forward_tiles_take_wide_rows_in_large_grids(pattern, seq_len, batc
     """The forward's 128-row tiles (``local_launch.tall_tiles``): rows of at least 1024 keys,
     frames that are whole tiles, and at least 16 tall programs per multiprocessor."""
     numbers = (pattern.period, pattern.before, pattern.after, pattern.sink)
-    assert local_launch.tall_tiles(numbers, seq_len, batch_heads, H100_SMS) is tall
+    assert local_launch.tall_tiles(numbers, seq_len, seq_len, batch_heads, H100_SMS) is tall
 
 
 def test_row_class_plans():
     """Long rows take precedence; under the interpreter (no GPU to count SMs) rows are never
     tall; a TALL class changes the forward's plan at head_dim 64 only (on the GPU's tables)."""
     causal = (1, -1, 1, 0)
-    assert local_launch.row_class(causal, LONG, 1 << 12, torch.device("cpu")) == local_launch.LONG
-    assert local_launch.row_class(causal, 4096, 1 << 12, torch.device("cpu")) == local_launch.SHORT
+    assert local_launch.row_class(causal, LONG, LONG, 1 << 12, torch.device("cpu")) == local_launch.LONG
+    assert local_launch.row_class(causal, 4096, 4096, 1 << 12, torch.device("cpu")) == local_launch.SHORT
     default_plan = local_launch._default_plan.__wrapped__
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(local_launch.config, "INTERPRET", False)

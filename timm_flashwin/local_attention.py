@@ -43,7 +43,7 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, period: int
 
 
 def _forward_fake(q, k, v, period, before, after, sink, scale, dropout_p, seed):
-    B, H, S, _ = q.shape
+    B, H, S, _ = q.shape  # S: the queries
     return torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)
 
 
@@ -153,7 +153,7 @@ def _is_int(x) -> bool:
 
 
 def _check_inputs(function: str, q, k, v) -> Tuple[int, int, int, int]:
-    """(B, H, S, D) of valid q (B, H, S, D), k and v (B, H_kv, S, D)."""
+    """(B, H, S_q, D) of valid q (B, H, S_q, D), k and v (B, H_kv, S_k, D)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, function, name, "a torch.Tensor", type(t).__name__)
@@ -167,14 +167,17 @@ def _check_inputs(function: str, q, k, v) -> Tuple[int, int, int, int]:
         if t.device != q.device:
             _fail(ValueError, function, name, f"on q's device {q.device}", t.device)
     B, H, S, D = q.shape
-    if k.shape[0] != B or k.shape[2:] != q.shape[2:]:
-        _fail(ValueError, function, "k", f"of shape (B, H_kv, S, D) = ({B}, H_kv, {S}, {D})", f"shape {tuple(k.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        _fail(ValueError, function, "k", f"of shape (B, H_kv, S_k, D) = ({B}, H_kv, S_k, {D})",
+              f"shape {tuple(k.shape)}")
     if k.shape[1] < 1 or H % k.shape[1]:
         _fail(ValueError, function, "k", f"a head count H_kv dividing q's H = {H}", k.shape[1])
     if v.shape != k.shape:
         _fail(ValueError, function, "v", f"of k's shape {tuple(k.shape)}", f"shape {tuple(v.shape)}")
     if not 1 <= S <= MAX_TOKENS:
-        _fail(ValueError, function, "q", f"a sequence length S in [1, {MAX_TOKENS}]", S)
+        _fail(ValueError, function, "q", f"a sequence length S_q in [1, {MAX_TOKENS}]", S)
+    if not 1 <= k.shape[2] <= MAX_TOKENS:
+        _fail(ValueError, function, "k", f"a sequence length S_k in [1, {MAX_TOKENS}]", k.shape[2])
     if not 1 <= D <= MAX_HEAD_DIM:
         _fail(ValueError, function, "q", f"a head_dim D in [1, {MAX_HEAD_DIM}]", D)
     return B, H, S, D
@@ -234,6 +237,11 @@ def sliding_window_attention(
 ) -> torch.Tensor:
     """Sliding-window attention: query i attends key j when ``i - left <= j <= i + right``.
 
+    With S_q queries and S_k keys, query row r is at position i = r + S_k - S_q
+    (FlashAttention-2's bottom-right alignment: the last query sits at the last key, as a
+    decoder's new tokens after its cached ones); where S_q > S_k the first rows' positions are
+    negative, and a causal row that sees no key gives 0.
+
     ``window=(left, right)`` as FlashAttention-2's ``window_size``: ``None`` for a side is
     unlimited, so ``(None, None)`` is global attention; ``causal=True`` sets ``right`` to 0
     (``(None, 0)``: causal attention; ``(left, 0)``: causal with a window of ``left``
@@ -249,10 +257,10 @@ def sliding_window_attention(
         >>> # window=(2, 1), i = 3:        . x x x x .
 
     Args:
-        q: (B, H, S, D), float16 / bfloat16 / float32 (float64 runs in PyTorch); any strides.
-        k, v: (B, H_kv, S, D), q's dtype and device, H % H_kv == 0 (grouped-query and
+        q: (B, H, S_q, D), float16 / bfloat16 / float32 (float64 runs in PyTorch); any strides.
+        k, v: (B, H_kv, S_k, D), q's dtype and device, H % H_kv == 0 (grouped-query and
             multi-query attention: query head h reads key/value head h // (H // H_kv)).
-            S in [1, 2^20], D in [1, 256].
+            S_q and S_k in [1, 2^20], D in [1, 256].
         window: (left, right), ints >= 0 or None.
         causal: right = 0.
         scale: the logits' factor, default D ** -0.5.
@@ -262,7 +270,7 @@ def sliding_window_attention(
             backward; PyTorch's path applies F.dropout.
 
     Returns:
-        (B, H, S, D) in q's dtype (and, on the kernels' path, q's memory layout).
+        (B, H, S_q, D) in q's dtype (and, on the kernels' path, q's memory layout).
     """
     function = "sliding_window_attention"
     _, _, _, D = _check_inputs(function, q, k, v)
@@ -292,7 +300,10 @@ def block_sliding_window_attention(
     Tokens form consecutive blocks of ``block_size`` (the last may be partial). A query in
     block b attends every key of blocks ``b - window_blocks + 1 ... b`` (its own block in
     full, and no later block), plus the first ``sink_tokens`` tokens of the sequence
-    (attention sinks, seen by every query). With block_size=2, window_blocks=2, S=7::
+    (attention sinks, seen by every query). Blocks are counted in key positions: with S_q
+    queries and S_k keys query row r is at position r + S_k - S_q (``sliding_window_attention``),
+    e.g. the tokens of the newest frames against a cache of all the frames' keys.
+    With block_size=2, window_blocks=2, S=7::
 
         >>> out = block_sliding_window_attention(q, k, v, block_size=2, window_blocks=2)
         >>> # query 5 (block 2) sees keys 2, 3, 4, 5 (blocks 1 and 2); query 6 (block 3) keys 4, 5, 6
@@ -304,7 +315,7 @@ def block_sliding_window_attention(
         sink_tokens: >= 0.
 
     Returns:
-        (B, H, S, D) in q's dtype.
+        (B, H, S_q, D) in q's dtype.
     """
     function = "block_sliding_window_attention"
     _, _, _, D = _check_inputs(function, q, k, v)

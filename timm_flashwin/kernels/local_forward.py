@@ -21,36 +21,37 @@ _NO_MAX = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_scale, dropout_p,
-                 S, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
+def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale, dropout_p,
+                 S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                  HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                  FOLD_SCALE: tl.constexpr):
-    """The online softmax over the key block [n0, n0 + BLOCK_N): (acc, m_i, l_i) updated.
-    Without MASKED every key is < S and visible to every query row. FOLD_SCALE (only where
+    """The online softmax over the key block [n0, n0 + BLOCK_N) for the query rows at
+    ``positions`` (``local_tiles``): (acc, m_i, l_i) updated. Without MASKED every key is
+    < S_k and visible to every query row. FOLD_SCALE (only where
     qk_scale > 0): the scale applied in the exponent's FMA, not to the logits first."""
     offs = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     cols = n0 + offs
-    k = load_rows(row_block(k_head, n0, stride_ks), offs, dims, stride_ks, stride_kd, S - n0, D, MASKED, BLOCK_D)
+    k = load_rows(row_block(k_head, n0, stride_ks), offs, dims, stride_ks, stride_kd, S_k - n0, D, MASKED, BLOCK_D)
     if FOLD_SCALE:
         # the row maximum of the unscaled scores, scaled (a positive scale keeps their order),
         # and P = exp2(score * qk_scale - max): one FMA per logit where scaling first, then
         # subtracting, took two FP32 instructions (``local_launch.fold_scale``)
-        s = scores(q, k, rows[:, None], cols[None, :], S, period, before, after, sink, MASKED, HAS_SINK, PRECISION)
+        s = scores(q, k, positions[:, None], cols[None, :], S_k, period, before, after, sink, MASKED, HAS_SINK, PRECISION)
         scale32 = tl.cast(qk_scale, tl.float32)  # inductor passes Python floats as fp64
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale32)
         p = tl.math.exp2(tl.fma(s, scale32, -m_new[:, None]))
     else:
-        s = logits(q, k, rows[:, None], cols[None, :], qk_scale, S, period, before, after, sink, MASKED, HAS_SINK,
-                   PRECISION)
+        s = logits(q, k, positions[:, None], cols[None, :], qk_scale, S_k, period, before, after, sink, MASKED,
+                   HAS_SINK, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
         p = p * dropout_keep(seed, row_ids, cols, dropout_p, False)
-    v = load_rows(row_block(v_head, n0, stride_vs), offs, dims, stride_vs, stride_vd, S - n0, D, MASKED, BLOCK_D)
+    v = load_rows(row_block(v_head, n0, stride_vs), offs, dims, stride_vs, stride_vd, S_k - n0, D, MASKED, BLOCK_D)
     acc = product(p.to(v.dtype), v, acc * alpha[:, None], PRECISION)
     return acc, m_new, l_i
 
@@ -58,7 +59,7 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_s
 @triton.jit(do_not_specialize=["period", "before", "after", "sink", "group"])
 def local_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seed_ptr, counts_ptr, qk_scale, dropout_p,
-    S, H, group, period, before, after, sink,
+    S_q, S_k, H, group, period, before, after, sink,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -67,20 +68,21 @@ def local_attention_fwd_kernel(
     PERIODIC: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     COUNT_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
-    """Grid: (cdiv(S, BLOCK_M) * B * H,). q (B, H, S, D), k and v (B, H / group, S, D), out
-    like q, any strides; lse (B, H, S) fp32, contiguous: each row's log2-sum-exp of its
+    """Grid: (cdiv(S_q, BLOCK_M) * B * H,). q (B, H, S_q, D), k and v (B, H / group, S_k, D),
+    out like q, any strides; lse (B, H, S_q) fp32, contiguous: each row's log2-sum-exp of its
     log2-domain logits (qk_scale = scale * log2(e)), +inf for a row that sees no key (its
     output is 0). ``before`` / ``after``: -1 for unlimited (``local_tiles``)."""
     (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
-     partial) = query_block_program(counts_ptr, S, H, period, before, after, sink, PERIODIC, BLOCK_M, BLOCK_N,
+     partial) = query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC, BLOCK_M, BLOCK_N,
                                     COUNT_TILES)
     offs = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     rows = m0 + offs
-    q = load_block(q_ptr, b, h, m0, stride_qb, stride_qh, stride_qs, stride_qd, offs, dims, S, D, BLOCK_D)
+    q = load_block(q_ptr, b, h, m0, stride_qb, stride_qh, stride_qs, stride_qd, offs, dims, S_q, D, BLOCK_D)
     k_head = head_base(k_ptr, b, h // group, stride_kb, stride_kh)
     v_head = head_base(v_ptr, b, h // group, stride_vb, stride_vh)
-    row_ids = (b * H + h).to(tl.int64) * S + rows
+    row_ids = (b * H + h).to(tl.int64) * S_q + rows
+    positions = rows + (S_k - S_q)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
 
     m_i = tl.full((BLOCK_M,), _NO_MAX, tl.float32)
@@ -88,30 +90,30 @@ def local_attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(0, n_full):
         n0 = full_block(t, n_prefix, f_start) * BLOCK_N
-        acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_scale, dropout_p,
-                                     S, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
+        acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
+                                     dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
                                      D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE)
     for t in range(0, n_edge):
         n0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_N
-        acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, rows, row_ids, seed, qk_scale, dropout_p,
-                                     S, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
+        acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
+                                     dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
                                      D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE)
 
     seen = l_i > 0.0
     l_i = tl.where(seen, l_i, 1.0)
     out = acc / l_i[:, None]
-    store_block(out_ptr, out, b, h, m0, stride_ob, stride_oh, stride_os, stride_od, offs, dims, S, D, BLOCK_D)
+    store_block(out_ptr, out, b, h, m0, stride_ob, stride_oh, stride_os, stride_od, offs, dims, S_q, D, BLOCK_D)
     lse = tl.where(seen, m_i + tl.math.log2(l_i), float("inf"))
-    tl.store(lse_ptr + (b * H + h).to(tl.int64) * S + rows, lse, mask=rows < S)
+    tl.store(lse_ptr + (b * H + h).to(tl.int64) * S_q + rows, lse, mask=rows < S_q)
 
 
 @triton.jit
-def local_dropout_factor_kernel(seed_ptr, out_ptr, dropout_p, S, BLOCK: tl.constexpr):
-    """Tests only. Grid: (B * H, cdiv(S, BLOCK), cdiv(S, BLOCK)); out (B * H, S, S) fp32:
-    keep / (1 - p) as the kernels draw it for (b * H + h, i, j)."""
+def local_dropout_factor_kernel(seed_ptr, out_ptr, dropout_p, S_q, S_k, BLOCK: tl.constexpr):
+    """Tests only. Grid: (B * H, cdiv(S_q, BLOCK), cdiv(S_k, BLOCK)); out (B * H, S_q, S_k)
+    fp32: keep / (1 - p) as the kernels draw it for (b * H + h, i, j)."""
     bh = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    factor = dropout_keep(tl.load(seed_ptr), bh * S + rows, cols, dropout_p, False)
-    ptrs = out_ptr + (bh * S + rows[:, None]) * S + cols[None, :]
-    tl.store(ptrs, factor, mask=(rows[:, None] < S) & (cols[None, :] < S))
+    factor = dropout_keep(tl.load(seed_ptr), bh * S_q + rows, cols, dropout_p, False)
+    ptrs = out_ptr + (bh * S_q + rows[:, None]) * S_k + cols[None, :]
+    tl.store(ptrs, factor, mask=(rows[:, None] < S_q) & (cols[None, :] < S_k))

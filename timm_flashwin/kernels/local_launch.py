@@ -67,11 +67,11 @@ def _window_keys(pattern: Pattern, seq_len: int) -> int:
     return (seq_len if before < 0 else before) + (seq_len if after < 0 else after)
 
 
-def long_rows(pattern: Pattern, seq_len: int) -> bool:
-    """Whether a query row of ``pattern`` over ``seq_len`` tokens may see LONG_ROW_KEYS keys
+def long_rows(pattern: Pattern, keys: int) -> bool:
+    """Whether a query row of ``pattern`` over ``keys`` keys may see LONG_ROW_KEYS of them
     or more (the widest row: a block pattern's last query of a block, a causal row's last)."""
     period, _before, _after, sink = pattern
-    return min(seq_len, _window_keys(pattern, seq_len) + period - 1 + sink) >= LONG_ROW_KEYS
+    return min(keys, _window_keys(pattern, keys) + period - 1 + sink) >= LONG_ROW_KEYS
 
 
 #: the query rows of a TALL forward tile, and where it pays: the widest row sees at least
@@ -80,7 +80,7 @@ def long_rows(pattern: Pattern, seq_len: int) -> bool:
 TALL_BLOCK_M, TALL_MIN_KEYS, TALL_MIN_PROGRAMS_PER_SM = 128, 1024, 16
 
 
-def tall_tiles(pattern: Pattern, seq_len: int, batch_heads: int, sm_count: int) -> bool:
+def tall_tiles(pattern: Pattern, queries: int, keys: int, batch_heads: int, sm_count: int) -> bool:
     """Whether the forward takes TALL_BLOCK_M query rows a tile: a taller tile loads each
     key tile for twice the rows, which pays where the grid has enough programs to keep every
     multiprocessor busy to the end and the rows are wide; it costs where a tile's rows see
@@ -95,8 +95,8 @@ def tall_tiles(pattern: Pattern, seq_len: int, batch_heads: int, sm_count: int) 
     period = pattern[0]
     if period > 1 and period % TALL_BLOCK_M:
         return False
-    width = min(seq_len, _window_keys(pattern, seq_len))
-    programs = config.cdiv(seq_len, TALL_BLOCK_M) * batch_heads
+    width = min(keys, _window_keys(pattern, keys))
+    programs = config.cdiv(queries, TALL_BLOCK_M) * batch_heads
     return width >= TALL_MIN_KEYS and programs >= TALL_MIN_PROGRAMS_PER_SM * sm_count
 
 
@@ -105,15 +105,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def row_class(pattern: Pattern, seq_len: int, batch_heads: int, device: torch.device, dropout: bool = False) -> str:
+def row_class(pattern: Pattern, queries: int, keys: int, batch_heads: int, device: torch.device,
+              dropout: bool = False) -> str:
     """The class of rows whose plans a launch takes: LONG (``long_rows``), else TALL
     (``tall_tiles``, on a GPU, without dropout), else SHORT. Only the forward at head_dim
     <= 64 has a TALL plan; the other kernels take their SHORT one there. Not with dropout:
     its random numbers take registers, and the sm_90 build of the tall forward with dropout
     spills 336 B per thread (16 B without; tests/local_sm90_build.py), not timed."""
-    if long_rows(pattern, seq_len):
+    if long_rows(pattern, keys):
         return LONG
-    if not (config.INTERPRET or dropout) and tall_tiles(pattern, seq_len, batch_heads, _sm_count(device)):
+    if not (config.INTERPRET or dropout) and tall_tiles(pattern, queries, keys, batch_heads, _sm_count(device)):
         return TALL
     return SHORT
 
@@ -220,18 +221,20 @@ def _options(tiles: Plan) -> dict:
 def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float,
                   dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
                   counts: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out (B, H, S, D) in q's dtype and layout (``torch.empty_like``), and lse (B, H, S)
-    fp32, from validated q (B, H, S, D), k and v (B, H_kv, S, D). ``seed``: a one-element
+    """out (B, H, S_q, D) in q's dtype and layout (``torch.empty_like``), and lse (B, H, S_q)
+    fp32, from validated q (B, H, S_q, D), k and v (B, H_kv, S_k, D) (query i at key position
+    i + S_k - S_q, ``local_tiles``). ``seed``: a one-element
     int64 tensor, with dropout_p > 0. ``counts``: tests only, an int32 (2,) tensor to which
     the tiles visited without and with a mask are added."""
     B, H, S, D = q.shape
-    tiles = plan("fwd", D, q.dtype, row_class(pattern, S, B * H, q.device, dropout_p > 0))
+    S_k = k.shape[2]
+    tiles = plan("fwd", D, q.dtype, row_class(pattern, S, S_k, B * H, q.device, dropout_p > 0))
     out = torch.empty_like(q)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
     grid = (config.cdiv(S, tiles.block_m) * B * H,)
     launcher(local_attention_fwd_kernel)[grid](
         q, k, v, out, lse, seed if dropout_p > 0 else unused_pointer(q, traced_launch()), counts,
-        scale * LOG2E, dropout_p, S, H, H // k.shape[1], *pattern,
+        scale * LOG2E, dropout_p, S, S_k, H, H // k.shape[1], *pattern,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **_flags(D, pattern, dropout_p, q.dtype, counts),
         FOLD_SCALE=fold_scale(scale, D), **_options(tiles),
@@ -247,36 +250,38 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     and lse and the same seed; dout any strides. ``counts``: tests only, (4,) int32: the
     dkdv kernel's tiles without and with a mask, then the dq kernel's."""
     B, H, S, D = q.shape
-    H_kv = k.shape[1]
+    H_kv, S_k = k.shape[1], k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = q.new_empty((B, H, S), dtype=torch.float32)
-    rows_class = row_class(pattern, S, B * H, q.device, dropout_p > 0)
+    rows_class = row_class(pattern, S, S_k, B * H, q.device, dropout_p > 0)
     rows = plan("dq", D, q.dtype, rows_class)
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)
     seed_ptr = seed if dropout_p > 0 else unused_pointer(q, traced_launch())
     # dq first: it also stores each row's delta, which the dkdv kernel reads
     launcher(local_attention_bwd_dq_kernel)[(config.cdiv(S, rows.block_m) * B * H,)](
         q, k, v, out, dout, lse, delta, dq, seed_ptr, counts[2:] if counts is not None else None,
-        scale * LOG2E, scale, dropout_p, S, H, H // H_kv, *pattern,
+        scale * LOG2E, scale, dropout_p, S, S_k, H, H // H_kv, *pattern,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(), *dq.stride(),
         BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, **flags, **_options(rows),
     )
     cols = plan("dkdv", D, q.dtype, rows_class)
-    launcher(local_attention_bwd_dkdv_kernel)[(config.cdiv(S, cols.block_n) * B * H_kv,)](
+    launcher(local_attention_bwd_dkdv_kernel)[(config.cdiv(S_k, cols.block_n) * B * H_kv,)](
         q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts,
-        scale * LOG2E, scale, dropout_p, S, H_kv, H // H_kv, *pattern,
+        scale * LOG2E, scale, dropout_p, S, S_k, H_kv, H // H_kv, *pattern,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         BLOCK_M=cols.block_m, BLOCK_N=cols.block_n, **flags, **_options(cols),
     )
     return dq, dk, dv
 
 
-def dropout_factors(seed: torch.Tensor, batch: int, heads: int, seq_len: int, dropout_p: float) -> torch.Tensor:
-    """Tests only: (B, H, S, S) fp32, keep / (1 - p) where the kernels keep a probability and
-    0 where they drop it, for the one-element int64 ``seed`` the op drew."""
-    out = torch.empty((batch, heads, seq_len, seq_len), dtype=torch.float32, device=seed.device)
+def dropout_factors(seed: torch.Tensor, batch: int, heads: int, queries: int, dropout_p: float,
+                    keys: Optional[int] = None) -> torch.Tensor:
+    """Tests only: (B, H, S_q, S_k) fp32 (S_k = S_q unless ``keys``), keep / (1 - p) where the
+    kernels keep a probability and 0 where they drop it, for the one-element int64 ``seed``
+    the op drew."""
+    keys = queries if keys is None else keys
+    out = torch.empty((batch, heads, queries, keys), dtype=torch.float32, device=seed.device)
     block = 32
-    blocks = config.cdiv(seq_len, block)
-    launcher(local_dropout_factor_kernel)[(batch * heads, blocks, blocks)](
-        seed, out, dropout_p, seq_len, BLOCK=block, **compiler_options())
+    launcher(local_dropout_factor_kernel)[(batch * heads, config.cdiv(queries, block), config.cdiv(keys, block))](
+        seed, out, dropout_p, queries, keys, BLOCK=block, **compiler_options())
     return out

@@ -1,13 +1,15 @@
 """Triton building blocks of the local-attention kernels (``local_forward``, ``local_backward``).
 
-The pattern (``local_reference.LocalPattern``): with base(i) = (i // period) * period,
-query i attends keys lo(i) <= j < hi(i), lo(i) = max(0, base(i) - before),
-hi(i) = min(S, base(i) + after), and the sink keys j < sink. lo and hi never decrease with
-i and hi(i) >= lo(i + 1), so the keys a block of queries [m0, m1] can see are one range
-[lo(m0), hi(m1)) (plus the sink), those all of them see [lo(m1), hi(m0)); the same holds
-the other way, for the queries that see a block of keys (``query_bounds``). The kernels
-visit the blocks of the first range only, the blocks of the second without any mask
-arithmetic (``block_schedule``).
+The pattern (``local_reference.LocalPattern``) over S_q queries and S_k keys: query i sits
+at position p(i) = i + S_k - S_q (FlashAttention-2's bottom-right alignment: the last query
+at the last key; p = i where S_q = S_k), and with base(p) = floor(p / period) * period it
+attends keys lo(p) <= j < hi(p), lo(p) = max(0, base(p) - before),
+hi(p) = min(S_k, base(p) + after), and the sink keys j < sink. lo and hi never decrease with
+p and hi(p) >= lo(p + 1), so the keys a block of queries [m0, m1] can see are one range
+[lo(p(m0)), hi(p(m1))) (plus the sink), those all of them see [lo(p(m1)), hi(p(m0))); the
+same holds the other way, for the queries that see a block of keys (``query_bounds``). The
+kernels visit the blocks of the first range only, the blocks of the second without any
+mask arithmetic (``block_schedule``).
 
 Logits are log2-domain (scale * log2(e) * q.k) so that the softmax uses exp2; the
 forward saves each row's log2-sum-exp for the backward.
@@ -37,43 +39,52 @@ def product(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def pattern_limits(S, period, before, after, sink, PERIODIC: tl.constexpr):
+def pattern_limits(S_q, S_k, period, before, after, sink, PERIODIC: tl.constexpr):
     """The pattern as the kernels use it: ``period`` the constant 1 without PERIODIC (a
     sliding window: its divisions fold away; a constexpr rather than Triton's specialization
     of integers equal to 1, so that block sizes never recompile a kernel, it never
-    specializes ``period``); ``before`` / ``after`` with -1 (unlimited) as S, and none of the
-    three above S: every bound below stays within [0, 2 S] (int32 for any S up to 2^30),
-    and the sink's blocks within the sequence's."""
+    specializes ``period``); ``before`` / ``after`` with -1 (unlimited) as S_q + S_k, and
+    none of them above it (a query's position is at least S_k - S_q, which may be negative):
+    every bound below stays within [-2 (S_q + S_k), 2 (S_q + S_k)] (int32 for S up to
+    2^28), and the sink's blocks within the keys'."""
     if not PERIODIC:
         period = 1
-    before = tl.where(before < 0, S, tl.minimum(before, S))
-    after = tl.where(after < 0, S, tl.minimum(after, S))
-    return period, before, after, tl.minimum(sink, S)
+    reach = S_q + S_k
+    before = tl.where(before < 0, reach, tl.minimum(before, reach))
+    after = tl.where(after < 0, reach, tl.minimum(after, reach))
+    return period, before, after, tl.minimum(sink, S_k)
 
 
 @triton.jit
-def key_bounds(i, S, period, before, after):
-    """[lo(i), hi(i)): the window keys of query i (a scalar or a vector of queries)."""
-    base = (i // period) * period
-    return tl.maximum(base - before, 0), tl.minimum(base + after, S)
+def floor_div(x, d):
+    """floor(x / d) for d > 0 (Triton's // truncates: a query's position may be negative)."""
+    return tl.where(x < 0, (x - d + 1) // d, x // d)
 
 
 @triton.jit
-def query_bounds(j, S, period, before, after):
-    """[first, end): the queries whose window holds key j, i.e. hi(i) > j and lo(i) <= j."""
-    t = tl.maximum(j - after + 1, 0)
-    first = tl.minimum((t + period - 1) // period * period, S)
-    end = tl.minimum(((j + before) // period + 1) * period, S)
-    return first, end
+def key_bounds(p, S_k, period, before, after):
+    """[lo(p), hi(p)): the window keys of the query at position p (a scalar or a vector)."""
+    base = floor_div(p, period) * period
+    return tl.maximum(base - before, 0), tl.minimum(base + after, S_k)
 
 
 @triton.jit
-def visible(rows, cols, S, period, before, after, sink, HAS_SINK: tl.constexpr):
-    """Whether query ``rows`` attends key ``cols`` (broadcast against each other: rows[:, None]
-    and cols[None, :] for a (query, key) tile, the other way round for a transposed one).
-    Keys beyond S are never visible (hi <= S); queries beyond S may be, where the caller
-    does not neutralize them."""
-    lo, hi = key_bounds(rows, S, period, before, after)
+def query_bounds(j, S_q, S_k, period, before, after):
+    """[first, end): the queries (indices, not positions) whose window holds key j, i.e.
+    hi(p(i)) > j and lo(p(i)) <= j."""
+    shift = S_k - S_q
+    first = -floor_div(after - 1 - j, period) * period  # the first base with base + after > j
+    end = (floor_div(j + before, period) + 1) * period  # past the last base with base - before <= j
+    return tl.minimum(tl.maximum(first - shift, 0), S_q), tl.minimum(tl.maximum(end - shift, 0), S_q)
+
+
+@triton.jit
+def visible(positions, cols, S_k, period, before, after, sink, HAS_SINK: tl.constexpr):
+    """Whether the queries at ``positions`` attend key ``cols`` (broadcast against each
+    other: positions[:, None] and cols[None, :] for a (query, key) tile, the other way round
+    for a transposed one). Keys beyond S_k are never visible (hi <= S_k); queries beyond S_q
+    may be, where the caller does not neutralize them."""
+    lo, hi = key_bounds(positions, S_k, period, before, after)
     seen = (cols >= lo) & (cols < hi)
     if HAS_SINK:
         seen = seen | (cols < sink)
@@ -138,66 +149,68 @@ def program_block(S, H, BLOCK: tl.constexpr, REVERSED: tl.constexpr):
 
 
 @triton.jit
-def key_schedule(m0, S, period, before, after, sink, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def key_schedule(m0, S_q, S_k, period, before, after, sink, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``block_schedule`` of the key blocks the queries [m0, m0 + BLOCK_M) see."""
-    m_last = tl.minimum(m0 + BLOCK_M, S) - 1
-    u_lo, f_hi = key_bounds(m0, S, period, before, after)
-    f_lo, u_hi = key_bounds(m_last, S, period, before, after)
+    shift = S_k - S_q
+    m_last = tl.minimum(m0 + BLOCK_M, S_q) - 1
+    u_lo, f_hi = key_bounds(m0 + shift, S_k, period, before, after)
+    f_lo, u_hi = key_bounds(m_last + shift, S_k, period, before, after)
     return block_schedule(u_lo, u_hi, f_lo, f_hi, sink, BLOCK_N)
 
 
 @triton.jit
-def query_schedule(n0, S, period, before, after, sink, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def query_schedule(n0, S_q, S_k, period, before, after, sink, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """``block_schedule`` of the query blocks that see the keys [n0, n0 + BLOCK_N): every
     query sees a sink key."""
-    n_last = tl.minimum(n0 + BLOCK_N, S) - 1
-    u_lo, _ = query_bounds(n0, S, period, before, after)
-    f_lo, u_hi = query_bounds(n_last, S, period, before, after)
+    n_last = tl.minimum(n0 + BLOCK_N, S_k) - 1
+    u_lo, _ = query_bounds(n0, S_q, S_k, period, before, after)
+    f_lo, u_hi = query_bounds(n_last, S_q, S_k, period, before, after)
     # all of the block's keys before the sink's end are seen by every query: the window
     # must hold the others
-    _, f_hi = query_bounds(tl.maximum(n0, tl.minimum(sink, n_last)), S, period, before, after)
+    _, f_hi = query_bounds(tl.maximum(n0, tl.minimum(sink, n_last)), S_q, S_k, period, before, after)
     u_lo = tl.where(n0 < sink, 0, u_lo)
-    u_hi = tl.where(n0 < sink, S, u_hi)
+    u_hi = tl.where(n0 < sink, S_q, u_hi)
     f_lo = tl.where(n_last < sink, 0, f_lo)
-    f_hi = tl.where(n_last < sink, S, f_hi)
+    f_hi = tl.where(n_last < sink, S_q, f_hi)
     return block_schedule(u_lo, u_hi, f_lo, f_hi, 0, BLOCK_M)
 
 
 @triton.jit
-def query_block_program(counts_ptr, S, H, period, before, after, sink, PERIODIC: tl.constexpr,
+def query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_TILES: tl.constexpr):
     """The start of a program over a block of queries (the forward, the dq kernel): its
     batch b, head h, first query m0, the pattern's limits (``pattern_limits``) and the key
     blocks it visits (``key_schedule``'s nine numbers)."""
-    m_block, b, h = program_block(S, H, BLOCK_M, True)
-    period, before, after, sink = pattern_limits(S, period, before, after, sink, PERIODIC)
+    m_block, b, h = program_block(S_q, H, BLOCK_M, True)
+    period, before, after, sink = pattern_limits(S_q, S_k, period, before, after, sink, PERIODIC)
     m0 = m_block * BLOCK_M
     n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = key_schedule(
-        m0, S, period, before, after, sink, BLOCK_M, BLOCK_N)
+        m0, S_q, S_k, period, before, after, sink, BLOCK_M, BLOCK_N)
     count_tiles(counts_ptr, n_full, n_edge, COUNT_TILES)
     return (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
             partial)
 
 
 @triton.jit
-def hide_invisible(x, rows, cols, S, period, before, after, sink, MASKED: tl.constexpr, HAS_SINK: tl.constexpr):
-    """The tile ``x``, -inf where MASKED and query ``rows`` does not attend key ``cols``
-    (broadcast as ``visible`` takes them); ``x`` as it is without MASKED."""
+def hide_invisible(x, positions, cols, S_k, period, before, after, sink, MASKED: tl.constexpr,
+                   HAS_SINK: tl.constexpr):
+    """The tile ``x``, -inf where MASKED and the queries at ``positions`` do not attend key
+    ``cols`` (broadcast as ``visible`` takes them); ``x`` as it is without MASKED."""
     if MASKED:
-        x = tl.where(visible(rows, cols, S, period, before, after, sink, HAS_SINK), x, float("-inf"))
+        x = tl.where(visible(positions, cols, S_k, period, before, after, sink, HAS_SINK), x, float("-inf"))
     return x
 
 
 @triton.jit
-def scores(a, b, rows, cols, S, period, before, after, sink, MASKED: tl.constexpr, HAS_SINK: tl.constexpr,
+def scores(a, b, positions, cols, S_k, period, before, after, sink, MASKED: tl.constexpr, HAS_SINK: tl.constexpr,
            PRECISION: tl.constexpr):
     """a @ b^T (fp32, unscaled), -inf where hidden (``hide_invisible``)."""
-    return hide_invisible(product(a, tl.trans(b), None, PRECISION), rows, cols, S, period, before, after, sink,
-                          MASKED, HAS_SINK)
+    return hide_invisible(product(a, tl.trans(b), None, PRECISION), positions, cols, S_k, period, before, after,
+                          sink, MASKED, HAS_SINK)
 
 
 @triton.jit
-def logits(a, b, rows, cols, qk_scale, S, period, before, after, sink, MASKED: tl.constexpr,
+def logits(a, b, positions, cols, qk_scale, S_k, period, before, after, sink, MASKED: tl.constexpr,
            HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b^T times qk_scale (log2-domain logits, fp32), -inf where hidden
     (``hide_invisible``): the forward's logits where its scale is not folded into the
@@ -205,18 +218,18 @@ def logits(a, b, rows, cols, qk_scale, S, period, before, after, sink, MASKED: t
     positive, whose sign would turn a masked -inf score into +inf)."""
     # tl.cast: inductor passes Python floats as fp64, which would make the tiles fp64
     s = product(a, tl.trans(b), None, PRECISION) * tl.cast(qk_scale, tl.float32)
-    return hide_invisible(s, rows, cols, S, period, before, after, sink, MASKED, HAS_SINK)
+    return hide_invisible(s, positions, cols, S_k, period, before, after, sink, MASKED, HAS_SINK)
 
 
 @triton.jit
-def probabilities(a, b, rows, cols, qk_scale, lse, S, period, before, after, sink, MASKED: tl.constexpr,
+def probabilities(a, b, positions, cols, qk_scale, lse, S_k, period, before, after, sink, MASKED: tl.constexpr,
                   HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
     """The backward's P = exp2(a @ b^T * qk_scale - lse) (``lse`` broadcast against the tile),
     0 where hidden (``hide_invisible``). The scale's multiply and the subtraction are one
     ``tl.fma`` per logit (one FP32 instruction fewer than scaling the logits first),
     whatever the launch's FMA contraction option (traced launches leave Triton's default)."""
     x = tl.fma(product(a, tl.trans(b), None, PRECISION), tl.cast(qk_scale, tl.float32), -lse)
-    return tl.math.exp2(hide_invisible(x, rows, cols, S, period, before, after, sink, MASKED, HAS_SINK))
+    return tl.math.exp2(hide_invisible(x, positions, cols, S_k, period, before, after, sink, MASKED, HAS_SINK))
 
 
 @triton.jit
