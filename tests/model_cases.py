@@ -55,9 +55,9 @@ def recording_backend(graphs, inner="aot_eager"):
 
 
 def flashwin_ops(graphs):
-    """Calls of the attention operator (the bias gather's operators, in training graphs of
-    V1 and SwinV2 models, are not counted)."""
-    return sum("timm_flashwin.window_attention" in t for g in graphs for t in g)
+    """Calls of the attention operators, window and local (Hiera's pooling blocks) (the bias
+    gather's operators, in training graphs of V1 and SwinV2 models, are not counted)."""
+    return sum("timm_flashwin.window_attention" in t or "timm_flashwin.local_attention" in t for g in graphs for t in g)
 
 
 def run_step(model, x, train, seed=0):

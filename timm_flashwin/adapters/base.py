@@ -229,7 +229,8 @@ def _keep_attention_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     it saves), every other op, the qkv projection, is recomputed in the backward. The qkv
     activations (3 C per token, the largest tensor the op's backward reads) are then not
     kept between the passes."""
-    if op is torch.ops.timm_flashwin.window_attention_fwd.default:
+    ops = torch.ops.timm_flashwin
+    if op in (ops.window_attention_fwd.default, ops.local_attention_fwd.default):  # Hiera's pooling blocks: local
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -9,17 +9,15 @@ so that mask unit w's token t is row t * nW + w, and attends
   put in unit order (B * nW, t, C) first (a copy of C channels, not of the 3C of qkv: a
   batch's units cannot be one stride of qkv) and the output back in timm's order before
   proj (a copy; proj is per token);
-- without it, globally over the N tokens: one window per image, qkv as it lies; more tokens
-  than the kernels take run timm's forward.
+- without it, globally over the N tokens: one window per image, qkv as it lies.
 
 The first block of a pooling stage (``q_stride`` > 1) max-pools q over q_stride groups of
 a unit's t tokens (token s * t / q_stride + j of the unit pools into query j): t / q_stride
-queries against t keys. The op takes q, k and v of one qkv of t tokens: the pooled queries
-go in its first t / q_stride rows, zeros in the others, whose outputs are dropped. Their
-output gradients are then zero, so they add nothing to dK and dV (dS = P (dP - delta) with
-dP and delta zero) and get a zero dq: the gradients are timm's. The price is a copy of the
-unit's q, k and v and the op's work on t query rows instead of t / q_stride, in 3 of a
-model's modules (in windows of up to 64 tokens the kernels take a 64-row tile anyway).
+queries against t keys. Those blocks, and global attention over more tokens than the window
+kernels take, go to the local-attention operator (``sliding_window_attention`` with an
+unlimited window: global attention, S_q queries against S_k keys), which reads q, k and v
+as strided views of the qkv projection, the pooled q as ``amax`` leaves it: no copy of
+qkv, and t / q_stride query rows computed, not t.
 """
 from __future__ import annotations
 
@@ -30,6 +28,8 @@ import torch
 from torch import nn
 
 from ..kernels.config import MAX_TOKENS
+from ..local_attention import sliding_window_attention
+from ..window_grid import WindowGrid
 from .base import UnbiasedAdapter, WithoutDropout
 
 
@@ -62,27 +62,34 @@ class HieraAdapter(WithoutDropout, UnbiasedAdapter):
     # -- layouts ----------------------------------------------------------------------
     def qkv(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x (B, N, C) -> (B_, t, 3 * dim_out): the mask units' tokens (B * nW windows) or
-        the whole sequence (B windows); with q pooling (B_, t, 3, heads, head_dim), the
-        pooled queries in the first t / q_stride rows of q (the module docstring)."""
+        the whole sequence (B windows)."""
         if module.use_mask_unit_attn:
             batch, n, channels = x.shape
             units = n // _unit_tokens(module)
             x = x.view(batch, -1, units, channels).transpose(1, 2).reshape(batch * units, -1, channels)
-        qkv = module.qkv(x)
-        if module.q_stride == 1:
-            return qkv
-        windows, tokens, _ = qkv.shape
-        q, k, v = qkv.view(windows, tokens, 3, module.heads, module.head_dim).unbind(2)
-        pooled = q.view(windows, module.q_stride, tokens // module.q_stride, module.heads, module.head_dim).amax(1)
-        q = torch.cat([pooled, pooled.new_zeros((windows, tokens - pooled.shape[1]) + pooled.shape[2:])], 1)
-        return torch.stack([q, k, v], 2)
+        return module.qkv(x)
+
+    def _attention(self, module: nn.Module, x: torch.Tensor, bias: None, mask: None, dropout_p: float,
+                   grid: Optional[WindowGrid] = None) -> torch.Tensor:
+        """x (B, N, C) -> (B_, t / q_stride, dim_out): the window operator where it serves
+        (no pooling, windows it takes), else the local one on views of qkv (the module
+        docstring)."""
+        tokens = _unit_tokens(module) if module.use_mask_unit_attn else x.shape[1]
+        if module.q_stride == 1 and tokens <= MAX_TOKENS:
+            return super()._attention(module, x, bias, mask, dropout_p, grid)
+        qkv = self.qkv(module, x)
+        windows, heads, head_dim = qkv.shape[0], module.heads, module.head_dim
+        q, k, v = qkv.view(windows, tokens, 3, heads, head_dim).unbind(2)  # each (B_, t, heads, head_dim)
+        if module.q_stride > 1:
+            q = q.view(windows, module.q_stride, tokens // module.q_stride, heads, head_dim).amax(1)
+        out = sliding_window_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       scale=float(module.scale))
+        return out.transpose(1, 2).reshape(windows, q.shape[1], heads * head_dim)
 
     def proj_input(self, module: nn.Module, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The op's (B_, t, dim_out) output in timm's token order, (B, N / q_stride,
-        dim_out): with q pooling its first t / q_stride rows, the pooled queries'."""
+        """The attention's (B_, t / q_stride, dim_out) output in timm's token order,
+        (B, N / q_stride, dim_out)."""
         batch, n, _ = x.shape
-        if module.q_stride > 1:
-            out = out[:, :out.shape[1] // module.q_stride]
         if module.use_mask_unit_attn:
             units = n // _unit_tokens(module)
             out = out.view(batch, units, -1, out.shape[-1]).transpose(1, 2)
@@ -99,9 +106,6 @@ class HieraAdapter(WithoutDropout, UnbiasedAdapter):
             expected = f"the mask unit's {unit} tokens" if module.use_mask_unit_attn else f"q_stride {module.q_stride}"
             raise ValueError(f"{type(module).__name__}: expected N a multiple of {expected}, got {n} (x of shape "
                              f"{tuple(x.shape)})")
-        tokens = unit if module.use_mask_unit_attn else n
-        if tokens > MAX_TOKENS:  # more tokens than the kernels take: timm's forward
-            return module._flashwin_timm_forward(x)
         return self._project(module, x, None)
 
 
