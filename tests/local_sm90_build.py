@@ -107,9 +107,15 @@ def main() -> int:
                      HAS_SINK=sink, HAS_DROPOUT=dropout, PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
         for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
                              ("dq", local_attention_bwd_dq_kernel)):
-            # the plans of every class of rows (local_launch.row_class), each once
+            # the plans of every class of rows (local_launch.row_class), each once; but for the
+            # suite's smoke case, also fitted to short sequences (local_launch.fitted: 4 and 16
+            # queries against 16 and 64 keys, Hiera's pooling blocks)
             classes = (local_launch.SHORT, local_launch.LONG, local_launch.TALL)
-            for tiles in dict.fromkeys(local_launch.plan(kind, head_dim, dtype, rows) for rows in classes):
+            plans = [local_launch.plan(kind, head_dim, dtype, rows) for rows in classes]
+            if cases is not SMOKE:
+                plans += [local_launch.plan(kind, head_dim, dtype, local_launch.SHORT, *lengths)
+                          for lengths in ((4, 16), (16, 64))]
+            for tiles in dict.fromkeys(plans):
                 # the forward as a positive scale builds it (local_launch.fold_scale)
                 fwd_flags = dict(FOLD_SCALE=local_launch.fold_scale(1.0, head_dim)) if kind == "fwd" else {}
                 ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **fwd_flags),

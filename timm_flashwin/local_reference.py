@@ -32,7 +32,7 @@ Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def sliding_window_visible(left: Optional[int], right: Optional[int]) -> Visible:
     """Query i attends key j when ``i - left <= j <= i + right``; ``None`` is unlimited."""
     def visible(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        ok = cols >= 0
+        ok = (cols >= 0).expand(torch.broadcast_shapes(rows.shape, cols.shape))
         if left is not None:
             ok = ok & (cols >= rows - left)
         if right is not None:
@@ -77,7 +77,7 @@ class LocalPattern:
         """The pattern pair by pair, elementwise only (FlexAttention's mask_mod takes it)."""
         def visible(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
             base = rows // self.period * self.period
-            ok = cols >= 0
+            ok = (cols >= 0).expand(torch.broadcast_shapes(rows.shape, cols.shape))
             if self.before >= 0:
                 ok = ok & (cols >= base - self.before)
             if self.after >= 0:

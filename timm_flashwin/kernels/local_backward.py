@@ -36,7 +36,7 @@ def load_row_stats(lse_head, delta_head, rows, S_q, MASKED: tl.constexpr):
 
 @triton.jit
 def dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_base, seed, qk_scale, dropout_p,
-              S_q, S_k, period, before, after, sink, stride_qs, stride_qd, stride_gs, stride_gd,
+              S_q, S_k, shift, period, before, after, sink, stride_qs, stride_qd, stride_gs, stride_gd,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
               HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dK and dV of the program's keys ``cols`` plus the query block [m0, m0 + BLOCK_M), in
@@ -47,7 +47,7 @@ def dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_
     q = load_rows(row_block(q_head, m0, stride_qs), offs, dims, stride_qs, stride_qd, S_q - m0, D, MASKED, BLOCK_D)
     do = load_rows(row_block(do_head, m0, stride_gs), offs, dims, stride_gs, stride_gd, S_q - m0, D, MASKED, BLOCK_D)
     lse, delta = load_row_stats(lse_head, delta_head, rows, S_q, MASKED)
-    positions = rows + (S_k - S_q)
+    positions = rows + shift
     p = probabilities(k, q, positions[None, :], cols[:, None], qk_scale, lse[None, :], S_k, period, before, after,
                       sink, MASKED, HAS_SINK, PRECISION)
     dp = product(v, tl.trans(do), None, PRECISION)
@@ -79,10 +79,10 @@ def local_attention_bwd_dkdv_kernel(
     """Grid: (cdiv(S_k, BLOCK_N) * B * H_kv,). dk, dv like k, v (B, H_kv, S_k, D; any strides);
     q, dout (B, H_kv * group, S_q, D); lse, delta (B, H, S_q) fp32 contiguous."""
     n_block, b, kvh = program_block(S_k, H_kv, BLOCK_N, False)
-    period, before, after, sink = pattern_limits(S_q, S_k, period, before, after, sink, PERIODIC)
+    period, before, after, sink, shift = pattern_limits(S_q, S_k, period, before, after, sink, PERIODIC)
     n0 = n_block * BLOCK_N
     n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = query_schedule(
-        n0, S_q, S_k, period, before, after, sink, BLOCK_N, BLOCK_M)
+        n0, S_q, S_k, shift, period, before, after, sink, BLOCK_N, BLOCK_M)
     count_tiles(counts_ptr, n_full * group, n_edge * group, COUNT_TILES)
 
     offs = tl.arange(0, BLOCK_N)
@@ -104,12 +104,12 @@ def local_attention_bwd_dkdv_kernel(
         for t in range(0, n_full):
             m0 = full_block(t, n_prefix, f_start) * BLOCK_M
             dk, dv = dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_base, seed,
-                               qk_scale, dropout_p, S_q, S_k, period, before, after, sink, stride_qs, stride_qd,
+                               qk_scale, dropout_p, S_q, S_k, shift, period, before, after, sink, stride_qs, stride_qd,
                                stride_gs, stride_gd, D, BLOCK_M, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION)
         for t in range(0, n_edge):
             m0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_M
             dk, dv = dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_base, seed,
-                               qk_scale, dropout_p, S_q, S_k, period, before, after, sink, stride_qs, stride_qd,
+                               qk_scale, dropout_p, S_q, S_k, shift, period, before, after, sink, stride_qs, stride_qd,
                                stride_gs, stride_gd, D, BLOCK_M, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION)
     scale = tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
     store_block(dk_ptr, dk * scale, b, kvh, n0, stride_dkb, stride_dkh, stride_dks, stride_dkd, offs, dims, S_k, D,
@@ -155,8 +155,8 @@ def local_attention_bwd_dq_kernel(
     dout (B, H, S_q, D) any strides; k, v (B, H / group, S_k, D); delta (B, H, S_q) fp32
     contiguous, written here."""
     (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
-     partial) = query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC, BLOCK_M, BLOCK_N,
-                                    COUNT_TILES)
+     partial, shift) = query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC, BLOCK_M,
+                                           BLOCK_N, COUNT_TILES)
     offs = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     rows = m0 + offs
@@ -170,7 +170,7 @@ def local_attention_bwd_dq_kernel(
     k_head = head_base(k_ptr, b, h // group, stride_kb, stride_kh)
     v_head = head_base(v_ptr, b, h // group, stride_vb, stride_vh)
     row_ids = id_base + rows
-    positions = rows + (S_k - S_q)
+    positions = rows + shift
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(0, n_full):

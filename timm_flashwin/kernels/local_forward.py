@@ -38,7 +38,8 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed,
         # the row maximum of the unscaled scores, scaled (a positive scale keeps their order),
         # and P = exp2(score * qk_scale - max): one FMA per logit where scaling first, then
         # subtracting, took two FP32 instructions (``local_launch.fold_scale``)
-        s = scores(q, k, positions[:, None], cols[None, :], S_k, period, before, after, sink, MASKED, HAS_SINK, PRECISION)
+        s = scores(q, k, positions[:, None], cols[None, :], S_k, period, before, after, sink, MASKED, HAS_SINK,
+                   PRECISION)
         scale32 = tl.cast(qk_scale, tl.float32)  # inductor passes Python floats as fp64
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale32)
         p = tl.math.exp2(tl.fma(s, scale32, -m_new[:, None]))
@@ -73,8 +74,8 @@ def local_attention_fwd_kernel(
     log2-domain logits (qk_scale = scale * log2(e)), +inf for a row that sees no key (its
     output is 0). ``before`` / ``after``: -1 for unlimited (``local_tiles``)."""
     (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
-     partial) = query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC, BLOCK_M, BLOCK_N,
-                                    COUNT_TILES)
+     partial, shift) = query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC, BLOCK_M,
+                                           BLOCK_N, COUNT_TILES)
     offs = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     rows = m0 + offs
@@ -82,7 +83,7 @@ def local_attention_fwd_kernel(
     k_head = head_base(k_ptr, b, h // group, stride_kb, stride_kh)
     v_head = head_base(v_ptr, b, h // group, stride_vb, stride_vh)
     row_ids = (b * H + h).to(tl.int64) * S_q + rows
-    positions = rows + (S_k - S_q)
+    positions = rows + shift
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
 
     m_i = tl.full((BLOCK_M,), _NO_MAX, tl.float32)
@@ -91,12 +92,14 @@ def local_attention_fwd_kernel(
     for t in range(0, n_full):
         n0 = full_block(t, n_prefix, f_start) * BLOCK_N
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
-                                     dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
+                                     dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
+                                     stride_vd,
                                      D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE)
     for t in range(0, n_edge):
         n0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_N
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
-                                     dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
+                                     dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
+                                     stride_vd,
                                      D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE)
 
     seen = l_i > 0.0

@@ -124,11 +124,33 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (int(head_dim) - 1).bit_length())
 
 
-def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT) -> Plan:
+def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT, queries: Optional[int] = None,
+         keys: Optional[int] = None) -> Plan:
     """The launch of kernel ``kind`` ("fwd", "dq", "dkdv") for rows of class ``rows``
-    (``row_class``)."""
+    (``row_class``), its tiles fitted to ``queries`` and ``keys`` where given (``fitted``)."""
     found = OVERRIDES.get((kind, int(head_dim), dtype, rows))
-    return found if found is not None else _default_plan(kind, block_d(int(head_dim)), dtype, rows)
+    tiles = found if found is not None else _default_plan(kind, block_d(int(head_dim)), dtype, rows)
+    if queries is None:
+        return tiles
+    return fitted(tiles, _tile_span(queries), _tile_span(keys))
+
+
+def _tile_span(length: int) -> int:
+    """The smallest tile side (a power of two, at least 16: tl.dot's) that holds ``length`` rows."""
+    return max(16, 1 << (int(length) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def fitted(tiles: Plan, queries: int, keys: int) -> Plan:
+    """``tiles`` no taller than ``queries`` rows and no wider than ``keys`` (powers of two),
+    and then with at most 4 warps: a short sequence's call (Hiera's pooling blocks: 4 or 16
+    queries against 16 or 64 keys, head_dim 96) otherwise pads every tile with rows that
+    hold nothing (the dq plan at head_dim 128 takes 128 rows). BLOCK_M is the query rows
+    in every kernel, BLOCK_N the keys."""
+    block_m, block_n = min(tiles.block_m, queries), min(tiles.block_n, keys)
+    if (block_m, block_n) == (tiles.block_m, tiles.block_n):
+        return tiles
+    return Plan(block_m, block_n, min(tiles.num_warps, 4), tiles.num_stages)
 
 
 #: (kind, padded head dim) -> (BLOCK_M, BLOCK_N, warps, stages) for 16-bit inputs on the GPU;
@@ -228,7 +250,7 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
     the tiles visited without and with a mask are added."""
     B, H, S, D = q.shape
     S_k = k.shape[2]
-    tiles = plan("fwd", D, q.dtype, row_class(pattern, S, S_k, B * H, q.device, dropout_p > 0))
+    tiles = plan("fwd", D, q.dtype, row_class(pattern, S, S_k, B * H, q.device, dropout_p > 0), S, S_k)
     out = torch.empty_like(q)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
     grid = (config.cdiv(S, tiles.block_m) * B * H,)
@@ -254,7 +276,7 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = q.new_empty((B, H, S), dtype=torch.float32)
     rows_class = row_class(pattern, S, S_k, B * H, q.device, dropout_p > 0)
-    rows = plan("dq", D, q.dtype, rows_class)
+    rows = plan("dq", D, q.dtype, rows_class, S, S_k)
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)
     seed_ptr = seed if dropout_p > 0 else unused_pointer(q, traced_launch())
     # dq first: it also stores each row's delta, which the dkdv kernel reads
@@ -264,7 +286,7 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(), *dq.stride(),
         BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, **flags, **_options(rows),
     )
-    cols = plan("dkdv", D, q.dtype, rows_class)
+    cols = plan("dkdv", D, q.dtype, rows_class, S, S_k)
     launcher(local_attention_bwd_dkdv_kernel)[(config.cdiv(S_k, cols.block_n) * B * H_kv,)](
         q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts,
         scale * LOG2E, scale, dropout_p, S, S_k, H_kv, H // H_kv, *pattern,

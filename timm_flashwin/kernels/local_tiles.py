@@ -2,7 +2,8 @@
 
 The pattern (``local_reference.LocalPattern``) over S_q queries and S_k keys: query i sits
 at position p(i) = i + S_k - S_q (FlashAttention-2's bottom-right alignment: the last query
-at the last key; p = i where S_q = S_k), and with base(p) = floor(p / period) * period it
+at the last key; p = i where S_q = S_k; the kernels move p to be >= 0, ``pattern_limits``),
+and with base(p) = floor(p / period) * period it
 attends keys lo(p) <= j < hi(p), lo(p) = max(0, base(p) - before),
 hi(p) = min(S_k, base(p) + after), and the sink keys j < sink. lo and hi never decrease with
 p and hi(p) >= lo(p + 1), so the keys a block of queries [m0, m1] can see are one range
@@ -40,39 +41,43 @@ def product(a, b, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def pattern_limits(S_q, S_k, period, before, after, sink, PERIODIC: tl.constexpr):
-    """The pattern as the kernels use it: ``period`` the constant 1 without PERIODIC (a
-    sliding window: its divisions fold away; a constexpr rather than Triton's specialization
-    of integers equal to 1, so that block sizes never recompile a kernel, it never
-    specializes ``period``); ``before`` / ``after`` with -1 (unlimited) as S_q + S_k, and
-    none of them above it (a query's position is at least S_k - S_q, which may be negative):
-    every bound below stays within [-2 (S_q + S_k), 2 (S_q + S_k)] (int32 for S up to
-    2^28), and the sink's blocks within the keys'."""
+    """The pattern as the kernels use it: (period, before, after, sink, shift).
+
+    ``period`` the constant 1 without PERIODIC (a sliding window: its divisions fold away;
+    a constexpr rather than Triton's specialization of integers equal to 1, so that block
+    sizes never recompile a kernel, it never specializes ``period``); ``before`` / ``after``
+    with -1 (unlimited) as S_q + S_k, and none of them above it; the sink within the keys.
+    Then the positions are moved to be >= 0, so that base(p) is one truncating division per
+    element: S_k - S_q = shift_hi + shift, shift_hi a multiple of the period (floor), shift in
+    [0, period); query i is taken at i + shift and shift_hi moves into the bounds
+    (before - shift_hi, after + shift_hi: the same keys). Every bound stays within
+    [-3 (S_q + S_k), 3 (S_q + S_k)] (int32 for S up to 2^28)."""
     if not PERIODIC:
         period = 1
     reach = S_q + S_k
     before = tl.where(before < 0, reach, tl.minimum(before, reach))
     after = tl.where(after < 0, reach, tl.minimum(after, reach))
-    return period, before, after, tl.minimum(sink, S_k)
+    shift_hi = floor_div(S_k - S_q, period) * period
+    return period, before - shift_hi, after + shift_hi, tl.minimum(sink, S_k), S_k - S_q - shift_hi
 
 
 @triton.jit
 def floor_div(x, d):
-    """floor(x / d) for d > 0 (Triton's // truncates: a query's position may be negative)."""
+    """floor(x / d) for d > 0 (Triton's // truncates); for the scalars that may be negative."""
     return tl.where(x < 0, (x - d + 1) // d, x // d)
 
 
 @triton.jit
 def key_bounds(p, S_k, period, before, after):
-    """[lo(p), hi(p)): the window keys of the query at position p (a scalar or a vector)."""
-    base = floor_div(p, period) * period
+    """[lo(p), hi(p)): the window keys of the query at position p >= 0 (a scalar or a vector)."""
+    base = (p // period) * period
     return tl.maximum(base - before, 0), tl.minimum(base + after, S_k)
 
 
 @triton.jit
-def query_bounds(j, S_q, S_k, period, before, after):
-    """[first, end): the queries (indices, not positions) whose window holds key j, i.e.
-    hi(p(i)) > j and lo(p(i)) <= j."""
-    shift = S_k - S_q
+def query_bounds(j, S_q, shift, period, before, after):
+    """[first, end): the queries (indices i, at positions i + shift) whose window holds key
+    j, i.e. hi > j and lo <= j."""
     first = -floor_div(after - 1 - j, period) * period  # the first base with base + after > j
     end = (floor_div(j + before, period) + 1) * period  # past the last base with base - before <= j
     return tl.minimum(tl.maximum(first - shift, 0), S_q), tl.minimum(tl.maximum(end - shift, 0), S_q)
@@ -80,7 +85,7 @@ def query_bounds(j, S_q, S_k, period, before, after):
 
 @triton.jit
 def visible(positions, cols, S_k, period, before, after, sink, HAS_SINK: tl.constexpr):
-    """Whether the queries at ``positions`` attend key ``cols`` (broadcast against each
+    """Whether the queries at ``positions`` (>= 0, ``pattern_limits``) attend key ``cols`` (broadcast against each
     other: positions[:, None] and cols[None, :] for a (query, key) tile, the other way round
     for a transposed one). Keys beyond S_k are never visible (hi <= S_k); queries beyond S_q
     may be, where the caller does not neutralize them."""
@@ -149,9 +154,8 @@ def program_block(S, H, BLOCK: tl.constexpr, REVERSED: tl.constexpr):
 
 
 @triton.jit
-def key_schedule(m0, S_q, S_k, period, before, after, sink, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def key_schedule(m0, S_q, S_k, shift, period, before, after, sink, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``block_schedule`` of the key blocks the queries [m0, m0 + BLOCK_M) see."""
-    shift = S_k - S_q
     m_last = tl.minimum(m0 + BLOCK_M, S_q) - 1
     u_lo, f_hi = key_bounds(m0 + shift, S_k, period, before, after)
     f_lo, u_hi = key_bounds(m_last + shift, S_k, period, before, after)
@@ -159,15 +163,16 @@ def key_schedule(m0, S_q, S_k, period, before, after, sink, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def query_schedule(n0, S_q, S_k, period, before, after, sink, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def query_schedule(n0, S_q, S_k, shift, period, before, after, sink, BLOCK_N: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
     """``block_schedule`` of the query blocks that see the keys [n0, n0 + BLOCK_N): every
     query sees a sink key."""
     n_last = tl.minimum(n0 + BLOCK_N, S_k) - 1
-    u_lo, _ = query_bounds(n0, S_q, S_k, period, before, after)
-    f_lo, u_hi = query_bounds(n_last, S_q, S_k, period, before, after)
+    u_lo, _ = query_bounds(n0, S_q, shift, period, before, after)
+    f_lo, u_hi = query_bounds(n_last, S_q, shift, period, before, after)
     # all of the block's keys before the sink's end are seen by every query: the window
     # must hold the others
-    _, f_hi = query_bounds(tl.maximum(n0, tl.minimum(sink, n_last)), S_q, S_k, period, before, after)
+    _, f_hi = query_bounds(tl.maximum(n0, tl.minimum(sink, n_last)), S_q, shift, period, before, after)
     u_lo = tl.where(n0 < sink, 0, u_lo)
     u_hi = tl.where(n0 < sink, S_q, u_hi)
     f_lo = tl.where(n_last < sink, 0, f_lo)
@@ -179,16 +184,16 @@ def query_schedule(n0, S_q, S_k, period, before, after, sink, BLOCK_N: tl.conste
 def query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COUNT_TILES: tl.constexpr):
     """The start of a program over a block of queries (the forward, the dq kernel): its
-    batch b, head h, first query m0, the pattern's limits (``pattern_limits``) and the key
-    blocks it visits (``key_schedule``'s nine numbers)."""
+    batch b, head h, first query m0, the pattern's limits (``pattern_limits``, its shift last)
+    and the key blocks it visits (``key_schedule``'s nine numbers)."""
     m_block, b, h = program_block(S_q, H, BLOCK_M, True)
-    period, before, after, sink = pattern_limits(S_q, S_k, period, before, after, sink, PERIODIC)
+    period, before, after, sink, shift = pattern_limits(S_q, S_k, period, before, after, sink, PERIODIC)
     m0 = m_block * BLOCK_M
     n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail, partial = key_schedule(
-        m0, S_q, S_k, period, before, after, sink, BLOCK_M, BLOCK_N)
+        m0, S_q, S_k, shift, period, before, after, sink, BLOCK_M, BLOCK_N)
     count_tiles(counts_ptr, n_full, n_edge, COUNT_TILES)
     return (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
-            partial)
+            partial, shift)
 
 
 @triton.jit
