@@ -8,7 +8,7 @@ import torch
 from conftest import HAS_CUDA
 from host_program_cases import CASES, case_call, ready_programs, shift_mask
 from test_position_bias import relative_position_index
-from timm_flashwin import TableBias, host_program, native, window_attention
+from timm_flashwin import TableBias, host_program, native, sliding_window_attention, window_attention
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -57,6 +57,35 @@ def test_replayed_backward_takes_any_gradient_layout():
     with pytest.raises(RuntimeError, match="not differentiable"):
         out = window_attention(qkv, 3, bias=bias, scale=0.17)
         torch.autograd.grad(out, qkv, grad.contiguous(), create_graph=True)
+
+
+@cuda
+@needs_cuda
+def test_local_backward_recorded_with_its_output_in_q_layout():
+    """q, k, v as (B, S, H, D) tensors seen as (B, H, S, D): the output keeps that layout and
+    out.transpose(1, 2).reshape(B, S, H * D) gives its gradient back in it, not contiguous
+    (Hiera's pooling blocks): the backward is recorded with those strides and replays; a
+    gradient in another layout is copied into them (the same bits)."""
+    if native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    B, S, H, D = 2, 300, 4, 64
+    bases = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    grad = torch.randn(B, S, H * D, device="cuda", dtype=torch.bfloat16)
+
+    def run(grad_out, merged=True):
+        out = sliding_window_attention(*(b.transpose(1, 2) for b in bases), window=(64, 64))
+        out = out.transpose(1, 2).reshape(B, S, H * D) if merged else out
+        return torch.autograd.grad(out, bases, grad_out), out.grad_fn.name()
+
+    ready = ready_programs()
+    want, _ = run(grad)  # recorded
+    assert ready_programs() == ready + 1
+    replayed, _ = run(grad)
+    contiguous, node = run(grad.view(B, S, H, D).transpose(1, 2).contiguous(), merged=False)
+    assert "HostProgramFunction" in node
+    for result in (replayed, contiguous):
+        for got, expected in zip(result, want):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @cuda

@@ -168,7 +168,7 @@ def _call_without_grad(key: Tuple, inputs: List[torch.Tensor], python_road: Call
             if recorder.device is None:
                 raise NotRecordable("no launch")
             signature.index = native.module().add_signature(
-                recorder.num_slots, recorder.steps, 0, [], recorder.device, [], [], output_slot, [], [])
+                recorder.num_slots, recorder.steps, 0, [], recorder.device, [], [], output_slot, [], [], [])
     except NotRecordable as error:
         recorder.fail(error)
     finally:
@@ -248,10 +248,23 @@ def _finish(signature: _Signature, backward: Recorder, grad_out: torch.Tensor,
     devices = {d for d in (forward.device, backward.device) if d is not None}
     if len(devices) != 1:
         raise NotRecordable("no launch, or launches on two devices")
-    # replays hand the backward a contiguous, aligned gradient (csrc: HostProgramFunction)
-    if not grad_out.is_contiguous() or grad_out.data_ptr() % 16:
-        raise NotRecordable("the output's gradient was not contiguous and aligned when recorded")
+    # replays hand the backward an aligned gradient in this one's layout (csrc:
+    # HostProgramFunction): contiguous for the window operator, and for the local one often
+    # q's, (B, S, H, D) in memory, as out.transpose(1, 2).reshape(B, S, H * D) gives it back
+    if not _dense(grad_out) or grad_out.data_ptr() % 16:
+        raise NotRecordable("the output's gradient was not dense and aligned when recorded")
     signature.index = native.module().add_signature(
         forward.num_slots, forward.steps, backward.num_slots, backward.steps, devices.pop(), saved_slots,
-        kept_slots, output_slot, gradient_slots, list(grad_out.shape))
+        kept_slots, output_slot, gradient_slots, list(grad_out.shape), list(grad_out.stride()))
     signature.forward = None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory once each (contiguous in some order of its
+    dimensions): no gap, no element read twice (an expanded gradient's stride 0)."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -257,6 +257,15 @@ Program build_program(int64_t num_slots, const py::list& steps) {
   return program;
 }
 
+// Whether t's strides are ``strides`` in every dimension of more than one element (a
+// dimension of one is never stepped along: its stride is free).
+bool same_layout(const at::Tensor& t, const std::vector<int64_t>& strides) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) != 1 && t.stride(d) != strides[d]) return false;
+  }
+  return true;
+}
+
 // ------------------------------------------------------------------ signatures
 // One op signature: its forward program (slots 0..n-1: the inputs), which forward slots
 // the backward takes (saved for backward, as autograd saves tensors: version checks,
@@ -272,7 +281,10 @@ struct Signature {
   std::vector<int64_t> kept_slots;
   int64_t output_slot = 0;
   std::vector<int64_t> gradient_slots;  // per input, a backward slot or -1
-  std::vector<int64_t> grad_output_sizes;  // dense: the backward was recorded with a contiguous gradient
+  // the output's gradient as the backward was recorded with it: dense, in these sizes and strides
+  // (contiguous, or the local operator's output in q's layout, (B, S, H, D) in memory)
+  std::vector<int64_t> grad_output_sizes;
+  std::vector<int64_t> grad_output_strides;
 };
 
 // Signatures are never freed: a process records a few (one per layer shape), and the
@@ -289,7 +301,7 @@ std::mutex& signatures_mutex() {
 int64_t add_signature(int64_t forward_slots, const py::list& forward_steps, int64_t backward_slots,
                       const py::list& backward_steps, int64_t device, std::vector<int64_t> saved_slots,
                       std::vector<int64_t> kept_slots, int64_t output_slot, std::vector<int64_t> gradient_slots,
-                      std::vector<int64_t> grad_output_sizes) {
+                      std::vector<int64_t> grad_output_sizes, std::vector<int64_t> grad_output_strides) {
   Signature s;
   s.forward = build_program(forward_slots, forward_steps);
   s.backward = build_program(backward_slots, backward_steps);
@@ -299,6 +311,7 @@ int64_t add_signature(int64_t forward_slots, const py::list& forward_steps, int6
   s.output_slot = output_slot;
   s.gradient_slots = std::move(gradient_slots);
   s.grad_output_sizes = std::move(grad_output_sizes);
+  s.grad_output_strides = std::move(grad_output_strides);
   std::lock_guard<std::mutex> lock(signatures_mutex());
   signatures().push_back(std::move(s));
   return static_cast<int64_t>(signatures().size()) - 1;
@@ -347,15 +360,15 @@ struct HostProgramFunction : public torch::autograd::Function<HostProgramFunctio
     size_t next = 0;
     for (const at::Tensor& t : saved) slots[next++] = t;
     for (size_t i = 0; i < kept.size(); ++i) slots[next++] = kept.get(i);
-    // the gradient in the layout the backward was recorded with: contiguous, 16-byte aligned
+    // the gradient in the layout the backward was recorded with (its launches take those
+    // strides as constants), 16-byte aligned: else a copy in that layout
     at::Tensor grad = grad_outputs[0];
     TORCH_CHECK(grad.defined() && grad.sizes().equals(s.grad_output_sizes),
                 "timm_flashwin host programs: the output's gradient has another shape");
-    if (!grad.is_contiguous()) {
-      grad = grad.contiguous();
-    }
-    if (reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 != 0) {
-      grad = grad.clone();
+    if (!same_layout(grad, s.grad_output_strides) || reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 != 0) {
+      at::Tensor laid = at::empty_strided(s.grad_output_sizes, s.grad_output_strides, grad.options());
+      laid.copy_(grad);
+      grad = laid;
     }
     slots[next] = grad;
     run_program(s.backward, slots, s.device);
