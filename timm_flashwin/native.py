@@ -8,6 +8,7 @@ version (torch's extension cache keeps it, under ``TORCH_EXTENSIONS_DIR``); it i
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -40,7 +41,11 @@ def _build() -> Optional[Any]:
 
         cpp_extension.verify_ninja_availability()
         _log.info("timm_flashwin: building its host-program extension (once per machine, about a minute)")
-        return cpp_extension.load(name="timm_flashwin_host_program", sources=[_SOURCE],
+        # the source's hash in the name: torch's cache keeps one build per name, and a build of
+        # an older source under the same name was loaded as it was (a changed signature failed)
+        with open(_SOURCE, "rb") as source:
+            digest = hashlib.sha256(source.read()).hexdigest()[:12]
+        return cpp_extension.load(name=f"timm_flashwin_host_program_{digest}", sources=[_SOURCE],
                                   extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the Python road stays
         _log.warning("timm_flashwin: host programs unavailable (%s: %s); the op's Python road is used",
