@@ -234,3 +234,14 @@ def test_switched_off_restores_the_previous_setting():
     with pytest.raises(RuntimeError), host_program.switched_off():
         raise RuntimeError
     assert host_program.ENABLED is True
+
+
+def test_dense_output_gradients_of_any_layout_are_recorded():
+    """The backward is recorded with the output's gradient in any dense layout (its strides
+    kept; the local operator's output is in q's): contiguous, transposed and with dimensions
+    of one; not an expanded one (stride 0) nor one with gaps."""
+    g = torch.randn(2, 5, 4, 8)
+    assert host_program._dense(g) and host_program._dense(g.transpose(1, 2))
+    assert host_program._dense(torch.randn(2, 1, 4, 8).transpose(0, 1))
+    assert not host_program._dense(torch.randn(1, 1, 4, 8).expand(2, 5, 4, 8))
+    assert not host_program._dense(g[..., :4])

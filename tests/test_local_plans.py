@@ -94,3 +94,23 @@ def test_kernels_compile_for_sm90():
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("registers") == 5, result.stdout  # the forward three times
+
+
+def test_short_sequences_take_tiles_fitted_to_them():
+    """``local_launch.fitted``: tiles no taller than the queries nor wider than the keys
+    (powers of two, at least 16), at most 4 warps where fitted; long sequences keep the
+    class's plan (on the GPU's tables). Hiera's pooling blocks: 4 or 16 queries, 16 or 64 keys."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(local_launch.config, "INTERPRET", False)
+        local_launch._default_plan.cache_clear()
+        try:
+            for kind in ("fwd", "dq", "dkdv"):
+                full = local_launch.plan(kind, 96, torch.bfloat16)
+                assert local_launch.plan(kind, 96, torch.bfloat16, local_launch.SHORT, 16384, 16384) == full
+                tiles = local_launch.plan(kind, 96, torch.bfloat16, local_launch.SHORT, 4, 16)
+                assert (tiles.block_m, tiles.block_n, tiles.num_stages) == (16, 16, full.num_stages)
+                assert tiles.num_warps == min(full.num_warps, 4)
+                tiles = local_launch.plan(kind, 96, torch.bfloat16, local_launch.SHORT, 49, 196)
+                assert (tiles.block_m, tiles.block_n) == (min(full.block_m, 64), min(full.block_n, 256))
+        finally:
+            local_launch._default_plan.cache_clear()
