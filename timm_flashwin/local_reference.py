@@ -29,10 +29,16 @@ import torch.nn.functional as F
 Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _every_pair(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """True for every (query position, key) pair of ``rows`` and ``cols`` broadcast (a query
+    position may be negative: S_q > S_k), in their broadcast shape."""
+    return (cols >= 0).expand(torch.broadcast_shapes(rows.shape, cols.shape))
+
+
 def sliding_window_visible(left: Optional[int], right: Optional[int]) -> Visible:
     """Query i attends key j when ``i - left <= j <= i + right``; ``None`` is unlimited."""
     def visible(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        ok = (cols >= 0).expand(torch.broadcast_shapes(rows.shape, cols.shape))
+        ok = _every_pair(rows, cols)
         if left is not None:
             ok = ok & (cols >= rows - left)
         if right is not None:
@@ -54,7 +60,8 @@ def block_window_visible(block_size: int, window_blocks: int, sink_tokens: int =
 class LocalPattern:
     """Both patterns as the kernels compute them: with ``base(i) = (i // period) * period``
     (floor division), the query at position i attends the keys
-    ``max(0, base(i) - before) <= j < min(S_k, base(i) + after)`` and the keys ``j < sink``. ``before`` / ``after`` of -1 are unlimited.
+    ``max(0, base(i) - before) <= j < min(S_k, base(i) + after)`` and the keys ``j < sink``.
+    ``before`` / ``after`` of -1 are unlimited.
 
     Sliding window (left, right): period 1, before = left, after = right + 1.
     Block window: period = block_size, before = (window_blocks - 1) * block_size,
@@ -77,7 +84,7 @@ class LocalPattern:
         """The pattern pair by pair, elementwise only (FlexAttention's mask_mod takes it)."""
         def visible(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
             base = rows // self.period * self.period
-            ok = (cols >= 0).expand(torch.broadcast_shapes(rows.shape, cols.shape))
+            ok = _every_pair(rows, cols)
             if self.before >= 0:
                 ok = ok & (cols >= base - self.before)
             if self.after >= 0:

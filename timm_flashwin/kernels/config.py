@@ -77,8 +77,10 @@ MASK_REGIONS = True
 FOLDED_MASK_MAX_BYTES = 16 << 20
 
 
-def _pow2(x: int) -> int:
-    return max(16, 1 << (x - 1).bit_length())
+def tile_side(x: int) -> int:
+    """The smallest power of two that holds ``x`` (rows, tokens or a head's dims), at least 16
+    (tl.dot's smallest)."""
+    return max(16, 1 << (int(x) - 1).bit_length())
 
 
 def _streamed_block(n: int, block: int) -> int:
@@ -131,14 +133,14 @@ def _cached(function):
 @_cached  # pure, and looked up several times per call of the op
 def _default_forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool,
                             reads_mask: bool) -> LaunchConfig:
-    block_d = _pow2(head_dim)
+    block_d = tile_side(head_dim)
     # Tiles shrink as head_dim grows, to stay within registers and shared memory.
     # Measured on an H200 (benchmarks/tune_op.py, 2026-11-22): 4 warps and 3 stages beat
     # 8 warps or fewer stages on every N <= 64 shape, by 1.1x to 2x.
     max_block = 64 if block_d <= 64 else 32
     stages = 3 if block_d <= 64 else 1
     if n <= max_block:
-        block = _pow2(n)
+        block = tile_side(n)
         return LaunchConfig(block, block, block_d, 4, stages, 8, flat_loop=True)
     if n <= 128 and block_d <= 32:
         return LaunchConfig(64, 128, block_d, 4, 2, 8, flat_loop=True)
@@ -228,9 +230,9 @@ def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> 
 
 @_cached
 def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
-    block_d = _pow2(head_dim)
+    block_d = tile_side(head_dim)
     if n <= 64 and block_d <= 64:
-        block = _pow2(n)
+        block = tile_side(n)
         if dtype == torch.float32 and block > 16:
             # float32 multiplies in exact fp32 on the CUDA cores (no tensor cores): with 4 warps
             # the sm_90 build spills 1.4 to 21 KB of registers per thread (tests/sm90_build.py,

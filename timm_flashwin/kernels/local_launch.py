@@ -121,7 +121,7 @@ def row_class(pattern: Pattern, queries: int, keys: int, batch_heads: int, devic
 
 def block_d(head_dim: int) -> int:
     """The head dim padded to a power of two of at least 16 (tl.dot's smallest K)."""
-    return max(16, 1 << (int(head_dim) - 1).bit_length())
+    return config.tile_side(head_dim)
 
 
 def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT, queries: Optional[int] = None,
@@ -132,12 +132,7 @@ def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT, querie
     tiles = found if found is not None else _default_plan(kind, block_d(int(head_dim)), dtype, rows)
     if queries is None:
         return tiles
-    return fitted(tiles, _tile_span(queries), _tile_span(keys))
-
-
-def _tile_span(length: int) -> int:
-    """The smallest tile side (a power of two, at least 16: tl.dot's) that holds ``length`` rows."""
-    return max(16, 1 << (int(length) - 1).bit_length())
+    return fitted(tiles, config.tile_side(queries), config.tile_side(keys))
 
 
 @functools.lru_cache(maxsize=None)
