@@ -45,20 +45,21 @@ def pattern_limits(S_q, S_k, period, before, after, sink, PERIODIC: tl.constexpr
 
     ``period`` the constant 1 without PERIODIC (a sliding window: its divisions fold away;
     a constexpr rather than Triton's specialization of integers equal to 1, so that block
-    sizes never recompile a kernel, it never specializes ``period``); ``before`` / ``after``
-    with -1 (unlimited) as S_q + S_k, and none of them above it; the sink within the keys.
-    Then the positions are moved to be >= 0, so that base(p) is one truncating division per
-    element: S_k - S_q = shift_hi + shift, shift_hi a multiple of the period (floor), shift in
-    [0, period); query i is taken at i + shift and shift_hi moves into the bounds
-    (before - shift_hi, after + shift_hi: the same keys). Every bound stays within
-    [-3 (S_q + S_k), 3 (S_q + S_k)] (int32 for S up to 2^28)."""
+    sizes never recompile a kernel, it never specializes ``period``). The positions are moved
+    to be >= 0, so that base(p) is one truncating division per element: S_k - S_q =
+    shift_hi + shift, shift_hi a multiple of the period (floor), shift in [0, period); query
+    i is taken at i + shift and shift_hi moves into the bounds (before - shift_hi,
+    after + shift_hi: the same keys). Unlimited sides (-1) and larger ones are clamped where
+    they stop mattering for positions >= 0: ``before`` at S_k (base(p) < S_k), ``after`` +
+    shift_hi at S_k; the sink within the keys. Every bound then stays within
+    [-2 (S_q + S_k), 2 (S_q + S_k)] (int32 for S up to 2^28). (Clamped at S_q + S_k in the
+    true positions, the sm_90 build of the head_dim-64 forward took 168 registers, not 132.)"""
     if not PERIODIC:
         period = 1
-    reach = S_q + S_k
-    before = tl.where(before < 0, reach, tl.minimum(before, reach))
-    after = tl.where(after < 0, reach, tl.minimum(after, reach))
     shift_hi = floor_div(S_k - S_q, period) * period
-    return period, before - shift_hi, after + shift_hi, tl.minimum(sink, S_k), S_k - S_q - shift_hi
+    before = tl.where(before < 0, S_k, tl.minimum(before, S_k)) - shift_hi
+    after = tl.where(after < 0, S_k, tl.minimum(after + shift_hi, S_k))
+    return period, before, after, tl.minimum(sink, S_k), S_k - S_q - shift_hi
 
 
 @triton.jit
