@@ -27,11 +27,12 @@ biases gathered before the op (``common.gathered_bias``), to measure what readin
 their tables within the op saves; ``flashwin-timm-meta-mlp`` is the patched model with
 SwinV2-CR's bias computed by timm's meta_mlp layers (``common.timm_meta_mlp``), to measure
 what ``position_mlp_table`` saves there. ``--loop-vs-idle N`` finds what a step's host
-waits on in a loop of steps and not with the GPU idle. Two variants bound
-what any implementation can give: ``attention-free`` (every attention module computes
-proj(qkv(x)[..., :C]), nothing between the projections; a tensor the call passes that takes a
-gradient gets a zero one) and ``window-free`` (the same on the
-unpartitioned feature map, without timm's shift, partition and merge around it).
+waits on in a loop of steps and not with the GPU idle; ``--launch-host N`` times the host
+call of every Triton kernel launch, ours against inductor's (``launch_host.py``). Two
+variants bound what any implementation can give: ``attention-free`` (every attention module
+computes proj(qkv(x)[..., :C]), nothing between the projections; a tensor the call passes
+that takes a gradient gets a zero one) and ``window-free`` (the same on the unpartitioned
+feature map, without timm's shift, partition and merge around it).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
+from launch_host import launch_host  # noqa: E402
 from common import (call_times_us, code_version, cuda_kernel_times, enqueue_us, gathered_bias, peak_mib,  # noqa: E402
                     python_profile, timm_meta_mlp, write_json)
 from timm_flashwin import patch_model  # noqa: E402
@@ -288,6 +290,9 @@ def main() -> None:
     parser.add_argument("--loop-vs-idle", type=int, default=0, metavar="STEPS",
                         help="also profile STEPS steps back to back and STEPS started with the GPU idle, and list "
                              "the host ops whose self time grows most in the loop")
+    parser.add_argument("--launch-host", type=int, default=0, metavar="STEPS",
+                        help="also time the host call of every Triton kernel launch over STEPS steps, ours "
+                             "against inductor's (launch_host.py; compiled steps)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch._inductor.config as inductor_config
@@ -344,6 +349,8 @@ def main() -> None:
             row["cprofile"] = python_profile(step, 10, args.cprofile)
         if args.loop_vs_idle:
             row["loop_vs_idle"] = loop_against_idle(step, args.loop_vs_idle, args.top)
+        if args.launch_host:
+            row["launch_host"] = launch_host(step, args.launch_host, top=args.top)
         rows.append(row)
         print(f"{args.model} {args.mode} compile={args.compile} {variant}: wall {wall:.1f} ms, enqueue {enqueue:.1f} ms,"
               f" GPU kernels {gpu_ms:.1f} ms, {launches:.0f} launches per step, peak {peak:.0f} MiB", flush=True)
@@ -364,6 +371,11 @@ def main() -> None:
             for op in found["ops"]:
                 print(f"    loop {op['extra_us']:+9.0f} us {op['calls_per_step']:6.0f}x  {op['name'][:90]}"
                       f"  ({op['loop_us']:.0f} against {op['idle_us']:.0f})")
+        for group, found in row.get("launch_host", {}).items():
+            print(f"    launches, {group}: {found['launches']:.0f} a step, {found['host_us']:.0f} us of host "
+                  f"({found['us_per_launch']:.1f} us each)")
+            for name, calls, us in found["kernels"][:8]:
+                print(f"        {us:9.0f} us {calls:6.0f}x  {name[:90]}")
         if args.out:
             write_json(args.out, rows)
 
