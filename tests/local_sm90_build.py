@@ -23,6 +23,7 @@ from sm90_build import TARGET, TRITON_TYPES, resource_usage  # noqa: E402
 
 from timm_flashwin.dispatch import direct_launches  # noqa: E402
 from timm_flashwin.kernels import local_launch  # noqa: E402
+from timm_flashwin.kernels.config import tile_side  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options  # noqa: E402
 from timm_flashwin.kernels.local_backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel  # noqa: E402,E501
 from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # noqa: E402
@@ -103,7 +104,7 @@ def main() -> int:
     for head_dim, dtype, sink, dropout, ones in cases:
         print(f"D={head_dim} {TRITON_TYPES[dtype]}{' sink' if sink else ''}{' dropout' if dropout else ''}"
               f"{' ' + '=1, '.join(ones) + '=1' if ones else ''}")
-        flags = dict(D=head_dim, BLOCK_D=local_launch.block_d(head_dim), PERIODIC="period" not in ones,
+        flags = dict(D=head_dim, BLOCK_D=tile_side(head_dim), PERIODIC="period" not in ones,
                      HAS_SINK=sink, HAS_DROPOUT=dropout, PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
         for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
                              ("dq", local_attention_bwd_dq_kernel)):

@@ -119,17 +119,12 @@ def row_class(pattern: Pattern, queries: int, keys: int, batch_heads: int, devic
     return SHORT
 
 
-def block_d(head_dim: int) -> int:
-    """The head dim padded to a power of two of at least 16 (tl.dot's smallest K)."""
-    return config.tile_side(head_dim)
-
-
 def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT, queries: Optional[int] = None,
          keys: Optional[int] = None) -> Plan:
     """The launch of kernel ``kind`` ("fwd", "dq", "dkdv") for rows of class ``rows``
     (``row_class``), its tiles fitted to ``queries`` and ``keys`` where given (``fitted``)."""
     found = OVERRIDES.get((kind, int(head_dim), dtype, rows))
-    tiles = found if found is not None else _default_plan(kind, block_d(int(head_dim)), dtype, rows)
+    tiles = found if found is not None else _default_plan(kind, config.tile_side(head_dim), dtype, rows)
     if queries is None:
         return tiles
     return fitted(tiles, config.tile_side(queries), config.tile_side(keys))
@@ -214,7 +209,7 @@ def _flags(head_dim: int, pattern: Pattern, dropout_p: float, dtype: torch.dtype
            counts: Optional[torch.Tensor]) -> dict:
     """The constexprs the forward, dkdv and dq kernels share: a build per head dim, dtype,
     kind of pattern (a sliding window, or blocks), with or without sink and dropout."""
-    return dict(D=head_dim, BLOCK_D=block_d(head_dim), PERIODIC=pattern[0] != 1, HAS_SINK=pattern[3] > 0,
+    return dict(D=head_dim, BLOCK_D=config.tile_side(head_dim), PERIODIC=pattern[0] != 1, HAS_SINK=pattern[3] > 0,
                 HAS_DROPOUT=dropout_p > 0, PRECISION=precision(dtype), COUNT_TILES=counts is not None)
 
 
@@ -228,7 +223,7 @@ def fold_scale(scale: float, head_dim: int) -> bool:
     causal (B 2, H 16) at S 16384 2.774 -> 2.607 ms, S 4096 0.238 -> 0.228; 16-frame windows
     at S 65536 2.122 -> 2.024. At head_dim 128 it measured neutral (global attention at S
     16384 4.558 -> 4.580 ms, 4 rounds), and is left off."""
-    return scale > 0 and block_d(head_dim) <= 64
+    return scale > 0 and config.tile_side(head_dim) <= 64
 
 
 def _options(tiles: Plan) -> dict:
