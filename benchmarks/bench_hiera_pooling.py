@@ -28,7 +28,7 @@ from typing import Callable, Dict
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import code_version, write_json  # noqa: E402
+from common import code_version, gpu_ms_per_call, write_json  # noqa: E402
 from timm_flashwin.adapters.hiera import HieraAdapter  # noqa: E402
 from timm_flashwin.op import window_attention  # noqa: E402
 
@@ -54,14 +54,7 @@ def time_rounds(variants: Dict[str, Callable], x: torch.Tensor, grad: torch.Tens
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, forward in variants.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(calls):
-                forward(x).backward(grad)
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / calls)
+            times[name].append(gpu_ms_per_call(lambda: forward(x).backward(grad), calls))
     return times
 
 

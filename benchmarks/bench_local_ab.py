@@ -17,6 +17,7 @@ import statistics
 import sys
 
 import torch
+from common import gpu_ms_per_call  # benchmarks/, the script's folder: first on the path
 
 from timm_flashwin import block_sliding_window_attention as bswa
 from timm_flashwin import sliding_window_attention as swa
@@ -34,19 +35,10 @@ CASES = {
 
 
 def median_ms(fn, rounds: int = 5, calls: int = 10) -> float:
+    """GPU ms per call of ``fn``: the median of ``rounds`` rounds of ``calls`` calls, after 3."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return statistics.median(gpu_ms_per_call(fn, calls) for _ in range(rounds))
 
 
 def main() -> None:

@@ -62,6 +62,19 @@ def host_us_per_call(fn, calls: int, warmup: int = 5) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def gpu_ms_per_call(fn, calls: int) -> float:
+    """GPU ms per call of ``fn`` over ``calls`` back-to-back calls, between two CUDA events."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def timm_meta_mlp(step):
     """``step`` with the SwinV2-CR adapter computing its bias with timm's meta_mlp layers
     (``module._relative_positional_encodings()``), as before ``position_mlp_table`` took
