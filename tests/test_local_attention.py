@@ -240,8 +240,8 @@ def test_dropout_matches_reference_with_the_kernels_mask(fn, visible, shape, dty
     ours = forward_backward(fn, q, k, v, do)
     _set_rng_state(state)  # the op drew its seed here: draw it again
     seed = torch.randint(0, 2 ** 62, (1,), device=q.device, dtype=torch.int64)
-    factor = local_launch.dropout_factors(seed, shape[0], shape[1], *lengths(shape[3])[:1], 0.3,
-                                          keys=lengths(shape[3])[1])
+    queries, keys = lengths(shape[3])
+    factor = local_launch.dropout_factors(seed, shape[0], shape[1], queries, 0.3, keys=keys)
     dropped = (factor == 0).float().mean().item()
     assert 0.2 < dropped < 0.4
     expected = reference(visible, q, k, v, do, dropout_factor=factor)
