@@ -16,7 +16,9 @@ variant after a block of the other would carry that drift into their ratio.
 ``--inductor NAME=VALUE`` sets a ``torch._inductor.config`` option for the whole run;
 the variant ``flashwin-static`` is the patched model compiled with inductor's static
 CUDA launcher for user-defined Triton kernels (``static_launch_user_defined_triton_kernels``,
-off by default in torch 2.11), which launches our kernels with less host time per launch;
+off by default in torch 2.11; compiled anew, not reusing the flashwin variant's graphs), meant
+to launch our kernels through torch's launcher instead of Triton's (in torch 2.11 it launched
+none of them so: RESULTS.md);
 the variant ``flashwin-triton-launch`` is the patched model with every kernel launched
 through Triton's ``kernel[grid](...)`` (``kernels.fast_launch`` switched off during its
 steps), to measure what the direct launches save in the same process; ``flashwin-partitioned``
@@ -321,7 +323,11 @@ def main() -> None:
         if not train:
             model, x = model.to(torch.bfloat16), images.to(torch.bfloat16)
         if args.compile:
-            model = torch.compile(model, mode=args.compile_mode)
+            # the variant's options given to torch.compile too: a backend of other options
+            # fails dynamo's backend guard, so that the variant is compiled anew and does not
+            # reuse the graphs of an earlier variant of the same class
+            options = VARIANT_INDUCTOR_OPTIONS.get(variant)
+            model = torch.compile(model, mode=args.compile_mode, options=options)
         steps[variant], models[variant] = _step_fn(model, x, torch.bfloat16, train), model
         if variant == "flashwin-triton-launch":
             steps[variant] = _through_triton(steps[variant])
