@@ -51,11 +51,13 @@ def kernel_name(tuner) -> str:
 
 
 class LaunchTimer:
-    """Within ``with``: each tuner's ``run`` timed, totals[name] = [calls, seconds]."""
+    """Within ``with``: each tuner's ``run`` timed, totals[name] = [calls, seconds, arguments,
+    tensors] (the last two: what its latest call passed, positional, and how many of them were
+    tensors: the launcher's host work grows with them)."""
 
     def __init__(self, tuners: Iterable):
         self.tuners = [t for t in tuners if "run" not in vars(t)]  # one timer per tuner
-        self.totals = collections.defaultdict(lambda: [0, 0.0])
+        self.totals = collections.defaultdict(lambda: [0, 0.0, 0, 0])
 
     def _timed(self, run: Callable, name: str) -> Callable:
         entry = self.totals[name]
@@ -67,6 +69,7 @@ class LaunchTimer:
             finally:
                 entry[0] += 1
                 entry[1] += time.perf_counter() - start
+                entry[2], entry[3] = len(args), sum(hasattr(a, "data_ptr") for a in args)
         return timed
 
     def __enter__(self) -> "LaunchTimer":
@@ -83,7 +86,7 @@ def launch_host(step: Callable[[], None], steps: int, sync: Optional[Callable[[]
                 tuners: Optional[list] = None, top: int = 12) -> dict:
     """Per step, over ``steps`` steps each started with the GPU idle: for ``ours`` and
     ``inductor``, launches, host us in their ``run`` calls, us per launch, and the ``top``
-    kernels by host us as (name, launches, us)."""
+    kernels by host us as (name, launches, us, arguments, tensors among them)."""
     if sync is None:
         import torch
         sync = torch.cuda.synchronize
@@ -100,7 +103,8 @@ def launch_host(step: Callable[[], None], steps: int, sync: Optional[Callable[[]
         sync()
     result = {}
     for group in ("ours", "inductor"):
-        kernels = [(name, calls / steps, seconds / steps * 1e6) for name, (calls, seconds) in timer.totals.items()
+        kernels = [(name, calls / steps, seconds / steps * 1e6, arguments, tensors)
+                   for name, (calls, seconds, arguments, tensors) in timer.totals.items()
                    if calls and (name in ours) == (group == "ours")]
         launches = sum(k[1] for k in kernels)
         host_us = sum(k[2] for k in kernels)

@@ -380,8 +380,8 @@ def main() -> None:
         for group, found in row.get("launch_host", {}).items():
             print(f"    launches, {group}: {found['launches']:.0f} a step, {found['host_us']:.0f} us of host "
                   f"({found['us_per_launch']:.1f} us each)")
-            for name, calls, us in found["kernels"][:8]:
-                print(f"        {us:9.0f} us {calls:6.0f}x  {name[:90]}")
+            for name, calls, us, arguments, tensors in found["kernels"][:8]:
+                print(f"        {us:9.0f} us {calls:6.0f}x  {arguments:3d} args ({tensors:2d} tensors)  {name[:80]}")
         if args.out:
             write_json(args.out, rows)
 

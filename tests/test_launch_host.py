@@ -5,6 +5,8 @@ import os
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from launch_host import LaunchTimer, kernel_name, launch_host, our_kernel_names  # noqa: E402
 
@@ -41,15 +43,18 @@ def test_launches_counted_per_step_by_owner():
     def step():
         assert forward.run(1, 2, stream=0) == (1, 2)  # arguments and result pass through
         forward.run(stream=0)
-        table.run(stream=0)
+        table.run(torch.empty(0), 7, stream=0)
         for _ in range(3):
-            fused.run(stream=0)
+            fused.run(5, stream=0)
 
     found = launch_host(step, steps=4, sync=lambda: None, tuners=tuners)
     assert (forward.calls, table.calls, fused.calls) == (10, 5, 15)  # the first step ran, uncounted
     assert found["ours"]["launches"] == 3 and found["inductor"]["launches"] == 3
     names = [k[0] for k in found["ours"]["kernels"]]
     assert names == ["window_attention_fwd_kernel", "relative_bias_table_grad_kernel"]  # by host time
+    # the arguments of each kernel's latest call, and the tensors among them
+    assert [k[3:] for k in found["ours"]["kernels"]] == [(0, 0), (2, 1)]
+    assert found["inductor"]["kernels"][0][3:] == (1, 0)
     assert found["ours"]["host_us"] >= 2 * 2000  # two sleeps of 2 ms a step
     assert found["inductor"]["host_us"] < found["ours"]["host_us"]
     assert found["ours"]["us_per_launch"] == found["ours"]["host_us"] / 3
