@@ -335,7 +335,9 @@ def main() -> None:
             steps[variant] = gathered_bias(steps[variant])
         elif variant == "flashwin-timm-meta-mlp":
             steps[variant] = timm_meta_mlp(steps[variant])
-        # compiled (forward and backward) in the first steps, with the variant's options
+        # compiled (forward and backward) in the first steps. torch.compile's options patch
+        # inductor's config in its compiles only; the patch here also covers what inductor
+        # reads from it outside them in these steps (a kernel's launchers made at its first run)
         with inductor_config.patch(VARIANT_INDUCTOR_OPTIONS.get(variant, {})):
             warm_up(steps[variant], 5, variant)
     timings = alternating_rounds(steps, args.rounds, args.repeats)
