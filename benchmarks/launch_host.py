@@ -39,7 +39,13 @@ def our_kernel_names() -> set:
 def autotuners() -> list:
     """Every inductor ``CachingAutotuner`` alive: one per kernel of every compiled graph."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    return [o for o in gc.get_objects() if isinstance(o, CachingAutotuner)]
+
+    def is_autotuner(o) -> bool:
+        try:
+            return isinstance(o, CachingAutotuner)
+        except ReferenceError:  # a weak proxy whose object is gone (isinstance asks its class)
+            return False
+    return [o for o in gc.get_objects() if is_autotuner(o)]
 
 
 def kernel_name(tuner) -> str:
