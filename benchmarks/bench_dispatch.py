@@ -74,7 +74,7 @@ def main() -> None:
     inputs = (qkv, heads, bias, mask, None, head_dim ** -0.5, False, 0.0, None, True)
     # the eager Function also takes the feature-map grid and the table gather (None: partitioned windows, dense bias)
     paths = {"operator": op.window_attention_fwd,
-             "eager autograd.Function": lambda *args: op._EagerWindowAttention.apply(*args, None, None)}
+             "eager autograd.Function": lambda *args: op._EagerWindowAttention.apply(*args, None, None, None, False)}
     rows = []
     for name, forward in paths.items():
         def infer():

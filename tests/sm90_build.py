@@ -52,8 +52,12 @@ CASES = [
     (49, 256, torch.bfloat16, True, False),
     (100, 24, torch.float16, False, True),
 ]
+#: CASES index -> GLOBAL_QUERY (tiles.query_base) of the queries read from a tensor of their
+#: own (GCViT's global query), built besides the queries in qkv: the forward and the one-tile
+#: backward (tiled order), the forward and every multi-block backward kernel (image-major)
+SHARED_QUERY = {0: 2, 4: 1}
 #: kernel arguments holding activations (the input's dtype); other pointers are fp32
-ACTIVATION_POINTERS = {"qkv_ptr", "out_ptr", "dout_ptr", "dqkv_ptr"}
+ACTIVATION_POINTERS = {"qkv_ptr", "q_ptr", "out_ptr", "dout_ptr", "dqkv_ptr"}
 
 
 def signature(kernel, dtype: torch.dtype, constexprs: dict, bias_dtype: torch.dtype = torch.float32) -> dict:
@@ -82,7 +86,8 @@ def as_launched(kernel, types: dict, constexprs: dict):
     are multiples of 16 carry that divisibility. Without this the build would gather every
     element and misreport registers and spills."""
     n, channels = constexprs["N"], constexprs["H"] * constexprs["D"]
-    values = dict(stride_qkv_b=n * 3 * channels, stride_qkv_n=3 * channels, stride_dqkv_b=n * 3 * channels,
+    values = dict(stride_qkv_b=n * 3 * channels, stride_qkv_n=3 * channels, stride_q_b=n * channels,
+                  stride_q_n=channels, stride_dqkv_b=n * 3 * channels,
                   stride_dqkv_n=3 * channels, stride_out_b=n * channels, stride_out_n=channels,
                   stride_dout_b=n * channels, stride_dout_n=channels, stride_bias_w=3 * n * n, stride_bias_h=n * n,
                   stride_bias_i=n,
@@ -108,7 +113,15 @@ def resource_usage(cubin: bytes) -> str:
 
 
 def build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchConfig,
-          bias_dtype: torch.dtype = torch.float32) -> None:
+          bias_dtype: torch.dtype = torch.float32, shared_query: int = 0) -> None:
+    """One build of ``kernel``, the queries in qkv (GLOBAL_QUERY 0), and where ``shared_query``
+    is a GLOBAL_QUERY another with it."""
+    for query in (0, shared_query) if shared_query else (0,):
+        _build(kernel, dtype, dict(constexprs, GLOBAL_QUERY=query), launch, bias_dtype)
+
+
+def _build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchConfig,
+           bias_dtype: torch.dtype = torch.float32) -> None:
     types, constexprs, attrs = as_launched(kernel, signature(kernel, dtype, constexprs, bias_dtype), constexprs)
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs)
     with direct_launches():  # the options of an eager launch: the register cap included
@@ -141,7 +154,9 @@ def main(selected: list) -> int:
         return 2
     if not selected:
         selected = [*map(str, range(len(CASES))), "copy"]
-    for n, head_dim, dtype, cosine, dropout in (CASES[int(i)] for i in selected if i != "copy"):
+    for index in (int(i) for i in selected if i != "copy"):
+        n, head_dim, dtype, cosine, dropout = CASES[index]
+        query = SHARED_QUERY.get(index, 0)
         # the partitioned layout (MAPPED 0), or the feature-map layout of square windows (every
         # case's N is a square): block windows (1), MaxViT's strided grid windows (2)
         layout = lambda mapped: dict(MAPPED=int(mapped), WINDOW_W=math.isqrt(n) if mapped else 1)  # noqa: E731
@@ -175,7 +190,7 @@ def main(selected: list) -> int:
                 build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=from_regions,
                                                                STORE_STATS=not bwd.single_tile(n), **layout(False),
                                                                **bias_table(False)),
-                      fwd, streamed_bias)
+                      fwd, streamed_bias, query if from_regions == kinds[0] else 0)
             if not dropout:  # inference: no statistics (cosine: no mean score), either layout
                 for mapped in (False, True):
                     build(window_attention_fwd_kernel, dtype,
@@ -185,12 +200,14 @@ def main(selected: list) -> int:
             for mapped, table in layouts:
                 build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, STORE_STATS=not bwd.single_tile(n),
                                                                MASK_REGIONS=False, FROM_REGIONS=False, BIAS_LOG2E=False,
-                                                               **layout(mapped), **bias_table(table)), fwd)
+                                                               **layout(mapped), **bias_table(table)), fwd,
+                      shared_query=query if not mapped and not table else 0)
         if bwd.single_tile(n):
             for mapped, table in layouts:
                 build(backward.window_attention_bwd_fused_kernel, dtype,
                       dict(flags, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d, BIAS_GRAD=True, SCALE_GRAD=cosine,
-                           **layout(mapped), **bias_table(table)), bwd)
+                           **layout(mapped), **bias_table(table)), bwd,
+                      shared_query=query if not mapped and not table else 0)
             continue
         blocks = dict(flags, **streaming, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n, BLOCK_D=bwd.block_d)
         # as configured (atomic dQ, the bias gradient by atomics where bwd.dbias_slots), one build
@@ -200,17 +217,18 @@ def main(selected: list) -> int:
             build(backward_dkdv.window_attention_bwd_dkdv_kernel, dtype,
                   dict(blocks, DQ_ATOMIC=atomics and bwd.dq_atomic, SCALE_GRAD=cosine and atomics and bwd.dq_atomic,
                        DBIAS_ATOMIC=atomics and bwd.dbias_slots > 0, FROM_REGIONS=from_regions,
-                       ONE_REGION_LOOP=bwd.one_region_loop, FLAT_LOOP=bwd.flat_loop), bwd, streamed_bias)
+                       ONE_REGION_LOOP=bwd.one_region_loop, FLAT_LOOP=bwd.flat_loop), bwd, streamed_bias,
+                  query if atomics and from_regions == kinds[0] else 0)
         build(backward_dq_dbias.window_attention_bwd_dq_finish_kernel, dtype,
               dict(H=3, N=n, D=head_dim, BLOCK_M=bwd.block_m, BLOCK_D=bwd.block_d, COSINE=cosine),
-              config.with_changes(bwd, num_warps=4, maxnreg=None))
+              config.with_changes(bwd, num_warps=4, maxnreg=None), shared_query=query)
         build(backward_dq_dbias.window_attention_bwd_dq_kernel, dtype,
-              dict(blocks, SCALE_GRAD=cosine, FROM_REGIONS=kinds[0]), bwd, streamed_bias)
+              dict(blocks, SCALE_GRAD=cosine, FROM_REGIONS=kinds[0]), bwd, streamed_bias, query)
         dbias = config.dbias_config(n, head_dim, dtype, cosine)
         for atomic_sum in (True, False):  # as by default, and as in deterministic mode
             build(backward_dq_dbias.window_attention_bwd_dbias_kernel, dtype,
                   dict(blocks, BLOCK_M=dbias.block_m, BLOCK_N=dbias.block_n, BLOCK_D=dbias.block_d,
-                       ATOMIC_SUM=atomic_sum), dbias, streamed_bias)
+                       ATOMIC_SUM=atomic_sum), dbias, streamed_bias, query if atomic_sum else 0)
     if "copy" in selected:
         build_bias_copy()
     return 0

@@ -116,16 +116,18 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
         qkv, bias = randn(4, 9, 3 * 2 * 8), randn(2, 9, 9)
         inputs = (qkv, 2, bias, None, None, 0.3, False, 0.0, None, True)
         tensors = [qkv, bias]
-        road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, None)[0]  # noqa: E731
-        forward_alone = lambda: window_op._forward_without_grad(*inputs[:-1], False, None, None)[0]  # noqa: E731
+        road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, None, None, False)[0]  # noqa: E731
+        forward_alone = lambda: window_op._forward_without_grad(  # noqa: E731
+            *inputs[:-1], False, None, None, None, False)[0]
     elif op == "window_gathered_table":
         qkv = torch.randn(2, 144, 3 * 2 * 16, generator=generator).to(KERNEL_DEVICE, torch.bfloat16).requires_grad_()
         table = randn(23 * 23, 2)
         table_gather = TableGather.of(TableBias(table, relative_position_index(12, 12).to(KERNEL_DEVICE)), False)
         inputs = (qkv, 2, table, None, None, 0.25, False, 0.0, None, True)
         tensors = [qkv, table, *window_op._host_tensors(table_gather)]
-        road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, table_gather)[0]  # noqa: E731
-        forward_alone = lambda: window_op._forward_without_grad(*inputs[:-1], False, None, table_gather)[0]  # noqa: E731
+        road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, table_gather, None, False)[0]  # noqa: E731
+        forward_alone = lambda: window_op._forward_without_grad(  # noqa: E731
+            *inputs[:-1], False, None, table_gather, None, False)[0]
     else:
         q, k, v = (randn(1, 2, 20, 16) for _ in range(3))
         tensors = [q, k, v]

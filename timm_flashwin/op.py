@@ -26,8 +26,8 @@ from .kernels.launch import attention_backward, attention_forward
 from .kernels.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
 from .kernels.position_launch import relative_bias_table_grad
 from .position_bias import TableBias, TableGather, operator_table_rows
-from .op_checks import validate
-from .reference import window_attention_reference
+from .op_checks import keys_values_query, validate
+from .reference import shared_query_qkv, window_attention_reference
 from .window_grid import WindowGrid
 
 
@@ -47,13 +47,17 @@ def _forward_impl(
     table_order: Optional[torch.Tensor] = None,
     table_offsets: Optional[torch.Tensor] = None,
     table_sigmoid: float = 0.0,
+    query: Optional[torch.Tensor] = None,
+    query_tiled: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """With ``table_index`` (N, N), ``bias`` is a position-bias table (T, H) that the kernels
     read through it (``TableBias``, windows of one tile: ``plan.reads_table``); the pairs'
     ``table_order`` and ``table_offsets`` (``position_bias.operator_table_rows``) are for the
-    backward, which sums the table's gradient."""
+    backward, which sums the table's gradient. With ``query`` (B, N, H*D), qkv is
+    (B_, N, 2, H, D), keys and values, and the windows share their image's queries
+    (``launch.attention_forward``)."""
     return attention_forward(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats,
-                             None, table_index, table_sigmoid)
+                             None, table_index, table_sigmoid, query, query_tiled)
 
 
 def _backward_impl(
@@ -77,12 +81,15 @@ def _backward_impl(
     table_order: Optional[torch.Tensor] = None,
     table_offsets: Optional[torch.Tensor] = None,
     table_sigmoid: float = 0.0,
+    query: Optional[torch.Tensor] = None,
+    query_tiled: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dbias is the table's gradient (T, H) in its dtype where ``bias`` is a table
-    (``table_index``), else the dense bias's (H, N, N) in float32."""
+    (``table_index``), else the dense bias's (H, N, N) in float32. With ``query``, dqkv is
+    (B_, N, 3, H, D): each window's dQ beside dK and dV (``_query_grads`` sums the former)."""
     dqkv, dbias, dscale = attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale,
                                              num_heads, scale, cosine, bias_grad, scale_grad, dropout_p, seed,
-                                             None, table_index, table_sigmoid)
+                                             None, table_index, table_sigmoid, query, query_tiled)
     if table_index is not None and bias_grad:
         dbias = relative_bias_table_grad(dbias, table_order, table_offsets, bias.shape[0], bias.dtype,
                                          index=table_index, table=bias if table_sigmoid else None,
@@ -92,7 +99,8 @@ def _backward_impl(
 
 
 def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats=True,
-                  table_index=None, table_order=None, table_offsets=None, table_sigmoid=0.0):
+                  table_index=None, table_order=None, table_offsets=None, table_sigmoid=0.0, query=None,
+                  query_tiled=False):
     num_windows, n, channels = windows_tokens_channels(qkv, None)
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
@@ -105,37 +113,46 @@ def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropou
 
 def _backward_fake(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, num_heads, scale, cosine,
                    bias_grad, scale_grad, dropout_p, seed, table_index=None, table_order=None, table_offsets=None,
-                   table_sigmoid=0.0):
+                   table_sigmoid=0.0, query=None, query_tiled=False):
     n = qkv.shape[1]
     if table_index is not None and bias_grad:
         dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)
     else:
         dbias = qkv.new_empty((num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
     dscale = qkv.new_empty((num_heads,) if scale_grad and cosine else (0,), dtype=torch.float32)
-    return torch.empty_like(qkv), dbias, dscale  # the layout attention_backward gives
+    # the layout attention_backward gives
+    dqkv = torch.empty_like(qkv) if query is None else qkv.new_empty((*qkv.shape[:2], 3, *qkv.shape[3:]))
+    return dqkv, dbias, dscale
 
 
 window_attention_fwd = register_op("window_attention_fwd", _forward_impl, _forward_fake)
 window_attention_bwd = register_op("window_attention_bwd", _backward_impl, _backward_fake)
 
 
-def _setup_context(ctx, inputs, output, *also_saved):
+def _setup_context(ctx, inputs, output, query, query_tiled, *also_saved):
+    """Saves (qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed, query,
+    *also_saved) and the call's numbers on ``ctx``."""
     qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed = inputs[:9]
     out, stats, regions, mask_info = output
     ctx.mark_non_differentiable(stats, regions, mask_info)
     # the backward takes no gradients of those three: not materialized, autograd launches
     # no fill kernels of zeros for them (launch.attention_backward has the measurement)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed, *also_saved)
+    ctx.save_for_backward(qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed, query, *also_saved)
     ctx.num_heads, ctx.scale, ctx.cosine, ctx.dropout_p = num_heads, scale, cosine, dropout_p
+    ctx.query_tiled = query_tiled
 
 
 def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
     saved = ctx.saved_tensors
     # the table's index and pairs (None where the bias is dense): _operator_setup_context
     backward_op = partial(call_operator, window_attention_bwd)
-    dqkv, dbias, dscale = _backward_outputs(backward_op, ctx, saved, grad_out, *saved[9:12], ctx.table_sigmoid)
-    return _input_grads(ctx, dqkv, dbias.to(saved[5].dtype) if dbias is not None else None, dscale, extra_inputs=4)
+    dqkv, dbias, dscale = _backward_outputs(backward_op, ctx, saved, grad_out, *saved[10:13], ctx.table_sigmoid,
+                                            saved[9], ctx.query_tiled)
+    # a call without a query passes fewer than its sixteen inputs: needs_input_grad is shorter
+    dqkv, dquery = _query_grads(dqkv, saved[9], ctx.query_tiled, saved[9] is not None and ctx.needs_input_grad[14])
+    return _input_grads(ctx, dqkv, dbias.to(saved[5].dtype) if dbias is not None else None, dscale,
+                        extra_inputs=4) + (dquery, None)
 
 
 def _backward_outputs(backward_op, ctx, saved, grad_out, *layout):
@@ -151,6 +168,22 @@ def _backward_outputs(backward_op, ctx, saved, grad_out, *layout):
         grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, ctx.num_heads, ctx.scale,
         ctx.cosine, bias_grad, scale_grad, ctx.dropout_p, seed, *layout)
     return dqkv, dbias if bias_grad else None, dscale.to(logit_scale.dtype) if scale_grad else None
+
+
+def _query_grads(dqkv: torch.Tensor, query: Optional[torch.Tensor], tiled: bool, query_grad: bool
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(qkv's gradient, the query's) from the backward's dqkv: as it is, None, without
+    ``query``; else dqkv is (B_, N, 3, H, D) and qkv (B_, N, 2, H, D) gets dK, dV, and the
+    query (B, N, H*D) each window's dQ summed over its image's windows (where ``query_grad``)."""
+    if query is None:
+        return dqkv, None
+    if not query_grad:
+        return dqkv[:, :, 1:], None
+    windows, n = dqkv.shape[:2]
+    images = query.shape[0]
+    dq = dqkv[:, :, 0].reshape(windows, n, -1)
+    dq = dq.view(windows // images, images, n, -1).sum(0) if tiled else dq.view(images, -1, n, dq.shape[-1]).sum(1)
+    return dqkv[:, :, 1:], dq
 
 
 def _input_grads(ctx, dqkv, dbias, dscale, extra_inputs: int = 0):
@@ -171,10 +204,10 @@ def _input_grads(ctx, dqkv, dbias, dscale, extra_inputs: int = 0):
 
 
 def _operator_setup_context(ctx, inputs, output):
-    """The registered operator's: also keeps its table's index and sorted pairs (``_forward_impl``;
-    ``inputs`` are all fourteen, defaults filled in)."""
-    table_index, table_order, table_offsets, table_sigmoid = inputs[10:]
-    _setup_context(ctx, inputs, output, table_index, table_order, table_offsets)
+    """The registered operator's: also keeps its table's index and sorted pairs and the query
+    (``_forward_impl``; ``inputs`` are all sixteen, defaults filled in)."""
+    table_index, table_order, table_offsets, table_sigmoid, query, query_tiled = inputs[10:]
+    _setup_context(ctx, inputs, output, query, query_tiled, table_index, table_order, table_offsets)
     ctx.table_sigmoid = table_sigmoid
 
 
@@ -202,7 +235,7 @@ class _EagerWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        *inputs, grid, table_gather = inputs
+        *inputs, grid, table_gather, query, query_tiled = inputs
         table = inputs[2] if table_gather is not None else None
         table_args = table_gather.kernel_args() if table is not None else ()
         # the table is kept for the derivative of its sigmoid, where the bias saved is the gathered one
@@ -210,13 +243,13 @@ class _EagerWindowAttention(torch.autograd.Function):
         with direct_launches():
             if table is not None and not table_args:  # the kernels read the gathered bias
                 inputs[2] = table_gather.gather(table)
-            output = attention_forward(*inputs, grid, *table_args)
+            output = attention_forward(*inputs, grid, *(table_args or (None, 0.0)), query, query_tiled)
             if host_program.noting_forward():
                 # the backward reads the bias copy the forward kept on the bias (kernels that
                 # stream key blocks): saved, its host program takes it from the forward's
                 bias_copy = kept_streamed_bias(inputs[2], inputs[3], inputs[0].dtype, inputs[1])
                 also_saved += (bias_copy,) if bias_copy is not None else ()
-        _setup_context(ctx, inputs, output, *also_saved)
+        _setup_context(ctx, inputs, output, query, query_tiled, *also_saved)
         ctx.grid, ctx.table_gather, ctx.table_args = grid, table_gather, table_args
         ctx.table_dtype = table.dtype if table is not None else None
         host_program.note_forward(ctx, ctx.to_save, _host_tensors(table_gather), output[0])
@@ -228,16 +261,19 @@ class _EagerWindowAttention(torch.autograd.Function):
         table_gather, saved = ctx.table_gather, ctx.saved_tensors
         host_tensors = _host_tensors(table_gather)
         with direct_launches(), host_program.backward_recording(ctx, (*saved, *host_tensors, grad_out)) as recorded:
+            query = saved[9]
             dqkv, dbias, dscale = _backward_outputs(attention_backward, ctx, saved, grad_out, ctx.grid,
-                                                    *ctx.table_args)
+                                                    *(ctx.table_args or (None, 0.0)), query, ctx.query_tiled)
+            dqkv, dquery = _query_grads(dqkv, query, ctx.query_tiled, ctx.needs_input_grad[12])
             if dbias is not None and table_gather is None:
                 dbias = dbias.to(saved[5].dtype)
             elif dbias is not None:
-                table = None if not table_gather.sigmoid_scale else saved[5] if ctx.table_args else saved[9]
+                table = None if not table_gather.sigmoid_scale else saved[5] if ctx.table_args else saved[10]
                 dbias = table_gather.table_grad(dbias, ctx.table_dtype, table)
             if recorded is not None:  # the gradients of the host program's inputs (``_eager_call``'s order)
-                recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None), saved[5:9]) if t is not None)))
-        return _input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2)
+                recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None, dquery), saved[5:10])
+                                  if t is not None)))
+        return _input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2) + (dquery, None)
 
 
 def _host_tensors(table_gather: Optional[TableGather]) -> Tuple[torch.Tensor, ...]:
@@ -250,22 +286,24 @@ def _host_tensors(table_gather: Optional[TableGather]) -> Tuple[torch.Tensor, ..
     return rows.index32, rows.order, rows.offsets
 
 
-def _eager_call(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optional[TableGather]) -> torch.Tensor:
+def _eager_call(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optional[TableGather],
+                query: Optional[torch.Tensor], query_tiled: bool) -> torch.Tensor:
     """The eager forward: where a gradient follows (``save_stats``), ``_EagerWindowAttention``,
     else ``_forward_without_grad``; on CUDA either one's host program replayed
     (``host_program``: recorded on the signature's first call)."""
     qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats = inputs
+    layout = (grid, table_gather, query, query_tiled)
     if save_stats:
-        python_road = lambda: _EagerWindowAttention.apply(*inputs, grid, table_gather)[0]  # noqa: E731
+        python_road = lambda: _EagerWindowAttention.apply(*inputs, *layout)[0]  # noqa: E731
     else:
-        python_road = lambda: _forward_without_grad(*inputs, grid, table_gather)[0]  # noqa: E731
+        python_road = lambda: _forward_without_grad(*inputs, *layout)[0]  # noqa: E731
     if not host_program.takes(qkv):
         return python_road()
-    tensors = (qkv, bias, mask, logit_scale, seed)
+    tensors = (qkv, bias, mask, logit_scale, seed, query)
     extra = _host_tensors(table_gather) + _kept_mask_regions(qkv, num_heads, mask, cosine, grid)
     key_of = host_program.tensor_key
     key = (tuple(map(key_of, tensors)), tuple(map(key_of, extra)), num_heads, scale, cosine, dropout_p, grid,
-           table_gather.key() if table_gather is not None else None, host_program.settings_key())
+           table_gather.key() if table_gather is not None else None, query_tiled, host_program.settings_key())
     return host_program.call(key, [t for t in tensors if t is not None] + list(extra), python_road, grad=save_stats)
 
 
@@ -290,12 +328,12 @@ def _forward_without_grad(*inputs):
     """The forward where nothing takes a gradient (``save_stats`` False), launched directly,
     with no autograd node (a torch.autograd.Function's apply costs host time, which small
     eager inference calls are bound by); the inputs are ``_EagerWindowAttention``'s."""
-    *inputs, grid, table_gather = inputs
+    *inputs, grid, table_gather, query, query_tiled = inputs
     table_args = table_gather.kernel_args() if table_gather is not None else ()
     with direct_launches():
         if table_gather is not None and not table_args:
             inputs[2] = table_gather.gather(inputs[2])
-        return attention_forward(*inputs, grid, *table_args)
+        return attention_forward(*inputs, grid, *(table_args or (None, 0.0)), query, query_tiled)
 
 
 # --------------------------------------------------------------------------- public op
@@ -316,6 +354,8 @@ def window_attention(
     logit_scale: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     grid: Optional[WindowGrid] = None,
+    query: Optional[torch.Tensor] = None,
+    query_order: str = "image_major",
 ) -> torch.Tensor:
     """Fused window attention from the qkv linear output to the proj input.
 
@@ -354,20 +394,30 @@ def window_attention(
             the output there: ``grid.merge(window_attention(grid.partition(qkv), ...))``
             without the copies. Where the kernels cannot (torch.compile, tensor subclasses,
             windows whose backward streams key blocks, PyTorch's path), it is computed so.
+        query: (B, N, H*D), queries that the windows of an image share (GCViT's global
+            query), qkv's dtype; qkv is then (B_, N, 2*H*D), keys and values, B_ a multiple
+            of B. The kernels read each window's queries from here, and the query's gradient
+            is summed over its image's windows. No ``grid``.
+        query_order: which image's queries window b takes: ``"image_major"`` b // (B_ / B),
+            an image's windows in a row (``query.repeat_interleave(B_ // B, 0)``, timm 1.0.31's
+            GCViT), or ``"tiled"`` b % B (``query.repeat(B_ // B, 1, 1)``, earlier timm's).
 
     Returns:
         (B_, N, H*D) in qkv's dtype; with ``grid``, (B, H*W, H*D).
     """
-    _, n, head_dim = validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid)
+    _, n, head_dim = validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid, query, query_order)
+    query_tiled = query_order == "tiled"
+    if query is not None:
+        qkv, query = keys_values_query(qkv, query, num_heads)
     # Where nothing takes a gradient (inference), the forward saves no softmax statistics:
     # for cosine attention over more than 64 tokens that also skips summing the rows' mean
     # score, 3 to 6% of that forward (H200, 2026-11-23).
     table_bias = isinstance(bias, TableBias)
     save_stats = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (qkv, bias.table if table_bias else bias, logit_scale))
+        t is not None and t.requires_grad for t in (qkv, bias.table if table_bias else bias, logit_scale, query))
     kernels = uses_kernels(qkv)
     # the eager path: the kernels launched here, without the registered operators' dispatch
-    eager = kernels and dispatch_free(qkv)
+    eager = kernels and dispatch_free(qkv) and (query is None or dispatch_free(query))
     if grid is not None and not (eager and maps_windows(n, head_dim, qkv.dtype, logit_scale is not None, save_stats)):
         windows = window_attention(grid.partition(qkv), num_heads, bias=bias, mask=mask, scale=scale,
                                    logit_scale=logit_scale, dropout_p=dropout_p)
@@ -387,6 +437,8 @@ def window_attention(
     elif table_bias:
         bias = bias.dense()
     if not kernels:
+        if query is not None:
+            qkv = shared_query_qkv(qkv, query, query_tiled)
         return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
                                           dropout_p=dropout_p)
     if table_gather is None and bias is not None and bias.dim() == 4:
@@ -398,8 +450,10 @@ def window_attention(
     inputs = (qkv, num_heads, bias, mask, logit_scale, float(scale) if scale is not None else 1.0,
               logit_scale is not None, dropout_p, seed, save_stats)
     if not eager:
+        if query is not None:  # the arguments past the table's
+            operator_table = (*(operator_table or (None, None, None, 0.0)), query, query_tiled)
         return call_operator(window_attention_fwd, *inputs, *operator_table)[0]
-    return _eager_call(inputs, grid, table_gather)
+    return _eager_call(inputs, grid, table_gather, query, query_tiled)
 
 
 def _operator_table_args(bias: TableBias, grad: bool) -> tuple:

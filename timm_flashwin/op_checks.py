@@ -30,11 +30,15 @@ def _check_tensor(name: str, t, ndims: Tuple[int, ...], qkv: torch.Tensor, float
         _fail(ValueError, name, f"on qkv's device {qkv.device}", t.device)
 
 
-def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=None) -> Tuple[int, int, int]:
+def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=None, query=None,
+             query_order="image_major") -> Tuple[int, int, int]:
     if not isinstance(qkv, torch.Tensor):
         _fail(TypeError, "qkv", "a torch.Tensor", type(qkv).__name__)
     if grid is not None and not isinstance(grid, WindowGrid):
         _fail(TypeError, "grid", "a WindowGrid or None", type(grid).__name__)
+    if query is not None:
+        return _validate_shared_query(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid, query,
+                                      query_order)
     if qkv.dim() != 3 and (grid is not None or qkv.dim() != 5):
         _fail(ValueError, "qkv", "a 3-D tensor (B_, N, 3*H*D) or a 5-D one (B_, N, 3, H, D)" if grid is None
               else "a 3-D tensor (B, H*W, 3*H*D)", f"shape {tuple(qkv.shape)}")
@@ -100,3 +104,46 @@ def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=Non
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real) or not 0.0 <= dropout_p < 1.0:
         _fail(ValueError, "dropout_p", "a float in [0, 1)", repr(dropout_p))
     return num_windows, n, head_dim
+
+
+def _validate_shared_query(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid, query,
+                           query_order) -> Tuple[int, int, int]:
+    """``validate`` for a call with ``query``: qkv (B_, N, 2*H*D) holds keys and values, query
+    (B, N, H*D) the queries of B images; the rest is checked as for the (B_, N, 3, H, D) qkv
+    the two make up."""
+    if grid is not None:
+        raise ValueError("window_attention: `query` takes the partitioned layout, not `grid`")
+    if query_order not in ("image_major", "tiled"):
+        _fail(ValueError, "query_order", '"image_major" or "tiled"', repr(query_order))
+    if qkv.dim() != 3:
+        _fail(ValueError, "qkv", "with `query`, a 3-D tensor (B_, N, 2*H*D) of keys and values",
+              f"shape {tuple(qkv.shape)}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        _fail(ValueError, "num_heads", "a positive int", repr(num_heads))
+    windows, n, channels = qkv.shape
+    if channels % (2 * num_heads):
+        _fail(ValueError, "qkv", f"with `query`, a last dim divisible by 2 * num_heads = {2 * num_heads}", channels)
+    if not isinstance(query, torch.Tensor):
+        _fail(TypeError, "query", "a torch.Tensor", type(query).__name__)
+    if query.dim() != 3 or query.shape[1:] != (n, channels // 2) or query.shape[0] < 1 or windows % query.shape[0]:
+        _fail(ValueError, "query", f"of shape (B, N, H*D) = (B, {n}, {channels // 2}) with B dividing qkv's "
+              f"B_ = {windows}", f"shape {tuple(query.shape)}")
+    if query.dtype != qkv.dtype:
+        _fail(TypeError, "query", f"of qkv's dtype {qkv.dtype}", query.dtype)
+    if query.device != qkv.device:
+        _fail(ValueError, "query", f"on qkv's device {qkv.device}", query.device)
+    head_dim = channels // (2 * num_heads)
+    # the rest as for the (B_, N, 3, H, D) qkv the two make up (a view of the same shape)
+    return validate(qkv.new_empty(()).expand(windows, n, 3, num_heads, head_dim), num_heads, bias, mask, scale,
+                    logit_scale, dropout_p)
+
+
+def keys_values_query(kv: torch.Tensor, query: torch.Tensor, num_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """kv (B_, N, 2*H*D) and query (B, N, H*D), validated, as the kernels read them: kv as a
+    (B_, N, 2, H, D) view, and the two with one channel stride (the kernels read the heads
+    and channels of both with kv's: ``launch.query_args``), made so by a copy where not."""
+    if query.stride(2) != kv.stride(2):
+        query = query.contiguous()
+        if kv.stride(2) != 1:
+            kv = kv.contiguous()
+    return kv.unflatten(2, (2, num_heads, kv.shape[2] // (2 * num_heads))), query

@@ -40,6 +40,17 @@ def _clamp_passes_gradient_at_its_bound() -> bool:
 CLAMP_GRADIENT_AT_BOUND = _clamp_passes_gradient_at_its_bound()
 
 
+def shared_query_qkv(kv: torch.Tensor, query: torch.Tensor, tiled: bool) -> torch.Tensor:
+    """(B_, N, 3, H, D): each window's queries beside its keys and values, kv (B_, N, 2, H, D),
+    from query (B, N, H*D), one per image, as timm's GCViT gives them to its windows:
+    ``repeat_interleave`` (window b takes image b // (B_ / B)) or, ``tiled``, ``repeat``
+    (image b % B). ``window_attention(..., query=)`` without the copy."""
+    windows, images = kv.shape[0], query.shape[0]
+    q = query.reshape(images, kv.shape[1], 1, *kv.shape[3:])
+    q = q.repeat(windows // images, 1, 1, 1, 1) if tiled else q.repeat_interleave(windows // images, 0)
+    return torch.cat((q, kv), dim=2)
+
+
 def window_attention_reference(
     qkv: torch.Tensor,
     num_heads: int,

@@ -8,10 +8,9 @@ and its stage's global query q_global (B, Wh, Ww, C), one per image:
 - local blocks (``use_global`` False, even blocks): qkv is the module's (B_, N, 3 C) linear
   output, plain window attention; q_global is ignored, as timm ignores it;
 - global blocks (odd ones): the module's linear gives k and v only, (B_, N, 2 C), and every
-  window of an image takes that image's q_global as its queries. The op takes q, k and v of
-  one tensor: they are put side by side, (B_, N, 3, C), q broadcast over the windows by
-  ``torch.cat`` (a copy of the 3 C channels per token that a kernel reading q from its own
-  tensor would not make); autograd sums q's gradient over the windows into q_global.
+  window of an image takes that image's q_global as its queries. The op takes the two
+  (``window_attention(kv, ..., query=)``): its kernels read each window's queries from
+  q_global itself, with no broadcast copy, and sum q's gradient over an image's windows.
 
 Which image a window's query comes from is timm's: 1.0.31 repeats q_global with
 ``repeat_interleave`` (window b takes image b // nW, the order of the block's partition),
@@ -114,27 +113,17 @@ class GcVitAdapter(WindowAttentionAdapter):
         # checkpoint of recompute_qkv): a mask in other families, q_global here (GCViT has no mask)
         return super().forward(module, x, q_global)
 
-    def global_qkv(self, module: nn.Module, x: torch.Tensor, q_global: torch.Tensor) -> torch.Tensor:
-        """x (B_, N, C), q_global (B, Wh, Ww, C) -> (B_, N, 3 C): the channels (3, H, D) of
-        each window's queries (its image's q_global, ``query_order``), keys and values (the
-        module's kv linear of x)."""
-        windows, n, channels = x.shape
-        images = q_global.shape[0]
-        kv = module.qkv(x)
-        # timm's q @ k^T under autocast multiplies in kv's dtype: q rounded to it as there
-        q = q_global.reshape(images, n, 1, channels).to(kv.dtype)
-        if query_order() == IMAGE_MAJOR:  # (image, window, ...)
-            parts = (q.unsqueeze(1).expand(images, windows // images, n, 1, channels),
-                     kv.view(images, windows // images, n, 2, channels))
-        else:  # (window, image, ...)
-            parts = (q.unsqueeze(0).expand(windows // images, images, n, 1, channels),
-                     kv.view(windows // images, images, n, 2, channels))
-        return torch.cat(parts, dim=3).view(windows, n, 3 * channels)
-
     def _attention(self, module: nn.Module, x: torch.Tensor, bias: Union[TableBias, torch.Tensor],
                    q_global: Optional[torch.Tensor], dropout_p: float, grid=None) -> torch.Tensor:
-        """x (B_, N, C) -> the proj input (B_, N, C): the qkv (``global_qkv`` where q_global
-        is given) and the op. ``grid`` is never given: GCViT's blocks are not patched."""
-        qkv = module.qkv(x) if q_global is None else self.global_qkv(module, x, q_global)
-        return window_attention(qkv, module.num_heads, bias=bias, dropout_p=dropout_p, **self.score_scale(module))
+        """x (B_, N, C) -> the proj input (B_, N, C): the op on the module's qkv linear, or,
+        with q_global (B, Wh, Ww, C), on its kv linear with the query shared by each image's
+        windows (``query_order``). ``grid`` is never given: GCViT's blocks are not patched."""
+        qkv = module.qkv(x)
+        if q_global is None:
+            return window_attention(qkv, module.num_heads, bias=bias, dropout_p=dropout_p,
+                                    **self.score_scale(module))
+        # timm's q @ k^T under autocast multiplies in kv's dtype: q rounded to it as there
+        query = q_global.reshape(q_global.shape[0], -1, x.shape[-1]).to(qkv.dtype)
+        return window_attention(qkv, module.num_heads, bias=bias, dropout_p=dropout_p, query=query,
+                                query_order=query_order(), **self.score_scale(module))
 

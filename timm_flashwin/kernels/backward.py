@@ -38,8 +38,9 @@ import triton
 import triton.language as tl
 
 from .bias_mask_tiles import load_bias_mask, load_table_bias_mask
-from .tiles import (LOG2E, dropout_factor, head_scale, load_window_qk, load_window_rows, logit_scale_grad, logits_tile,
-                    mma, normalize_backward, store_rows, store_window_rows, window_rows, window_run)
+from .tiles import (LOG2E, dropout_factor, head_scale, key_base, load_window_qk, load_window_rows, logit_scale_grad,
+                    logits_tile, mma, normalize_backward, query_base, store_rows, store_window_rows, window_rows,
+                    window_run)
 
 
 @triton.jit
@@ -140,27 +141,29 @@ def load_rbar(stats_ptr, bh, rows, stats_stride, N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "map_windows",
-                             "windows_x", "map_height", "map_width", "shift_h", "shift_w"])
+                             "windows_x", "map_height", "map_width", "shift_h", "shift_w", "query_windows"])
 def window_attention_bwd_fused_kernel(
-    qkv_ptr, dout_ptr, bias_ptr, bias_index_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
+    qkv_ptr, q_ptr, dout_ptr, bias_ptr, bias_index_ptr, mask_ptr, logit_scale_ptr, seed_ptr,
     dqkv_ptr, dbias_partial_ptr, dscale_partial_ptr,
     scale, dropout_p,
-    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     stride_partial_group,
     num_periods, windows_per_period, windows_per_program,
-    map_windows, windows_x, map_height, map_width, shift_h, shift_w,
+    map_windows, windows_x, map_height, map_width, shift_h, shift_w, query_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     BIAS_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MAPPED: tl.constexpr,
-    WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr, BIAS_SIGMOID: tl.constexpr,
+    WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr, BIAS_SIGMOID: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (H * nW * window chunks,). One whole window per tile. MAPPED: qkv, dout and dqkv
     in the feature-map layout, windows WINDOW_W tokens wide (``tiles.window_rows``).
+    GLOBAL_QUERY: the queries read from q_ptr, as the forward reads them; dqkv (B_, N, 3, H, D)
+    still gets each window's dQ (summed over an image's windows by the launcher's caller).
     Each program group (the H programs of one mask window and chunk) writes its partial bias
     gradient (H, N, N) at dbias_partial_ptr and its partial logit-scale gradient (H,) at
     dscale_partial_ptr, both stride_partial_group apart from group to group (the launcher
@@ -194,10 +197,11 @@ def window_attention_bwd_fused_kernel(
         b = (w + window * num_periods).to(tl.int64)
         image, addr = window_rows(b, idx, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                                   N, WINDOW_W, MAPPED)
-        q_base = qkv_ptr + image * stride_qkv_b + h * stride_qkv_h
-        k_base = q_base + stride_qkv_p
+        q_base, q_stride_n = query_base(qkv_ptr, q_ptr, image, h, stride_qkv_b, stride_qkv_n, stride_q_b, stride_q_n,
+                                        stride_qkv_h, query_windows, GLOBAL_QUERY)
+        k_base = key_base(qkv_ptr, image, h, stride_qkv_b, stride_qkv_p, stride_qkv_h, GLOBAL_QUERY)
         v_base = k_base + stride_qkv_p
-        q_in, q_lowp, q_inv, q_norm = load_window_qk(q_base, addr, idx, dims, stride_qkv_n, stride_qkv_d, N, D,
+        q_in, q_lowp, q_inv, q_norm = load_window_qk(q_base, addr, idx, dims, q_stride_n, stride_qkv_d, N, D,
                                                      COSINE)
         k_in, k_lowp, k_inv, k_norm = load_window_qk(k_base, addr, idx, dims, stride_qkv_n, stride_qkv_d, N, D,
                                                      COSINE)

@@ -8,7 +8,8 @@ import triton.language as tl
 
 from .backward import input_grad, load_rbar, load_row_stats, program_block, scale_grad_terms, softmax_backward_tile
 from .bias_mask_tiles import load_bias_mask, mask_kind_launch, window_in_one_region
-from .tiles import LOG2E, head_scale, load_qk, load_rows, logit_scale_grad, mma, row_norms, store_rows, window_run
+from .tiles import (LOG2E, head_scale, key_base, load_qk, load_rows, logit_scale_grad, mma, query_base, row_norms,
+                    store_rows, window_run)
 
 
 @triton.jit
@@ -51,23 +52,24 @@ def window_attention_bwd_delta_kernel(
         tl.store(acc_ptrs, tl.zeros((BLOCK_M, BLOCK_D), tl.float32), mask=(rows[:, None] < N) & (dims[None, :] < D))
 
 
-@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "query_windows"])
 def window_attention_bwd_dkdv_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
+    qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr,
+    seed_ptr,
     dqkv_ptr, dq_acc_ptr, dscale_sums_ptr, dbias_slots_ptr,
     scale, dropout_p, stats_stride, num_slots,
-    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
-    num_periods, windows_per_period, windows_per_program,
+    num_periods, windows_per_period, windows_per_program, query_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
     DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
-    FLAT_LOOP: tl.constexpr,
+    FLAT_LOOP: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (key blocks * H * nW * window chunks,). dK, dV of one key block of head h for a
     run of windows sharing a mask window (``dkdv_windows``), looping over query blocks.
@@ -98,7 +100,9 @@ def window_attention_bwd_dkdv_kernel(
     mask, and a program whose mask window is one region takes the copy without it
     (``bias_mask_tiles.window_in_one_region``; config.backward_config says where).
 
-    FLAT_LOOP: one loop over (window, query block) steps (``dkdv_windows``)."""
+    FLAT_LOOP: one loop over (window, query block) steps (``dkdv_windows``).
+
+    GLOBAL_QUERY: the queries read from q_ptr, as the forward reads them (``tiles.query_base``)."""
     NUM_KEY_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     rest = pid // NUM_KEY_BLOCKS
@@ -113,37 +117,37 @@ def window_attention_bwd_dkdv_kernel(
     if run:  # with ONE_REGION_LOOP, windows of one region run a copy of the loop built without a mask
         if window_in_one_region(mask_info_ptr, w, FROM_REGIONS, ONE_REGION_LOOP):
             dscale = dkdv_windows(
-                qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
                 dqkv_ptr, dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, h, w, first, last,
-                num_periods, cols, dims,
-                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                num_periods, query_windows, cols, dims,
+                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
                 stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
                 stride_bias_h, stride_bias_i, stride_bias_j,
                 stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, GLOBAL_QUERY)
         else:
             dscale = dkdv_windows(
-                qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
                 dqkv_ptr, dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, h, w, first, last,
-                num_periods, cols, dims,
-                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                num_periods, query_windows, cols, dims,
+                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
                 stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
                 stride_bias_h, stride_bias_i, stride_bias_j,
                 stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP)
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, GLOBAL_QUERY)
         if SCALE_GRAD:
             tl.atomic_add(dscale_sums_ptr + h, logit_scale_grad(dscale, s, logit_scale_ptr, h), sem="relaxed")
 
 
 @triton.jit
-def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+def dkdv_windows(qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
                  dqkv_ptr, dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, h, w, first, last,
-                 num_periods, cols, dims,
-                 stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                 num_periods, query_windows, cols, dims,
+                 stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
                  stride_dout_b, stride_dout_n, stride_dout_c,
                  stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
                  stride_bias_h, stride_bias_i, stride_bias_j,
@@ -153,7 +157,7 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
                  HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
                  DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
-                 FLAT_LOOP: tl.constexpr):
+                 FLAT_LOOP: tl.constexpr, GLOBAL_QUERY: tl.constexpr):
     """The dkdv kernel's work: dK, dV of the key block ``cols`` of head h (head scale ``s``)
     for windows w + nW * [first, last) (the mask window's); HAS_MASK False for a window of one region. Returns
     the sum of the scale-gradient terms (``scale_grad_terms``) over its tiles.
@@ -178,7 +182,7 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
             window = first + step // NUM_Q_BLOCKS
             start_m = (step % NUM_Q_BLOCKS) * BLOCK_M
             b = (w + window * num_periods).to(tl.int64)
-            k_base = qkv_ptr + b * stride_qkv_b + stride_qkv_p + h * stride_qkv_h
+            k_base = key_base(qkv_ptr, b, h, stride_qkv_b, stride_qkv_p, stride_qkv_h, GLOBAL_QUERY)
             k_in = load_rows(k_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
             v = load_rows(k_base + stride_qkv_p, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
             # a window's first query block starts its sums afresh: selects, not products with
@@ -200,21 +204,21 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
                                       * H + h, (following % NUM_Q_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M),
                                       stats_stride, N)
             dk_acc, dv_acc, dscale_tile = dkdv_tile(
-                qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
-                dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
+                qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w, query_windows,
                 start_m + tl.arange(0, BLOCK_M), cols, dims, k_in, k_in, k_inv, v, rbar, dk_acc, dv_acc,
-                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
                 stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, COSINE)
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, COSINE, GLOBAL_QUERY)
             dscale += dscale_tile
             if start_m + BLOCK_M >= N:  # the window's last query block
                 store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
                            stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d, H, N, D, COSINE)
     else:  # one window per program (the launcher's split)
         b = (w + first * num_periods).to(tl.int64)
-        k_base = qkv_ptr + b * stride_qkv_b + stride_qkv_p + h * stride_qkv_h
+        k_base = key_base(qkv_ptr, b, h, stride_qkv_b, stride_qkv_p, stride_qkv_h, GLOBAL_QUERY)
         k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
         v = load_rows(k_base + stride_qkv_p, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
         if SCALE_GRAD:
@@ -226,14 +230,14 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
                 rbar = rbar_next
                 rbar_next = load_rbar(stats_ptr, b * H + h, rows + BLOCK_M, stats_stride, N)
             dk_acc, dv_acc, dscale_tile = dkdv_tile(
-                qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
-                dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
+                qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+                dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w, query_windows,
                 rows, cols, dims, k_in, k_lowp, k_inv, v, rbar, dk_acc, dv_acc,
-                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+                stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
                 stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                 H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, False)
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, False, GLOBAL_QUERY)
             dscale += dscale_tile
         store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
                    stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d, H, N, D, COSINE)
@@ -241,10 +245,10 @@ def dkdv_windows(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, re
 
 
 @triton.jit
-def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
-              dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w,
+def dkdv_tile(qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
+              dq_acc_ptr, dbias_slots_ptr, dropout_p, stats_stride, num_slots, b, h, w, query_windows,
               rows, cols, dims, k_in, k_lowp, k_inv, v, rbar, dk_acc, dv_acc,
-              stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+              stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
               stride_dout_b, stride_dout_n, stride_dout_c,
               stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
               H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
@@ -252,7 +256,7 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
               DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
-              RAW_K: tl.constexpr):
+              RAW_K: tl.constexpr, GLOBAL_QUERY: tl.constexpr):
     """One (query block ``rows``, key block ``cols``) tile of window b, head h: (dk_acc, dv_acc,
     the tile's scale-gradient terms); with DQ_ATOMIC the tile's dQ and with DBIAS_ATOMIC
     its dZ added with atomic adds.
@@ -263,8 +267,9 @@ def dkdv_tile(qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regio
     522.0, 12 474.1 -> 460.3; window 24's nested loop, one window per program, 1482.7 with
     unit rows against 1500.4 without)."""
     bh = b * H + h
-    q_base = qkv_ptr + b * stride_qkv_b + h * stride_qkv_h
-    q_in = load_rows(q_base, rows, dims, stride_qkv_n, stride_qkv_d, N, D)
+    q_base, q_stride_n = query_base(qkv_ptr, q_ptr, b, h, stride_qkv_b, stride_qkv_n, stride_q_b, stride_q_n,
+                                    stride_qkv_h, query_windows, GLOBAL_QUERY)
+    q_in = load_rows(q_base, rows, dims, q_stride_n, stride_qkv_d, N, D)
     do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims, stride_dout_n, stride_dout_c,
                    N, D)
     row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)

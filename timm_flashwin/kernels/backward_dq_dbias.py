@@ -9,16 +9,17 @@ import triton.language as tl
 
 from .backward import load_rbar, load_row_stats, program_block, scale_grad_terms, softmax_backward_tile, store_dq
 from .bias_mask_tiles import load_bias_mask, load_bias_mask_either, load_mask_regions, mask_kind_launch
-from .tiles import LOG2E, head_scale, load_qk, load_rows, logit_scale_grad, mma, window_run
+from .tiles import LOG2E, head_scale, key_base, load_qk, load_rows, logit_scale_grad, mma, query_base, window_run
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["query_windows"])
 def window_attention_bwd_dq_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
+    qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr,
+    seed_ptr,
     dqkv_ptr,
     dscale_partial_ptr,
-    scale, dropout_p, num_periods, stats_stride,
-    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+    scale, dropout_p, num_periods, stats_stride, query_windows,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
@@ -27,11 +28,12 @@ def window_attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr,
-    BIAS_LOG2E: tl.constexpr,
+    BIAS_LOG2E: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block, looping over key blocks;
     also the block's share of d(logit_scale), written to dscale_partial[b, h, block].
-    Built and launched once per mask kind with MASK_REGIONS, as the dkdv kernel is."""
+    Built and launched once per mask kind with MASK_REGIONS, as the dkdv kernel is.
+    GLOBAL_QUERY: the queries read from q_ptr (``tiles.query_base``), dQ still per window."""
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     pid = tl.program_id(0)
     w = b % num_periods
@@ -41,10 +43,11 @@ def window_attention_bwd_dq_kernel(
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
-        q_base = qkv_ptr + b * stride_qkv_b + h * stride_qkv_h
-        k_base = q_base + stride_qkv_p
+        q_base, q_stride_n = query_base(qkv_ptr, q_ptr, b, h, stride_qkv_b, stride_qkv_n, stride_q_b, stride_q_n,
+                                        stride_qkv_h, query_windows, GLOBAL_QUERY)
+        k_base = key_base(qkv_ptr, b, h, stride_qkv_b, stride_qkv_p, stride_qkv_h, GLOBAL_QUERY)
         v_base = k_base + stride_qkv_p
-        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, q_stride_n, stride_qkv_d, N, D, COSINE)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,
                        stride_dout_n, stride_dout_c, N, D)
         row_max, row_inv_sum, delta = load_row_stats(stats_ptr, delta_ptr, bh, rows, stats_stride, N)
@@ -73,41 +76,44 @@ def window_attention_bwd_dq_kernel(
             tl.store(dscale_partial_ptr + pid, logit_scale_grad(tl.sum(dscale_rows, 0), s, logit_scale_ptr, h))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["query_windows"])
 def window_attention_bwd_dq_finish_kernel(
-    qkv_ptr, logit_scale_ptr, dq_acc_ptr, dqkv_ptr,
-    scale,
-    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+    qkv_ptr, q_ptr, logit_scale_ptr, dq_acc_ptr, dqkv_ptr,
+    scale, query_windows,
+    stride_qkv_b, stride_qkv_n, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    COSINE: tl.constexpr,
+    COSINE: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block from what the dkdv kernel added
     up in dq_acc with DQ_ATOMIC: times the scale, through the normalization, cast."""
     bh, b, h, rows = program_block(H, N, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
-    q_in, q_lowp, q_inv, q_norm = load_qk(qkv_ptr + b * stride_qkv_b + h * stride_qkv_h, rows, dims,
-                                          stride_qkv_n, stride_qkv_d, N, D, COSINE)
+    q_base, q_stride_n = query_base(qkv_ptr, q_ptr, b, h, stride_qkv_b, stride_qkv_n, stride_q_b, stride_q_n,
+                                    stride_qkv_h, query_windows, GLOBAL_QUERY)
+    q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, q_stride_n, stride_qkv_d, N, D, COSINE)
     dq_acc = load_rows(dq_acc_ptr + bh * N * D, rows, dims, D, 1, N, D)
     store_dq(dq_acc, s, q_in, q_inv, q_norm, dqkv_ptr + b * stride_dqkv_b + h * stride_dqkv_h, rows, dims,
              stride_dqkv_n, stride_dqkv_d, N, D, COSINE)
 
 
-@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program"])
+@triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "query_windows"])
 def window_attention_bwd_dbias_kernel(
-    qkv_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr, seed_ptr,
+    qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr,
+    seed_ptr,
     dbias_partial_ptr,
     scale, dropout_p, stats_stride,
-    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
     stride_dout_b, stride_dout_n, stride_dout_c,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
-    num_periods, windows_per_period, windows_per_program,
+    num_periods, windows_per_period, windows_per_program, query_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, ATOMIC_SUM: tl.constexpr, BIAS_LOG2E: tl.constexpr,
+    GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (key blocks * query blocks * H * nW * window chunks,). Sum of dZ over a run
     of windows sharing (head, mask window) for one tile: written to
@@ -151,10 +157,11 @@ def window_attention_bwd_dbias_kernel(
         next_b = (w + tl.minimum(window + 1, last - 1) * num_periods).to(tl.int64)
         row_max_next, row_inv_sum_next, delta_next = load_row_stats(stats_ptr, delta_ptr, next_b * H + h, rows,
                                                                     stats_stride, N)
-        q_base = qkv_ptr + b * stride_qkv_b + h * stride_qkv_h
-        k_base = q_base + stride_qkv_p
+        q_base, q_stride_n = query_base(qkv_ptr, q_ptr, b, h, stride_qkv_b, stride_qkv_n, stride_q_b, stride_q_n,
+                                        stride_qkv_h, query_windows, GLOBAL_QUERY)
+        k_base = key_base(qkv_ptr, b, h, stride_qkv_b, stride_qkv_p, stride_qkv_h, GLOBAL_QUERY)
         v_base = k_base + stride_qkv_p
-        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
+        q_in, q_lowp, q_inv, q_norm = load_qk(q_base, rows, dims, q_stride_n, stride_qkv_d, N, D, COSINE)
         k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
         v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
         do = load_rows(dout_ptr + b * stride_dout_b + (h * D) * stride_dout_c, rows, dims,

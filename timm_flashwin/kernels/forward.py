@@ -12,32 +12,33 @@ import triton
 import triton.language as tl
 
 from .bias_mask_tiles import load_bias_mask, load_table_bias_mask, mask_kind_launch, window_in_one_region
-from .tiles import (LOG2E, dropout_factor, head_scale, load_window_qk, load_window_rows, logits_tile, mma, row_norms,
-                    store_window_rows, window_rows, window_run)
+from .tiles import (LOG2E, dropout_factor, head_scale, key_base, load_window_qk, load_window_rows, logits_tile, mma,
+                    query_base, row_norms, store_window_rows, window_rows, window_run)
 
 
 @triton.jit(do_not_specialize=["num_periods", "windows_per_period", "windows_per_program", "map_windows",
-                             "windows_x", "map_height", "map_width", "shift_h", "shift_w"])
+                             "windows_x", "map_height", "map_width", "shift_h", "shift_w", "query_windows"])
 def window_attention_fwd_kernel(
-    qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_info_ptr, logit_scale_ptr,
-    seed_ptr, scale, dropout_p,
-    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
+    qkv_ptr, q_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_info_ptr,
+    logit_scale_ptr, seed_ptr, scale, dropout_p,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
     stride_out_b, stride_out_n, stride_out_c,
     stride_bias_w, stride_bias_h, stride_bias_i, stride_bias_j,
     stride_mask_w, stride_mask_i, stride_mask_j,
     num_periods, windows_per_period, windows_per_program,
-    map_windows, windows_x, map_height, map_width, shift_h, shift_w,
+    map_windows, windows_x, map_height, map_width, shift_h, shift_w, query_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
     FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
     FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr, WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr,
-    BIAS_SIGMOID: tl.constexpr,
+    BIAS_SIGMOID: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) (MAPPED: the
     feature-map layout, (B, H*W, H*D) as qkv, windows WINDOW_W tokens wide, ``tiles.window_rows``)
-    and, with
+    and, with GLOBAL_QUERY, the queries read from q_ptr (an image's, shared by its windows,
+    ``tiles.query_base``; qkv then holds the keys and values, (B_, N, 2, H, D)) and, with
     BIAS_TABLE (windows of one key block): the bias read from its table (T, H) at bias_ptr,
     rows stride_bias_i apart, heads stride_bias_h, through the (N, N) index at
     bias_index_ptr, BIAS_SIGMOID its sigmoid scale or 0 (``bias_mask_tiles.load_table_bias_mask``); and, with
@@ -76,34 +77,37 @@ def window_attention_fwd_kernel(
     run, mask_value = mask_kind_launch(mask_info_ptr, MASK_REGIONS, FROM_REGIONS)
     if run:
         if window_in_one_region(mask_info_ptr, w, FROM_REGIONS, ONE_REGION_LOOP):
-            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value,
+            forward_windows(qkv_ptr, q_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr,
+                            mask_value,
                             seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                             stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
-                            stride_out_b, stride_out_n, stride_out_c,
+                            stride_q_b, stride_q_n, query_windows, stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, STORE_STATS,
                             HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W, BIAS_TABLE,
-                            BIAS_SIGMOID)
+                            BIAS_SIGMOID, GLOBAL_QUERY)
         else:
-            forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value,
+            forward_windows(qkv_ptr, q_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr,
+                            mask_value,
                             seed, logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                             stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
-                            stride_out_b, stride_out_n, stride_out_c,
+                            stride_q_b, stride_q_n, query_windows, stride_out_b, stride_out_n, stride_out_c,
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                             H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
                             HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W, BIAS_TABLE,
-                            BIAS_SIGMOID)
+                            BIAS_SIGMOID, GLOBAL_QUERY)
 
 
 @triton.jit
-def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value, seed,
+def forward_windows(qkv_ptr, q_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value,
+                    seed,
                     logit_scale2, dropout_p, h, w, first, last, rows, cols, dims,
                     stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d,
-                    stride_out_b, stride_out_n, stride_out_c,
+                    stride_q_b, stride_q_n, query_windows, stride_out_b, stride_out_n, stride_out_c,
                     stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                     num_periods, windows_per_period,
                     map_windows, windows_x, map_height, map_width, shift_h, shift_w,
@@ -112,7 +116,8 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_
                     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                     STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_REGIONS: tl.constexpr,
                     BIAS_LOG2E: tl.constexpr, FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr,
-                    WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr, BIAS_SIGMOID: tl.constexpr):
+                    WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr, BIAS_SIGMOID: tl.constexpr,
+                    GLOBAL_QUERY: tl.constexpr):
     """The forward of one program's query block over its run of windows.
 
     FLAT_LOOP: one loop over (window, key block) steps, each window's last step storing its
@@ -142,8 +147,10 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_
             b = (w + window * num_periods).to(tl.int64)
             image, q_addr = window_rows(b, rows, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                                         N, WINDOW_W, MAPPED)
-            q_base = qkv_ptr + image * stride_qkv_b + h * stride_qkv_h
-            q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_d, N, D)
+            q_base, q_stride_n = query_base(qkv_ptr, q_ptr, image, h, stride_qkv_b, stride_qkv_n, stride_q_b,
+                                            stride_q_n, stride_qkv_h, query_windows, GLOBAL_QUERY)
+            q_in = load_window_rows(q_base, q_addr, rows, dims, q_stride_n, stride_qkv_d, N, D)
+            kv_base = key_base(qkv_ptr, image, h, stride_qkv_b, stride_qkv_p, stride_qkv_h, GLOBAL_QUERY)
             if NUM_KEY_BLOCKS > 1:
                 bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, start_n + cols,
                                            stride_bias_h, stride_bias_i, stride_bias_j,
@@ -156,7 +163,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_
             key_addr = window_rows(b, start_n + cols, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                                    N, WINDOW_W, MAPPED)[1]
             m_i, l_i, r_i, acc = softmax_step(
-                q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
+                q_in, q_scale, kv_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                 rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_p, stride_qkv_d,
                 H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT, NUM_KEY_BLOCKS == 1)
             if start_n + BLOCK_N >= N:  # the window's last key block: its rows are done
@@ -171,8 +178,10 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_
             b = (w + window * num_periods).to(tl.int64)
             image, q_addr = window_rows(b, rows, map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                                         N, WINDOW_W, MAPPED)
-            q_base = qkv_ptr + image * stride_qkv_b + h * stride_qkv_h
-            q_in = load_window_rows(q_base, q_addr, rows, dims, stride_qkv_n, stride_qkv_d, N, D)
+            q_base, q_stride_n = query_base(qkv_ptr, q_ptr, image, h, stride_qkv_b, stride_qkv_n, stride_q_b,
+                                            stride_q_n, stride_qkv_h, query_windows, GLOBAL_QUERY)
+            q_in = load_window_rows(q_base, q_addr, rows, dims, q_stride_n, stride_qkv_d, N, D)
+            kv_base = key_base(qkv_ptr, image, h, stride_qkv_b, stride_qkv_p, stride_qkv_h, GLOBAL_QUERY)
             if COSINE:
                 q_inv = row_norms(q_in)[1]
                 q_scale = q_inv * logit_scale2
@@ -186,7 +195,7 @@ def forward_windows(qkv_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_
                 key_addr = window_rows(b, start_n + cols, map_windows, windows_x, map_height, map_width, shift_h,
                                        shift_w, N, WINDOW_W, MAPPED)[1]
                 m_i, l_i, r_i, acc = softmax_step(
-                    q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
+                    q_in, q_scale, kv_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, b * H + h,
                     rows, start_n + cols, key_addr, dims, stride_qkv_n, stride_qkv_p, stride_qkv_d,
                     H, N, D, COSINE, FP32_DOT, STORE_STATS, HAS_DROPOUT, NUM_KEY_BLOCKS == 1)
             store_rows_and_stats(out_ptr, stats_ptr, acc, m_i, l_i, r_i, q_inv, b, image, q_addr, h, rows, dims,
@@ -203,21 +212,21 @@ def softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(q_in, q_scale, q_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, bh,
+def softmax_step(q_in, q_scale, kv_base, m_i, l_i, r_i, acc, bias_mask, seed, logit_scale2, dropout_p, bh,
                  rows, key_rows, key_addr, dims, stride_qkv_n, stride_qkv_p, stride_qkv_d,
                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                  STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, WHOLE_WINDOW: tl.constexpr):
     """One key block of the online softmax of FlashAttention: (m, l, r, acc) updated with the
     keys ``key_rows`` (at the rows ``key_addr``, ``tiles.window_rows``) of the window whose q tile is
-    ``q_in`` (at ``q_base`` in qkv); for
+    ``q_in``, its keys at ``kv_base`` in qkv and its values stride_qkv_p further; for
     cosine attention q_scale is the rows' inverse norms times the scale (``tiles.row_norms``).
 
     WHOLE_WINDOW: the block holds all the window's keys, and (m, l, r, acc) are
     ``softmax_start``'s: the plain softmax, without the rescaling of a previous state by
     exp2(-inf) = 0 (a multiply per output element and an exp2 per row fewer; the same
     values)."""
-    k_base = q_base + stride_qkv_p
-    v_base = k_base + stride_qkv_p
+    k_base = kv_base
+    v_base = kv_base + stride_qkv_p
     k_in, k_lowp, k_inv, k_norm = load_window_qk(k_base, key_addr, key_rows, dims, stride_qkv_n, stride_qkv_d, N, D,
                                                  COSINE)
     v = load_window_rows(v_base, key_addr, key_rows, dims, stride_qkv_n, stride_qkv_d, N, D)

@@ -21,7 +21,7 @@ from .backward_dq_dbias import (window_attention_bwd_dbias_kernel, window_attent
 from .bias_mask import bias_mask_args, kept_mask_structure, mask_kinds_to_launch, streamed_bias
 from .forward import window_attention_fwd_kernel
 from .launcher import launcher, traced_launch, unused_pointer
-from .plan import BackwardPlan, ForwardPlan, backward_plan, forward_plan
+from .plan import BackwardPlan, ForwardPlan, backward_plan, forward_plan, global_query
 from ..window_grid import WindowGrid
 
 
@@ -39,6 +39,8 @@ def attention_forward(
     grid: Optional[WindowGrid] = None,
     table_index: Optional[torch.Tensor] = None,
     table_sigmoid: float = 0.0,
+    query: Optional[torch.Tensor] = None,
+    query_tiled: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """softmax(S + bias + mask) V per window and head, S = scale * Q K^T (V1) or, with
     ``cosine``, exp(min(logit_scale, ln 100)) * Q^ K^^T (rows normalized); from qkv
@@ -54,11 +56,14 @@ def attention_forward(
     (B, H*W, 3*H*D) of that ``WindowGrid``; out is then (B, H*W, H*D), and window
     b = image * nW + w as in the partitioned layout. ``table_index``: ``bias`` is a table (T, H)
     and this (N, N) int32 contiguous index says which of its rows each token pair reads,
-    ``table_sigmoid`` the sigmoid scale (0: none), read in the kernel (``plan.reads_table``)."""
+    ``table_sigmoid`` the sigmoid scale (0: none), read in the kernel (``plan.reads_table``).
+    ``query``: the queries, (B, N, H*D), one per image, shared by its windows (GCViT's global
+    query): qkv is then (B_, N, 2, H, D), keys and values, and window b takes image
+    b // (B_ / B), or b % B with ``query_tiled`` (``query_args``)."""
     table = table_index is not None
     traced = traced_launch()
     plan = forward_plan(qkv, num_heads, bias is not None, mask, cosine, dropout_p > 0, save_stats, grid, table,
-                        table_sigmoid, traced)
+                        table_sigmoid, traced, global_query(query, query_tiled))
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
     if plan.regions_used:
         regions, mask_info = kept_mask_structure(mask)
@@ -74,15 +79,16 @@ def attention_forward(
     unused = unused_pointer(qkv, traced)
     bias_ptr, mask_ptr, bias_strides, mask_strides = bias_mask_args(read_bias, read_mask, unused, table)
     mask_regions = plan.mask_regions
+    q, stride_q_b, stride_q_n, query_windows = query_args(qkv, num_heads, query, query_tiled, unused)
     for from_regions in mask_kinds_to_launch(mask_regions, mask):
         launcher(window_attention_fwd_kernel)[plan.programs](
-            qkv, out, stats, bias_ptr, table_index if table else unused, mask_ptr,
+            qkv, q, out, stats, bias_ptr, table_index if table else unused, mask_ptr,
             regions if mask_regions else unused, mask_info if mask_regions else unused,
             logit_scale if logit_scale is not None else unused,
             seed if dropout_p > 0 else unused,
             scale, dropout_p,
-            *qkv_strides(qkv, num_heads), *out.stride(), *bias_strides, *mask_strides,
-            plan.periods, plan.per_period, plan.per_chunk, *plan.grid_args, **plan.kwargs[from_regions],
+            *qkv_strides(qkv, num_heads), stride_q_b, stride_q_n, *out.stride(), *bias_strides, *mask_strides,
+            plan.periods, plan.per_period, plan.per_chunk, *plan.grid_args, query_windows, **plan.kwargs[from_regions],
         )
     return out, stats, regions, mask_info
 
@@ -97,6 +103,21 @@ def qkv_strides(qkv: torch.Tensor, num_heads: int) -> Tuple[int, int, int, int, 
     stride_b, stride_n, stride_c = qkv.stride()
     head_dim = qkv.shape[2] // (3 * num_heads)
     return stride_b, stride_n, num_heads * head_dim * stride_c, head_dim * stride_c, stride_c
+
+
+def query_args(qkv: torch.Tensor, num_heads: int, query: Optional[torch.Tensor], tiled: bool,
+               unused: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
+    """Where the kernels read the queries (``tiles.query_base``): (the tensor, its window or
+    image stride, its token stride, query_windows). qkv's own (the tensor ``unused``, the
+    strides qkv's, query_windows unused) or, with
+    ``query`` (B, N, H*D), that tensor, window b taking image b // (B_ / B) (query_windows
+    B_ / B) or, ``tiled``, b % B (query_windows B). Its heads and channels are read with
+    qkv's strides (``op`` makes the two alike)."""
+    if query is None:
+        stride_b, stride_n = qkv_strides(qkv, num_heads)[:2]
+        return unused, stride_b, stride_n, 1
+    images = query.shape[0]
+    return query, query.stride(0), query.stride(1), images if tiled else qkv.shape[0] // images
 
 
 def attention_backward(
@@ -119,6 +140,8 @@ def attention_backward(
     grid: Optional[WindowGrid] = None,
     table_index: Optional[torch.Tensor] = None,
     table_sigmoid: float = 0.0,
+    query: Optional[torch.Tensor] = None,
+    query_tiled: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``attention_forward`` given dout (out's shape). Takes the forward's
     inputs and its out, stats, regions and mask_info; regenerates the forward's dropout
@@ -126,18 +149,23 @@ def attention_backward(
     fp32 and d(logit_scale) (H,) fp32; the last two are empty when not asked for (and, for
     windows of one tile, views of one tensor).
     ``grid``: as the forward's, where ``plan.maps_windows`` allows it; ``table_index`` and
-    ``table_sigmoid``: as the forward's (the bias gradient is still the dense one)."""
+    ``table_sigmoid``: as the forward's (the bias gradient is still the dense one). With
+    ``query`` (``query_tiled``) as the forward's, dqkv is (B_, N, 3, H, D): each window's dQ,
+    which the caller sums over an image's windows, beside dK and dV."""
     table = table_index is not None
     traced = traced_launch()
     plan = backward_plan(qkv, num_heads, bias is not None, mask, cosine, bias_grad, scale_grad, dropout_p > 0, grid,
-                         table, table_sigmoid, traced)
+                         table, table_sigmoid, traced, global_query(query, query_tiled))
     unused = unused_pointer(qkv, traced)
     n, launches = plan.n, plan.launches
     # region ids computed by the forward, for the kernels that stream key blocks
     mask_regions = plan.mask_regions
     if not mask_regions:
         regions, mask_info = unused, unused
-    dqkv = torch.empty_like(qkv)  # qkv's layout where that is dense (a view's gradient is then a view)
+    if query is None:
+        dqkv = torch.empty_like(qkv)  # qkv's layout where that is dense (a view's gradient is then a view)
+    else:  # each window's dQ beside dK, dV (of qkv's (B_, N, 2, H, D))
+        dqkv = qkv.new_empty((*qkv.shape[:2], 3, *qkv.shape[3:]))
     # the one-tile kernel reads its bias tile once per program; the others stream it
     if plan.single_tile:
         read_bias, read_mask = bias, mask
@@ -148,8 +176,9 @@ def attention_backward(
     scale_grad = plan.scale_grad
     logit_scale_ptr = logit_scale if logit_scale is not None else unused
     seed_ptr = seed if dropout_p > 0 else unused
-    strides = (*qkv_strides(qkv, num_heads), *dout.stride(), *qkv_strides(dqkv, num_heads), *bias_strides,
-               *mask_strides)
+    q, stride_q_b, stride_q_n, query_windows = query_args(qkv, num_heads, query, query_tiled, unused)
+    strides = (*qkv_strides(qkv, num_heads), stride_q_b, stride_q_n, *dout.stride(), *qkv_strides(dqkv, num_heads),
+               *bias_strides, *mask_strides)
     windows = (plan.periods, plan.per_period)
 
     if plan.single_tile:
@@ -157,9 +186,9 @@ def attention_backward(
         bias_size = plan.bias_size
         programs, kwargs = launches[("fused", False)]
         launcher(window_attention_bwd_fused_kernel)[programs](
-            qkv, dout, bias_ptr, table_index if table else unused, mask_ptr, logit_scale_ptr, seed_ptr,
+            qkv, q, dout, bias_ptr, table_index if table else unused, mask_ptr, logit_scale_ptr, seed_ptr,
             dqkv, partials, partials[:, bias_size:] if scale_grad else unused, scale, dropout_p, *strides,
-            partials.stride(0), *windows, plan.per_chunk["fused"], *plan.grid_args, **kwargs,
+            partials.stride(0), *windows, plan.per_chunk["fused"], *plan.grid_args, query_windows, **kwargs,
         )
         sums = partials.sum(0) if bias_grad or scale_grad else partials.new_empty((0,))
         # an empty tensor of its own for each gradient not asked for: a registered operator's
@@ -193,23 +222,23 @@ def attention_backward(
     for from_regions in mask_kinds_to_launch(mask_regions, mask):
         programs, kwargs = launches[("dkdv", from_regions)]
         launcher(window_attention_bwd_dkdv_kernel)[programs](
-            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
+            qkv, q, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
             dq_acc, dscale, dbias_sums, scale, dropout_p, stats.stride(0), max(slots, 1), *strides,
-            *windows, plan.per_chunk["dkdv"], **kwargs,
+            *windows, plan.per_chunk["dkdv"], query_windows, **kwargs,
         )
     if dq_atomic:
         programs, kwargs = launches[("dq_finish", False)]
         launcher(window_attention_bwd_dq_finish_kernel)[programs](
-            qkv, logit_scale_ptr, dq_acc, dqkv, scale, *qkv_strides(qkv, num_heads), *qkv_strides(dqkv, num_heads),
-            **kwargs,
+            qkv, q, logit_scale_ptr, dq_acc, dqkv, scale, query_windows, *qkv_strides(qkv, num_heads)[:2],
+            *qkv_strides(qkv, num_heads)[3:], stride_q_b, stride_q_n, *qkv_strides(dqkv, num_heads), **kwargs,
         )
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
         for from_regions in mask_kinds_to_launch(mask_regions, mask):
             programs, kwargs = launches[("dq", from_regions)]
             launcher(window_attention_bwd_dq_kernel)[programs](
-                qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
-                dscale, scale, dropout_p, plan.periods, stats.stride(0), *strides, **kwargs,
+                qkv, q, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dqkv,
+                dscale, scale, dropout_p, plan.periods, stats.stride(0), query_windows, *strides, **kwargs,
             )
     if slots:
         # one slot is the sum itself (a reduce kernel over it took 5 us on window 16, H200)
@@ -219,9 +248,9 @@ def attention_backward(
         dbias = dbias_sums if atomic_sum else qkv.new_empty(plan.dbias_partials_shape, dtype=torch.float32)
         programs, kwargs = launches[("dbias", False)]
         launcher(window_attention_bwd_dbias_kernel)[programs](
-            qkv, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dbias,
-            scale, dropout_p, stats.stride(0), *qkv_strides(qkv, num_heads), *dout.stride(), *bias_strides,
-            *mask_strides, *windows, plan.per_chunk["dbias"], **kwargs,
+            qkv, q, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dbias,
+            scale, dropout_p, stats.stride(0), *qkv_strides(qkv, num_heads), stride_q_b, stride_q_n, *dout.stride(),
+            *bias_strides, *mask_strides, *windows, plan.per_chunk["dbias"], query_windows, **kwargs,
         )
         dbias = dbias[0] if atomic_sum else dbias.sum(0)
     else:

@@ -63,10 +63,11 @@ def device_index(t: torch.Tensor) -> int:
 
 # ------------------------------------------------------------- decided from shapes
 def windows_tokens_channels(qkv: torch.Tensor, grid: Optional[WindowGrid]) -> Tuple[int, int, int]:
-    """(B_, N, 3*H*D) of qkv in the partitioned layout ((B_, N, 3*H*D) or (B_, N, 3, H, D)),
+    """(B_, N, 3*H*D) of qkv in the partitioned layout ((B_, N, 3*H*D) or (B_, N, 3, H, D), or
+    (B_, N, 2, H, D): keys and values, the queries a tensor of their own, ``global_query``),
     or in the feature-map layout (B, H*W, 3*H*D) of ``grid``: B_ = B * nW."""
     if grid is None:
-        return qkv.shape[0], qkv.shape[1], qkv.shape[2:].numel()
+        return qkv.shape[0], qkv.shape[1], qkv.shape[2] if qkv.dim() == 3 else 3 * qkv.shape[3] * qkv.shape[4]
     return qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
 
 
@@ -122,6 +123,16 @@ def dbias_sum_by_atomic_adds() -> bool:
     return not torch.are_deterministic_algorithms_enabled()
 
 
+#: ``global_query``'s answers, the kernels' GLOBAL_QUERY (``tiles.query_base``): the queries in
+#: qkv; a tensor of one query per image, window b taking image b // (B_ / B) or b % B
+OWN_QUERY, IMAGE_MAJOR_QUERY, TILED_QUERY = 0, 1, 2
+
+
+def global_query(query: Optional[torch.Tensor], tiled: bool) -> int:
+    """The kernels' GLOBAL_QUERY for a call with ``query`` (None: the queries are qkv's)."""
+    return OWN_QUERY if query is None else TILED_QUERY if tiled else IMAGE_MAJOR_QUERY
+
+
 # ------------------------------------------------------------- layout and dtype arguments
 def _grid_args(grid: Optional[WindowGrid]) -> Tuple[int, ...]:
     """The layout's run-time arguments (``tiles.window_rows``): the feature-map geometry,
@@ -174,23 +185,23 @@ class ForwardPlan:
 
 def forward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Optional[torch.Tensor], cosine: bool,
                  dropout: bool, save_stats: bool, grid: Optional[WindowGrid], table: bool, table_sigmoid: float,
-                 traced: bool) -> ForwardPlan:
-    """The forward's ``ForwardPlan`` for these inputs (``traced``: the launch is traced for
-    torch.compile)."""
+                 traced: bool, query_mode: int = OWN_QUERY) -> ForwardPlan:
+    """The forward's ``ForwardPlan`` for these inputs (``query_mode``: ``global_query``'s;
+    ``traced``: the launch is traced for torch.compile)."""
     periods = mask.shape[0] if mask is not None else 1
 
     def make() -> ForwardPlan:
         return _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, grid, table, table_sigmoid,
-                             periods)
+                             query_mode, periods)
     if traced or config.OVERRIDES:
         return make()
     key = ("fwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), num_heads, has_bias, mask is not None, periods,
-           cosine, dropout, save_stats, grid, table, table_sigmoid, _settings())
+           cosine, dropout, save_stats, grid, table, table_sigmoid, query_mode, _settings())
     return _cached(key, make)
 
 
 def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, grid, table, table_sigmoid,
-                  periods) -> ForwardPlan:
+                  query_mode, periods) -> ForwardPlan:
     dtype = qkv.dtype
     num_windows, n, channels = windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
@@ -216,7 +227,8 @@ def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, g
             STORE_STATS=math.prod(stats_shape) > 0, HAS_DROPOUT=dropout,
             MASK_REGIONS=plan.mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=flags.log2e,
             ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, **_layout_flags(grid),
-            BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid), **launch_options(tiles, dropout))
+            BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid), GLOBAL_QUERY=query_mode,
+            **launch_options(tiles, dropout))
     return plan
 
 
@@ -256,23 +268,24 @@ class BackwardPlan:
 
 def backward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Optional[torch.Tensor], cosine: bool,
                   bias_grad: bool, scale_grad: bool, dropout: bool, grid: Optional[WindowGrid], table: bool,
-                  table_sigmoid: float, traced: bool) -> BackwardPlan:
-    """The backward's ``BackwardPlan`` for these inputs (``traced`` as ``forward_plan``'s)."""
+                  table_sigmoid: float, traced: bool, query_mode: int = OWN_QUERY) -> BackwardPlan:
+    """The backward's ``BackwardPlan`` for these inputs (``query_mode`` and ``traced`` as
+    ``forward_plan``'s)."""
     periods = mask.shape[0] if mask is not None else 1
 
     def make() -> BackwardPlan:
         return _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad, dropout, grid, table,
-                              table_sigmoid, periods)
+                              table_sigmoid, query_mode, periods)
     if traced or config.OVERRIDES:
         return make()
     key = ("bwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), num_heads, has_bias, mask is not None, periods,
-           cosine, bias_grad, scale_grad, dropout, grid, table, table_sigmoid,
+           cosine, bias_grad, scale_grad, dropout, grid, table, table_sigmoid, query_mode,
            torch.are_deterministic_algorithms_enabled(), _settings())
     return _cached(key, make)
 
 
 def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad, dropout, grid, table,
-                   table_sigmoid, periods) -> BackwardPlan:
+                   table_sigmoid, query_mode, periods) -> BackwardPlan:
     dtype = qkv.dtype
     num_windows, n, channels = windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
@@ -291,7 +304,7 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
     plan = BackwardPlan(tiles, single, num_windows, n, head_dim, periods, per_period, mask_regions, flags, scale_grad,
                         _grid_args(grid))
     common = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=flags.has_bias, HAS_MASK=flags.has_mask, COSINE=cosine,
-                  FP32_DOT=_fp32_dot(dtype), HAS_DROPOUT=dropout)
+                  FP32_DOT=_fp32_dot(dtype), HAS_DROPOUT=dropout, GLOBAL_QUERY=query_mode)
     programs = config.target_programs(qkv.device, tiles.programs_per_sm)
     if single:
         chunks, plan.per_chunk["fused"] = config.split_windows(per_period, num_heads * periods, programs)
@@ -339,7 +352,7 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
             SCALE_GRAD=scale_grad, FROM_REGIONS=from_regions, **blocks, **common, **launch))
     plan.launches[("dq_finish", False)] = (rows_programs, dict(
         H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d, COSINE=cosine,
-        **compiler_options()))
+        GLOBAL_QUERY=query_mode, **compiler_options()))
     if bias_grad and not slots:
         dbias_tiles = config.dbias_config(n, head_dim, dtype, cosine)
         tiles_m, tiles_n = -(-n // dbias_tiles.block_m), -(-n // dbias_tiles.block_n)

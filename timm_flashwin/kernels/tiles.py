@@ -136,6 +136,36 @@ def window_rows(b, tokens, map_windows, windows_x, map_height, map_width, shift_
 
 
 @triton.jit
+def query_base(qkv_ptr, q_ptr, image, h, stride_qkv_b, stride_qkv_n, stride_q_b, stride_q_n, stride_h, query_windows,
+               GLOBAL_QUERY: tl.constexpr):
+    """(where the queries of head h of window ``image`` (``window_rows``' image) start, the
+    stride of their token rows). GLOBAL_QUERY 0: in qkv, at its strides (q_ptr, stride_q_b and
+    stride_q_n are not read: the compiler keeps no registers for them, and a launch passes an
+    unused tensor as q_ptr, not qkv twice, which torch.compile would copy where qkv is a view,
+    ``launcher.unused_pointer``). Else in q_ptr, a tensor of one query per image that the
+    image's windows share (GCViT's global query): window b takes image b // ``query_windows``
+    (1: an image's windows in a row, timm's ``repeat_interleave``) or b % ``query_windows``
+    (2: the images in a row, ``repeat``)."""
+    if GLOBAL_QUERY == 0:
+        return qkv_ptr + image * stride_qkv_b + h * stride_h, stride_qkv_n
+    elif GLOBAL_QUERY == 1:
+        return q_ptr + (image // query_windows) * stride_q_b + h * stride_h, stride_q_n
+    else:
+        return q_ptr + (image % query_windows) * stride_q_b + h * stride_h, stride_q_n
+
+
+@triton.jit
+def key_base(qkv_ptr, image, h, stride_b, stride_p, stride_h, GLOBAL_QUERY: tl.constexpr):
+    """Where the keys of head h of window ``image`` start (the values: stride_p further):
+    qkv's second third, or, where the queries are a tensor of their own (GLOBAL_QUERY), the
+    first of the two thirds of the keys and values that qkv then holds."""
+    base = qkv_ptr + image * stride_b + h * stride_h
+    if GLOBAL_QUERY == 0:
+        base += stride_p
+    return base
+
+
+@triton.jit
 def load_window_rows(ptr, addr, rows, cols, stride_row, stride_col, N: tl.constexpr, D: tl.constexpr):
     """(len(rows), len(cols)) tile of the tokens ``rows`` of a window, read at the rows
     ``addr`` (``window_rows``); tokens beyond N and columns beyond D read 0."""
