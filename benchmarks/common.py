@@ -91,6 +91,34 @@ def timm_meta_mlp(step):
     return run
 
 
+def broadcast_query(step):
+    """``step`` with GCViT's global blocks handing the op one tensor of queries, keys and
+    values, the queries repeated over each image's windows and concatenated beside the
+    keys and values (``reference.shared_query_qkv``), as before the kernels read the global
+    query from its own tensor: the variant ``flashwin-broadcast-query`` of profile_step.py."""
+    from timm_flashwin import window_attention
+    from timm_flashwin.adapters import gcvit
+    from timm_flashwin.reference import shared_query_qkv
+
+    def attention(self, module, x, bias, q_global, dropout_p, grid=None):
+        if q_global is None:
+            return shared(self, module, x, bias, q_global, dropout_p, grid)
+        kv = module.qkv(x)
+        query = q_global.reshape(q_global.shape[0], -1, x.shape[-1]).to(kv.dtype)
+        qkv = shared_query_qkv(kv.unflatten(2, (2, module.num_heads, -1)), query, gcvit.query_order() == gcvit.TILED)
+        return window_attention(qkv, module.num_heads, bias=bias, dropout_p=dropout_p, **self.score_scale(module))
+
+    shared = gcvit.GcVitAdapter._attention
+
+    def run():
+        gcvit.GcVitAdapter._attention = attention
+        try:
+            step()
+        finally:
+            gcvit.GcVitAdapter._attention = shared
+    return run
+
+
 def gathered_bias(step):
     """``step`` with the V1 and SwinV2 adapters handing the op their bias gathered
     beforehand (``TableBias.dense()``: a gather of its own, autograd node and kernel launch,

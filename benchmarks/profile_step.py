@@ -28,7 +28,10 @@ place saves; ``flashwin-gathered-bias`` is the patched model with its V1 and Swi
 biases gathered before the op (``common.gathered_bias``), to measure what reading them from
 their tables within the op saves; ``flashwin-timm-meta-mlp`` is the patched model with
 SwinV2-CR's bias computed by timm's meta_mlp layers (``common.timm_meta_mlp``), to measure
-what ``position_mlp_table`` saves there. ``--loop-vs-idle N`` finds what a step's host
+what ``position_mlp_table`` saves there; ``flashwin-broadcast-query`` is the patched model with
+GCViT's global queries repeated over the windows and concatenated beside the keys and values
+before the op (``common.broadcast_query``), to measure what reading them from their own tensor
+in the kernels saves. ``--loop-vs-idle N`` finds what a step's host
 waits on in a loop of steps and not with the GPU idle; ``--launch-host N`` times the host
 call of every Triton kernel launch, ours against inductor's (``launch_host.py``). Two
 variants bound what any implementation can give: ``attention-free`` (every attention module
@@ -52,8 +55,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_models import MODELS  # noqa: E402
 from launch_host import launch_host  # noqa: E402
-from common import (call_times_us, code_version, cuda_kernel_times, enqueue_us, gathered_bias, peak_mib,  # noqa: E402
-                    python_profile, timm_meta_mlp, write_json)
+from common import (broadcast_query, call_times_us, code_version, cuda_kernel_times, enqueue_us,  # noqa: E402
+                    gathered_bias, peak_mib, python_profile, timm_meta_mlp, write_json)
 from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.adapters import adapter_for  # noqa: E402
 from timm_flashwin.bench import _step_fn  # noqa: E402
@@ -174,7 +177,10 @@ def _sync_points(step, steps: int = 2, frames: int = 6):
             for (name, stack), (c, t) in sorted(found.items(), key=lambda kv: -kv[1][1])]
 
 
-VARIANT_INDUCTOR_OPTIONS = {"flashwin-static": dict(static_launch_user_defined_triton_kernels=True)}
+#: (options of their own also keep dynamo from reusing another variant's graphs: a backend of
+#: other options fails its guard; max_autotune False is inductor's default)
+VARIANT_INDUCTOR_OPTIONS = {"flashwin-static": dict(static_launch_user_defined_triton_kernels=True),
+                            "flashwin-broadcast-query": dict(max_autotune=False)}
 
 
 def _through_triton(step):
@@ -282,8 +288,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"],
                         choices=["timm", "flashwin", "flashwin-partitioned", "flashwin-gathered-bias",
-                                 "flashwin-timm-meta-mlp", "flashwin-static", "flashwin-triton-launch", "attention-free",
-                                 "window-free"])
+                                 "flashwin-timm-meta-mlp", "flashwin-broadcast-query", "flashwin-static",
+                                 "flashwin-triton-launch", "attention-free", "window-free"])
     parser.add_argument("--batch", type=int, default=None, help="default: bench_models.py's for the mode")
     parser.add_argument("--syncs", action="store_true",
                         help="also list the calls at which the host may wait for the GPU, with their Python stacks")
@@ -335,6 +341,8 @@ def main() -> None:
             steps[variant] = gathered_bias(steps[variant])
         elif variant == "flashwin-timm-meta-mlp":
             steps[variant] = timm_meta_mlp(steps[variant])
+        elif variant == "flashwin-broadcast-query":
+            steps[variant] = broadcast_query(steps[variant])
         # compiled (forward and backward) in the first steps. torch.compile's options patch
         # inductor's config in its compiles only; the patch here also covers what inductor
         # reads from it outside them in these steps (a kernel's launchers made at its first run)
