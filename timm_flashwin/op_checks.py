@@ -32,14 +32,21 @@ def _check_tensor(name: str, t, ndims: Tuple[int, ...], qkv: torch.Tensor, float
 
 def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=None, query=None,
              query_order="image_major") -> Tuple[int, int, int]:
+    """(B_, N, head_dim) of a valid call, else a TypeError or ValueError naming the argument.
+    With ``query`` (B, N, H*D), the queries of B images, qkv (B_, N, 2*H*D) holds keys and values."""
     if not isinstance(qkv, torch.Tensor):
         _fail(TypeError, "qkv", "a torch.Tensor", type(qkv).__name__)
     if grid is not None and not isinstance(grid, WindowGrid):
         _fail(TypeError, "grid", "a WindowGrid or None", type(grid).__name__)
     if query is not None:
-        return _validate_shared_query(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid, query,
-                                      query_order)
-    if qkv.dim() != 3 and (grid is not None or qkv.dim() != 5):
+        if grid is not None:
+            raise ValueError("window_attention: `query` takes the partitioned layout, not `grid`")
+        if query_order not in ("image_major", "tiled"):
+            _fail(ValueError, "query_order", '"image_major" or "tiled"', repr(query_order))
+        if qkv.dim() != 3:
+            _fail(ValueError, "qkv", "with `query`, a 3-D tensor (B_, N, 2*H*D) of keys and values",
+                  f"shape {tuple(qkv.shape)}")
+    elif qkv.dim() != 3 and (grid is not None or qkv.dim() != 5):
         _fail(ValueError, "qkv", "a 3-D tensor (B_, N, 3*H*D) or a 5-D one (B_, N, 3, H, D)" if grid is None
               else "a 3-D tensor (B, H*W, 3*H*D)", f"shape {tuple(qkv.shape)}")
     if qkv.dtype not in KERNEL_DTYPES + (torch.float64,):
@@ -56,13 +63,18 @@ def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=Non
             _fail(ValueError, "qkv", f"of shape (B, H*W, 3*H*D) with H*W = {grid.height}*{grid.width} (grid)",
                   f"shape {tuple(qkv.shape)}")
         num_windows, n, channels = qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
-    if channels % (3 * num_heads):
-        _fail(ValueError, "qkv", f"a last dim divisible by 3 * num_heads = {3 * num_heads}", channels)
-    head_dim = channels // (3 * num_heads)
+    projections = 2 if query is not None else 3  # q, k, v in qkv, or k and v
+    if channels % (projections * num_heads):
+        _fail(ValueError, "qkv", f"a last dim divisible by {projections} * num_heads = {projections * num_heads}",
+              channels)
+    head_dim = channels // (projections * num_heads)
     if not 1 <= head_dim <= config.MAX_HEAD_DIM:
-        _fail(ValueError, "qkv", f"a head_dim (last dim / (3 * num_heads)) in [1, {config.MAX_HEAD_DIM}]", head_dim)
+        _fail(ValueError, "qkv", f"a head_dim (last dim / ({projections} * num_heads)) in [1, {config.MAX_HEAD_DIM}]",
+              head_dim)
     if not 1 <= n <= config.MAX_TOKENS:
         _fail(ValueError, "qkv", f"a token count N in [1, {config.MAX_TOKENS}]", n)
+    if query is not None:
+        _check_query(query, qkv, num_windows, n, num_heads * head_dim)
     # Parameters may stay float32 under autocast, or match qkv's dtype.
     param_dtypes = tuple(dict.fromkeys((qkv.dtype, torch.float32)))
     if isinstance(bias, TableBias):
@@ -106,36 +118,17 @@ def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=Non
     return num_windows, n, head_dim
 
 
-def _validate_shared_query(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid, query,
-                           query_order) -> Tuple[int, int, int]:
-    """``validate`` for a call with ``query``: qkv (B_, N, 2*H*D) holds keys and values, query
-    (B, N, H*D) the queries of B images; the rest is checked as for the (B_, N, 3, H, D) qkv
-    the two make up."""
-    if grid is not None:
-        raise ValueError("window_attention: `query` takes the partitioned layout, not `grid`")
-    if query_order not in ("image_major", "tiled"):
-        _fail(ValueError, "query_order", '"image_major" or "tiled"', repr(query_order))
-    if qkv.dim() != 3:
-        _fail(ValueError, "qkv", "with `query`, a 3-D tensor (B_, N, 2*H*D) of keys and values",
-              f"shape {tuple(qkv.shape)}")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        _fail(ValueError, "num_heads", "a positive int", repr(num_heads))
-    windows, n, channels = qkv.shape
-    if channels % (2 * num_heads):
-        _fail(ValueError, "qkv", f"with `query`, a last dim divisible by 2 * num_heads = {2 * num_heads}", channels)
+def _check_query(query, qkv: torch.Tensor, num_windows: int, n: int, channels: int) -> None:
+    """``query``: (B, N, H*D) with B dividing B_, qkv's dtype and device."""
     if not isinstance(query, torch.Tensor):
         _fail(TypeError, "query", "a torch.Tensor", type(query).__name__)
-    if query.dim() != 3 or query.shape[1:] != (n, channels // 2) or query.shape[0] < 1 or windows % query.shape[0]:
-        _fail(ValueError, "query", f"of shape (B, N, H*D) = (B, {n}, {channels // 2}) with B dividing qkv's "
-              f"B_ = {windows}", f"shape {tuple(query.shape)}")
+    if query.dim() != 3 or query.shape[1:] != (n, channels) or query.shape[0] < 1 or num_windows % query.shape[0]:
+        _fail(ValueError, "query", f"of shape (B, N, H*D) = (B, {n}, {channels}) with B dividing qkv's "
+              f"B_ = {num_windows}", f"shape {tuple(query.shape)}")
     if query.dtype != qkv.dtype:
         _fail(TypeError, "query", f"of qkv's dtype {qkv.dtype}", query.dtype)
     if query.device != qkv.device:
         _fail(ValueError, "query", f"on qkv's device {qkv.device}", query.device)
-    head_dim = channels // (2 * num_heads)
-    # the rest as for the (B_, N, 3, H, D) qkv the two make up (a view of the same shape)
-    return validate(qkv.new_empty(()).expand(windows, n, 3, num_heads, head_dim), num_heads, bias, mask, scale,
-                    logit_scale, dropout_p)
 
 
 def keys_values_query(kv: torch.Tensor, query: torch.Tensor, num_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
