@@ -17,8 +17,8 @@ def _record_stats_shapes(monkeypatch):
     shapes = []
     real = op_module.attention_forward
 
-    def forward(*args):
-        result = real(*args)
+    def forward(*args, **kwargs):
+        result = real(*args, **kwargs)
         shapes.append(tuple(result[1].shape))
         return result
     monkeypatch.setattr(op_module, "attention_forward", forward)

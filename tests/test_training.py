@@ -167,7 +167,8 @@ def test_model_gradients_are_bit_reproducible(family, deterministic_algorithms, 
     monkeypatch.setattr(host_program, "ENABLED", False)
     backward_calls = []
     backward = op_module.attention_backward
-    monkeypatch.setattr(op_module, "attention_backward", lambda *args: (backward_calls.append(1), backward(*args))[1])
+    monkeypatch.setattr(op_module, "attention_backward",
+                        lambda *args, **kwargs: (backward_calls.append(1), backward(*args, **kwargs))[1])
     factory, size = MODELS[family]
     model = patch_model(factory(drop_path_rate=0.0)).to(KERNEL_DEVICE)
     x = images(2, size, device=KERNEL_DEVICE)

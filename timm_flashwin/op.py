@@ -182,7 +182,7 @@ def _query_grads(dqkv: torch.Tensor, query: Optional[torch.Tensor], tiled: bool,
     windows, n = dqkv.shape[:2]
     images = query.shape[0]
     dq = dqkv[:, :, 0].reshape(windows, n, -1)
-    dq = dq.view(windows // images, images, n, -1).sum(0) if tiled else dq.view(images, -1, n, dq.shape[-1]).sum(1)
+    dq = dq.view(windows // images, images, n, -1).sum(0) if tiled else dq.view(images, windows // images, n, -1).sum(1)
     return dqkv[:, :, 1:], dq
 
 
@@ -243,7 +243,7 @@ class _EagerWindowAttention(torch.autograd.Function):
         with direct_launches():
             if table is not None and not table_args:  # the kernels read the gathered bias
                 inputs[2] = table_gather.gather(table)
-            output = attention_forward(*inputs, grid, *(table_args or (None, 0.0)), query, query_tiled)
+            output = attention_forward(*inputs, grid, *table_args, query=query, query_tiled=query_tiled)
             if host_program.noting_forward():
                 # the backward reads the bias copy the forward kept on the bias (kernels that
                 # stream key blocks): saved, its host program takes it from the forward's
@@ -262,8 +262,8 @@ class _EagerWindowAttention(torch.autograd.Function):
         host_tensors = _host_tensors(table_gather)
         with direct_launches(), host_program.backward_recording(ctx, (*saved, *host_tensors, grad_out)) as recorded:
             query = saved[9]
-            dqkv, dbias, dscale = _backward_outputs(attention_backward, ctx, saved, grad_out, ctx.grid,
-                                                    *(ctx.table_args or (None, 0.0)), query, ctx.query_tiled)
+            backward = partial(attention_backward, query=query, query_tiled=ctx.query_tiled)
+            dqkv, dbias, dscale = _backward_outputs(backward, ctx, saved, grad_out, ctx.grid, *ctx.table_args)
             dqkv, dquery = _query_grads(dqkv, query, ctx.query_tiled, ctx.needs_input_grad[12])
             if dbias is not None and table_gather is None:
                 dbias = dbias.to(saved[5].dtype)
@@ -333,7 +333,7 @@ def _forward_without_grad(*inputs):
     with direct_launches():
         if table_gather is not None and not table_args:
             inputs[2] = table_gather.gather(inputs[2])
-        return attention_forward(*inputs, grid, *(table_args or (None, 0.0)), query, query_tiled)
+        return attention_forward(*inputs, grid, *table_args, query=query, query_tiled=query_tiled)
 
 
 # --------------------------------------------------------------------------- public op

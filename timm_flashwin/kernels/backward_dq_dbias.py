@@ -80,7 +80,7 @@ def window_attention_bwd_dq_kernel(
 def window_attention_bwd_dq_finish_kernel(
     qkv_ptr, q_ptr, logit_scale_ptr, dq_acc_ptr, dqkv_ptr,
     scale, query_windows,
-    stride_qkv_b, stride_qkv_n, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
+    stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
     stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     COSINE: tl.constexpr, GLOBAL_QUERY: tl.constexpr,

@@ -79,7 +79,7 @@ def attention_forward(
     unused = unused_pointer(qkv, traced)
     bias_ptr, mask_ptr, bias_strides, mask_strides = bias_mask_args(read_bias, read_mask, unused, table)
     mask_regions = plan.mask_regions
-    q, stride_q_b, stride_q_n, query_windows = query_args(qkv, num_heads, query, query_tiled, unused)
+    q, stride_q_b, stride_q_n, query_windows = query_args(qkv, query, query_tiled, unused)
     for from_regions in mask_kinds_to_launch(mask_regions, mask):
         launcher(window_attention_fwd_kernel)[plan.programs](
             qkv, q, out, stats, bias_ptr, table_index if table else unused, mask_ptr,
@@ -105,17 +105,16 @@ def qkv_strides(qkv: torch.Tensor, num_heads: int) -> Tuple[int, int, int, int, 
     return stride_b, stride_n, num_heads * head_dim * stride_c, head_dim * stride_c, stride_c
 
 
-def query_args(qkv: torch.Tensor, num_heads: int, query: Optional[torch.Tensor], tiled: bool,
-               unused: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
-    """Where the kernels read the queries (``tiles.query_base``): (the tensor, its window or
-    image stride, its token stride, query_windows). qkv's own (the tensor ``unused``, the
-    strides qkv's, query_windows unused) or, with
-    ``query`` (B, N, H*D), that tensor, window b taking image b // (B_ / B) (query_windows
-    B_ / B) or, ``tiled``, b % B (query_windows B). Its heads and channels are read with
-    qkv's strides (``op`` makes the two alike)."""
+def query_args(qkv: torch.Tensor, query: Optional[torch.Tensor], tiled: bool, unused: torch.Tensor
+               ) -> Tuple[torch.Tensor, int, int, int]:
+    """Where the kernels read the queries (``tiles.query_base``): (the tensor, its image
+    stride, its token stride, query_windows). Without ``query`` the kernels read qkv's and
+    none of these (the tensor ``unused``, zeros); with ``query`` (B, N, H*D), that tensor,
+    window b taking image b // (B_ / B) (query_windows B_ / B) or, ``tiled``, b % B
+    (query_windows B). Its heads and channels are read with qkv's strides (``op`` makes the
+    two alike)."""
     if query is None:
-        stride_b, stride_n = qkv_strides(qkv, num_heads)[:2]
-        return unused, stride_b, stride_n, 1
+        return unused, 0, 0, 1
     images = query.shape[0]
     return query, query.stride(0), query.stride(1), images if tiled else qkv.shape[0] // images
 
@@ -176,7 +175,7 @@ def attention_backward(
     scale_grad = plan.scale_grad
     logit_scale_ptr = logit_scale if logit_scale is not None else unused
     seed_ptr = seed if dropout_p > 0 else unused
-    q, stride_q_b, stride_q_n, query_windows = query_args(qkv, num_heads, query, query_tiled, unused)
+    q, stride_q_b, stride_q_n, query_windows = query_args(qkv, query, query_tiled, unused)
     strides = (*qkv_strides(qkv, num_heads), stride_q_b, stride_q_n, *dout.stride(), *qkv_strides(dqkv, num_heads),
                *bias_strides, *mask_strides)
     windows = (plan.periods, plan.per_period)
@@ -229,8 +228,8 @@ def attention_backward(
     if dq_atomic:
         programs, kwargs = launches[("dq_finish", False)]
         launcher(window_attention_bwd_dq_finish_kernel)[programs](
-            qkv, q, logit_scale_ptr, dq_acc, dqkv, scale, query_windows, *qkv_strides(qkv, num_heads)[:2],
-            *qkv_strides(qkv, num_heads)[3:], stride_q_b, stride_q_n, *qkv_strides(dqkv, num_heads), **kwargs,
+            qkv, q, logit_scale_ptr, dq_acc, dqkv, scale, query_windows, *qkv_strides(qkv, num_heads), stride_q_b,
+            stride_q_n, *qkv_strides(dqkv, num_heads), **kwargs,
         )
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
