@@ -17,8 +17,8 @@ variant after a block of the other would carry that drift into their ratio.
 the variant ``flashwin-static`` is the patched model compiled with inductor's static
 CUDA launcher for user-defined Triton kernels (``static_launch_user_defined_triton_kernels``,
 off by default in torch 2.11; compiled anew, not reusing the flashwin variant's graphs), meant
-to launch our kernels through torch's launcher instead of Triton's (in torch 2.11 it launched
-none of them so: RESULTS.md);
+to launch our kernels through torch's launcher instead of Triton's (in torch 2.11 they launch
+through it with or without the option: RESULTS.md);
 the variant ``flashwin-triton-launch`` is the patched model with every kernel launched
 through Triton's ``kernel[grid](...)`` (``kernels.fast_launch`` switched off during its
 steps), to measure what the direct launches save in the same process; ``flashwin-partitioned``
