@@ -329,10 +329,11 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     backward ones by forward+backward), the others at their defaults. The case's length
     decides which plans it tunes: those of its class of rows (``local_launch.row_class``)."""
     from timm_flashwin.kernels import local_launch
+    from timm_flashwin.kernels.arch import device_arch
     name, seq_len = spec.split(":")
     case, seq_len = CASES[name], int(seq_len)
-    rows_class = local_launch.row_class(astuple(case.pattern), seq_len, seq_len, case.batch * case.heads,
-                                        torch.device("cuda"))
+    arch = device_arch(torch.device("cuda"))
+    rows_class = local_launch.row_class(astuple(case.pattern), seq_len, seq_len, case.batch * case.heads, arch)
     inputs = make_inputs(case, seq_len)
     fn = ours(case.pattern)
     # (4, 2): the fastest of forward_ceiling.py's minimal forwards at head_dim 128 on an H100
@@ -347,7 +348,7 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     for kind in kinds:
         plans = candidates[kind]
         key = (kind, case.head_dim, torch.bfloat16, rows_class)
-        default = local_launch.plan(kind, case.head_dim, torch.bfloat16, rows_class)
+        default = local_launch.plan(kind, case.head_dim, torch.bfloat16, rows_class, arch=arch)
         for tiles in [default] + [local_launch.Plan(*p) for p in plans]:
             local_launch.OVERRIDES[key] = tiles
             try:

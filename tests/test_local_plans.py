@@ -13,6 +13,7 @@ import torch
 import triton
 
 from timm_flashwin.kernels import local_launch
+from timm_flashwin.kernels.arch import INTERPRETER
 from timm_flashwin.local_reference import LocalPattern
 
 LONG = local_launch.LONG_ROW_KEYS
@@ -66,8 +67,8 @@ def test_row_class_plans():
     """Long rows take precedence; under the interpreter (no GPU to count SMs) rows are never
     tall; a TALL class changes the forward's plan at head_dim 64 only (on the GPU's tables)."""
     causal = (1, -1, 1, 0)
-    assert local_launch.row_class(causal, LONG, LONG, 1 << 12, torch.device("cpu")) == local_launch.LONG
-    assert local_launch.row_class(causal, 4096, 4096, 1 << 12, torch.device("cpu")) == local_launch.SHORT
+    assert local_launch.row_class(causal, LONG, LONG, 1 << 12, INTERPRETER) == local_launch.LONG
+    assert local_launch.row_class(causal, 4096, 4096, 1 << 12, INTERPRETER) == local_launch.SHORT
     default_plan = local_launch._default_plan.__wrapped__
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(local_launch.config, "INTERPRET", False)

@@ -19,6 +19,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .kernels import config
+from .kernels.arch import Arch, unserved_reason, warn_unserved
 
 #: the dtypes the kernels take; float64 runs in PyTorch
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -137,3 +138,16 @@ def uses_kernels(tensor: torch.Tensor) -> bool:
         return False
     # is_cuda, not device.type: no torch.device built per call (host time of eager calls)
     return tensor.is_cuda or (config.INTERPRET and tensor.device.type == "cpu")
+
+
+def served(arch: Arch, n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool) -> bool:
+    """Whether the kernels run a call of windows of n tokens on ``arch`` (``uses_kernels`` says
+    whether they take its tensors at all): the architecture builds them for ``dtype``
+    (``arch.unserved_reason``) and both passes have a configuration within its shared memory
+    (``config.fits``). Elsewhere PyTorch computes the call, and a warning says so once."""
+    if unserved_reason(arch, dtype) is None and config.fits(n, head_dim, dtype, cosine, dropout, arch):
+        return True
+    if not torch.compiler.is_compiling():
+        warn_unserved(arch, dtype, f"windows of {n} tokens at head_dim {head_dim} need more shared memory than "
+                                   f"{arch.name}'s {arch.shared_memory // 1024} KB")
+    return False

@@ -38,6 +38,7 @@ import torch
 from . import native
 from .host_recorder import NotRecordable, Recorder
 from .kernels import config, fast_launch, local_launch
+from .kernels.arch import IS_HIP, assumed
 
 _log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def available() -> bool:
 def takes(tensor: torch.Tensor) -> bool:
     """Whether the op's calls on ``tensor`` take host programs: a CUDA tensor, and host
     programs ``available``."""
-    return tensor.is_cuda and available()
+    return tensor.is_cuda and not IS_HIP and available()
 
 
 def tensor_key(t: Optional[torch.Tensor]) -> Optional[Tuple]:
@@ -100,7 +101,7 @@ def tensor_key(t: Optional[torch.Tensor]) -> Optional[Tuple]:
 def settings_key() -> Tuple:
     """The process-wide settings the launches depend on."""
     return (torch.are_deterministic_algorithms_enabled(), fast_launch.ENABLED,
-            fast_launch._settings_key() if fast_launch.ENABLED else None)
+            fast_launch._settings_key() if fast_launch.ENABLED else None, assumed())
 
 
 def with_aliases(key: Tuple, inputs: List[torch.Tensor]) -> Tuple:

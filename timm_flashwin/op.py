@@ -20,7 +20,9 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import host_program
-from .dispatch import call_operator, direct_launches, dispatch_free, register_autograd, register_op, uses_kernels
+from .dispatch import (call_operator, direct_launches, dispatch_free, register_autograd, register_op, served,
+                       uses_kernels)
+from .kernels.arch import device_arch
 from .kernels.bias_mask import kept_mask_structure, kept_streamed_bias, mask_regions_shapes, mask_regions_used
 from .kernels.launch import attention_backward, attention_forward
 from .kernels.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
@@ -104,8 +106,9 @@ def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropou
     num_windows, n, channels = windows_tokens_channels(qkv, None)
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
-    stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats)
-    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads)
+    arch = device_arch(qkv.device)
+    stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats, arch)
+    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads, arch)
     regions_shape, info_shape = mask_regions_shapes(mask.shape[0] if mask is not None else 1, n, used)
     return (out, qkv.new_empty(stats_shape, dtype=torch.float32), qkv.new_empty(regions_shape, dtype=torch.int32),
             qkv.new_empty(info_shape, dtype=torch.float32))
@@ -318,7 +321,8 @@ def _kept_mask_regions(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.T
     if mask is None or mask.is_inference():
         return ()
     _, n, channels = windows_tokens_channels(qkv, grid)
-    if not mask_regions_used(n, channels // (3 * num_heads), qkv.dtype, cosine, mask, num_heads):
+    if not mask_regions_used(n, channels // (3 * num_heads), qkv.dtype, cosine, mask, num_heads,
+                             device_arch(qkv.device)):
         return ()
     with direct_launches():
         return kept_mask_structure(mask)
@@ -415,16 +419,17 @@ def window_attention(
     table_bias = isinstance(bias, TableBias)
     save_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (qkv, bias.table if table_bias else bias, logit_scale, query))
-    kernels = uses_kernels(qkv)
+    arch = device_arch(qkv.device)
+    cosine = logit_scale is not None
+    kernels = uses_kernels(qkv) and served(arch, n, head_dim, qkv.dtype, cosine, dropout_p > 0)
     # the eager path: the kernels launched here, without the registered operators' dispatch
     eager = kernels and dispatch_free(qkv) and (query is None or dispatch_free(query))
-    if grid is not None and not (eager and maps_windows(n, head_dim, qkv.dtype, logit_scale is not None, save_stats)):
+    if grid is not None and not (eager and maps_windows(n, head_dim, qkv.dtype, cosine, save_stats, arch)):
         windows = window_attention(grid.partition(qkv), num_heads, bias=bias, mask=mask, scale=scale,
                                    logit_scale=logit_scale, dropout_p=dropout_p)
         return grid.merge(windows)
     table_gather, operator_table = None, ()
-    in_kernels = table_bias and kernels and reads_table(n, head_dim, qkv.dtype, logit_scale is not None,
-                                                        dropout_p > 0)
+    in_kernels = table_bias and kernels and reads_table(n, head_dim, qkv.dtype, cosine, dropout_p > 0, arch)
     if table_bias and eager and dispatch_free(bias.table):
         # read from its table by the kernels, or gathered, and its table's gradient summed, in the
         # eager path's own node

@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import config, fast_launch
+from .arch import Arch
 from .bias_copy import float16_bias_copy_kernel
 from .launcher import compiler_options, launcher, traced_launch
 from .tensor_cache import kept, kept_on
@@ -42,11 +43,11 @@ def reads_mask_apart(mask: Optional[torch.Tensor], dtype: torch.dtype, num_heads
     return mask is not None and not folds_mask(dtype, num_heads, mask.shape[0], n)
 
 
-def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> bool:
+def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, arch: Arch) -> bool:
     """Whether a kernel of either pass streams key blocks, reading a tile of the bias
     (and mask) for every (window, query block, key block) rather than once per program."""
-    return (n > config.forward_config(n, head_dim, dtype, cosine).block_n
-            or not config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
+    return (n > config.forward_config(n, head_dim, dtype, cosine, arch=arch).block_n
+            or not config.backward_config(n, head_dim, dtype, cosine, arch).single_tile(n))
 
 
 @dataclass(frozen=True)
@@ -236,12 +237,12 @@ def kept_mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]
 
 
 def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, mask: Optional[torch.Tensor],
-                      num_heads: int) -> bool:
+                      num_heads: int, arch: Arch) -> bool:
     """Whether a kernel of either pass streams key blocks over a mask that it reads itself
     (float32 inputs; 16-bit inputs read it folded into the bias, ``streamed_bias``), and so
     uses its region ids (``mask_structure``), which the forward then computes for both passes."""
     return (config.MASK_REGIONS and reads_mask_apart(mask, dtype, num_heads, n)
-            and streams_key_blocks(n, head_dim, dtype, cosine))
+            and streams_key_blocks(n, head_dim, dtype, cosine, arch))
 
 
 def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:

@@ -13,6 +13,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from . import budget
+from .arch import Arch
+
 #: Set before triton is imported: the kernels then run on CPU tensors through numpy.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -107,17 +110,6 @@ def _streamed_maxnreg(block_d: int, dtype: torch.dtype) -> Optional[int]:
     return 168 if block_d <= 32 and dtype != torch.float32 else None
 
 
-def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool = False,
-                   reads_mask: bool = True) -> LaunchConfig:
-    """dropout: with attention dropout (its random numbers take registers); reads_mask:
-    whether a kernel that streams key blocks reads a mask itself (region ids or dense),
-    not where there is none or it is folded into the bias copy (``bias_mask.folds_mask``).
-    OVERRIDES apply either way."""
-    n, head_dim = int(n), int(head_dim)  # compile-time constants of the kernels, even when traced
-    found = OVERRIDES.get(("fwd", n, head_dim, dtype, cosine))
-    return found if found is not None else _default_forward_config(n, head_dim, dtype, cosine, dropout, reads_mask)
-
-
 def _cached(function):
     """``functools.lru_cache`` for eager calls; while dynamo traces (``plan.reads_table``,
     which ``window_attention`` asks under torch.compile too) the function itself: dynamo
@@ -128,6 +120,36 @@ def _cached(function):
     def lookup(*args):
         return function(*args) if torch.compiler.is_compiling() else cached(*args)
     return lookup
+
+
+def forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool = False,
+                   reads_mask: bool = True, arch: Optional[Arch] = None) -> Optional[LaunchConfig]:
+    """dropout: with attention dropout (its random numbers take registers); reads_mask:
+    whether a kernel that streams key blocks reads a mask itself (region ids or dense),
+    not where there is none or it is folded into the bias copy (``bias_mask.folds_mask``);
+    arch: the device's limits (``arch.device_arch``; None: the tuned configuration as it is),
+    which the configuration is fitted to (``budget.window_fit``). None where nothing fits
+    (``fits``). OVERRIDES apply as they are."""
+    n, head_dim = int(n), int(head_dim)  # compile-time constants of the kernels, even when traced
+    found = OVERRIDES.get(("fwd", n, head_dim, dtype, cosine))
+    if found is not None:
+        return found
+    tuned = _default_forward_config(n, head_dim, dtype, cosine, dropout, reads_mask)
+    return _fitted_forward(tuned, n, dtype, reads_mask, arch)
+
+
+@_cached
+def _fitted_forward(tuned: LaunchConfig, n: int, dtype: torch.dtype, reads_mask: bool,
+                    arch: Optional[Arch]) -> Optional[LaunchConfig]:
+    """The forward's ``tuned`` configuration fitted to ``arch``; a window of one tile whose
+    tile does not fit streams key blocks of half the window's tile instead."""
+    elem, mask_bytes = dtype.itemsize, 4 if reads_mask else 0
+    fitted = budget.window_fit("fwd", tuned, n, elem, mask_bytes, arch)
+    if fitted is None and n <= tuned.block_n and tile_side(n) // 2 >= budget.MIN_BLOCK:
+        half = tile_side(n) // 2
+        fitted = budget.window_fit("fwd", replace(tuned, block_m=half, block_n=half, flat_loop=False), n, elem,
+                                   mask_bytes, arch)
+    return fitted
 
 
 @_cached  # pure, and looked up several times per call of the op
@@ -221,16 +243,40 @@ def _one_region_loop(n: int, block: int) -> bool:
     return n % block == 0
 
 
-def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
-    """The fused one-tile backward runs where a whole window fits one tile."""
+def backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool,
+                    arch: Optional[Arch] = None) -> Optional[LaunchConfig]:
+    """The fused one-tile backward runs where a whole window fits one tile (and that tile fits
+    ``arch``'s shared memory: else the multi-block kernels run). ``arch`` as ``forward_config``'s."""
     n, head_dim = int(n), int(head_dim)
     found = OVERRIDES.get(("bwd", n, head_dim, dtype, cosine))
-    return found if found is not None else _default_backward_config(n, head_dim, dtype, cosine)
+    if found is not None:
+        return found
+    return _fitted_backward(n, head_dim, dtype, cosine, arch)
 
 
 @_cached
-def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
+def _fitted_backward(n: int, head_dim: int, dtype: torch.dtype, cosine: bool,
+                     arch: Optional[Arch]) -> Optional[LaunchConfig]:
+    tuned = _default_backward_config(n, head_dim, dtype, cosine)
+    if tuned.single_tile(n):
+        fitted = budget.window_fit("fused", tuned, n, dtype.itemsize, 0, arch)
+        if fitted is not None or tile_side(n) // 2 < budget.MIN_BLOCK:
+            return fitted
+        tuned = _default_backward_config(n, head_dim, dtype, cosine, True)
+    # the dkdv and dq kernels share the tiles: fitted to the larger of the two
+    fitted = budget.window_fit("dkdv", tuned, n, dtype.itemsize, 4, arch)
+    return fitted and budget.window_fit("dq", fitted, n, dtype.itemsize, 4, arch)
+
+
+@_cached
+def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool,
+                             streamed: bool = False) -> LaunchConfig:
+    """streamed: the multi-block kernels' configuration even where a window is one tile, in
+    blocks of half its tile (where that tile does not fit the device, ``backward_config``)."""
     block_d = tile_side(head_dim)
+    if streamed:
+        return LaunchConfig(tile_side(n) // 2, tile_side(n) // 2, block_d, 4, 1, 16, dq_atomic=True,
+                            dbias_slots=1 if cosine else 0)
     if n <= 64 and block_d <= 64:
         block = tile_side(n)
         if dtype == torch.float32 and block > 16:
@@ -265,7 +311,8 @@ def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: 
                         flat_loop=_flat_loop(n, block, block_d))
 
 
-def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> LaunchConfig:
+def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool,
+                 arch: Optional[Arch] = None) -> LaunchConfig:
     """The tiles of the multi-block backward's dbias kernel, which loops over the windows
     sharing a (head, mask window) and recomputes each one's (query block, key block) tile
     of dZ. A configuration of its own, since it keeps no per-window accumulator and larger
@@ -284,26 +331,25 @@ def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool) -> Lau
     found = OVERRIDES.get(("dbias", n, head_dim, dtype, cosine))
     if found is not None:
         return found
-    tiles = replace(backward_config(n, head_dim, dtype, cosine), programs_per_sm=4)
+    tiles = replace(backward_config(n, head_dim, dtype, cosine, arch), programs_per_sm=4)
     if tiles.block_n == 64 and 0 < n % 64 <= 32 and not tiles.single_tile(n):
-        return replace(tiles, block_n=32, maxnreg=None, programs_per_sm=8)
-    return tiles
+        tiles = replace(tiles, block_n=32, maxnreg=None, programs_per_sm=8)
+    return budget.window_fit("dbias", tiles, n, dtype.itemsize, 4, arch) or tiles
 
 
 def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:
     return replace(config, **changes)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def fits(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool, arch: Optional[Arch]) -> bool:
+    """Whether both passes have a configuration that fits ``arch`` (else PyTorch computes)."""
+    return (forward_config(n, head_dim, dtype, cosine, dropout, arch=arch) is not None
+            and backward_config(n, head_dim, dtype, cosine, arch) is not None)
 
 
-def target_programs(device: torch.device, per_sm: int) -> int:
+def target_programs(arch: Arch, per_sm: int) -> int:
     """How many programs keep the device busy (a handful under the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4 if INTERPRET or arch.backend == "interpreter" else per_sm * arch.sm_count
 
 
 def cdiv(a: int, b: int) -> int:

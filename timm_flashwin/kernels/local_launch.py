@@ -26,7 +26,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import config
+from . import budget, config
+from .arch import Arch, device_arch
 from .launcher import compiler_options, launcher, traced_launch, unused_pointer
 from .local_backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel
 from .local_forward import local_attention_fwd_kernel, local_dropout_factor_kernel
@@ -100,12 +101,7 @@ def tall_tiles(pattern: Pattern, queries: int, keys: int, batch_heads: int, sm_c
     return width >= TALL_MIN_KEYS and programs >= TALL_MIN_PROGRAMS_PER_SM * sm_count
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def row_class(pattern: Pattern, queries: int, keys: int, batch_heads: int, device: torch.device,
+def row_class(pattern: Pattern, queries: int, keys: int, batch_heads: int, arch: Arch,
               dropout: bool = False) -> str:
     """The class of rows whose plans a launch takes: LONG (``long_rows``), else TALL
     (``tall_tiles``, on a GPU, without dropout), else SHORT. Only the forward at head_dim
@@ -114,20 +110,27 @@ def row_class(pattern: Pattern, queries: int, keys: int, batch_heads: int, devic
     spills 336 B per thread (16 B without; tests/local_sm90_build.py), not timed."""
     if long_rows(pattern, keys):
         return LONG
-    if not (config.INTERPRET or dropout) and tall_tiles(pattern, queries, keys, batch_heads, _sm_count(device)):
+    if not (config.INTERPRET or dropout) and tall_tiles(pattern, queries, keys, batch_heads, arch.sm_count):
         return TALL
     return SHORT
 
 
 def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT, queries: Optional[int] = None,
-         keys: Optional[int] = None) -> Plan:
+         keys: Optional[int] = None, arch: Optional[Arch] = None) -> Plan:
     """The launch of kernel ``kind`` ("fwd", "dq", "dkdv") for rows of class ``rows``
-    (``row_class``), its tiles fitted to ``queries`` and ``keys`` where given (``fitted``)."""
+    (``row_class``) on ``arch`` (``arch.device_arch``; None: the tuned plan as it is,
+    ``budget.local_fit``), its tiles fitted to ``queries`` and ``keys`` where given
+    (``fitted``)."""
     found = OVERRIDES.get((kind, int(head_dim), dtype, rows))
-    tiles = found if found is not None else _default_plan(kind, config.tile_side(head_dim), dtype, rows)
+    tiles = found if found is not None else _fitted_plan(kind, config.tile_side(head_dim), dtype, rows, arch)
     if queries is None:
         return tiles
     return fitted(tiles, config.tile_side(queries), config.tile_side(keys))
+
+
+@functools.lru_cache(maxsize=None)
+def _fitted_plan(kind: str, width: int, dtype: torch.dtype, rows: str, arch: Optional[Arch]) -> Plan:
+    return budget.local_fit(kind, _default_plan(kind, width, dtype, rows), max(width, 16), dtype.itemsize, arch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,7 +243,8 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
     the tiles visited without and with a mask are added."""
     B, H, S, D = q.shape
     S_k = k.shape[2]
-    tiles = plan("fwd", D, q.dtype, row_class(pattern, S, S_k, B * H, q.device, dropout_p > 0), S, S_k)
+    arch = device_arch(q.device)
+    tiles = plan("fwd", D, q.dtype, row_class(pattern, S, S_k, B * H, arch, dropout_p > 0), S, S_k, arch)
     out = torch.empty_like(q)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
     grid = (config.cdiv(S, tiles.block_m) * B * H,)
@@ -265,8 +269,9 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     H_kv, S_k = k.shape[1], k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = q.new_empty((B, H, S), dtype=torch.float32)
-    rows_class = row_class(pattern, S, S_k, B * H, q.device, dropout_p > 0)
-    rows = plan("dq", D, q.dtype, rows_class, S, S_k)
+    arch = device_arch(q.device)
+    rows_class = row_class(pattern, S, S_k, B * H, arch, dropout_p > 0)
+    rows = plan("dq", D, q.dtype, rows_class, S, S_k, arch)
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)
     seed_ptr = seed if dropout_p > 0 else unused_pointer(q, traced_launch())
     # dq first: it also stores each row's delta, which the dkdv kernel reads
@@ -276,7 +281,7 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(), *dq.stride(),
         BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, **flags, **_options(rows),
     )
-    cols = plan("dkdv", D, q.dtype, rows_class, S, S_k)
+    cols = plan("dkdv", D, q.dtype, rows_class, S, S_k, arch)
     launcher(local_attention_bwd_dkdv_kernel)[(config.cdiv(S_k, cols.block_n) * B * H_kv,)](
         q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts,
         scale * LOG2E, scale, dropout_p, S, S_k, H_kv, H // H_kv, *pattern,

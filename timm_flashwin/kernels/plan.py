@@ -31,6 +31,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import config
+from .arch import Arch, device_arch
 from .bias_mask import StreamedFlags, mask_regions_used, reads_mask_apart, streamed_flags
 from .launcher import compiler_options, launch_options
 from ..window_grid import WindowGrid
@@ -72,30 +73,30 @@ def windows_tokens_channels(qkv: torch.Tensor, grid: Optional[WindowGrid]) -> Tu
 
 
 def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
-                        cosine: bool, save: bool = True) -> Tuple[int, ...]:
+                        cosine: bool, save: bool, arch: Arch) -> Tuple[int, ...]:
     """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
     1 / row sum where the backward streams key blocks, plus the rows' mean score and their
     inverse norms for cosine attention (4, B_, H, N); nothing where a whole window fits one
     backward tile (it renormalizes the rows itself), nor where no backward will run
     (``save`` False)."""
-    if not save or config.backward_config(n, head_dim, dtype, cosine).single_tile(n):
+    if not save or config.backward_config(n, head_dim, dtype, cosine, arch).single_tile(n):
         return (0,)
     return (4 if cosine else 2, num_windows, num_heads, n)
 
 
-def reads_table(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool) -> bool:
+def reads_table(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool, arch: Arch) -> bool:
     """Whether the kernels of both passes read a position bias from its table for this
     shape (``table_index``): where a whole window is one tile of the forward and of the
     backward (the kernels that stream key blocks read the dense bias, or a copy of it)."""
-    return (n <= config.forward_config(n, head_dim, dtype, cosine, dropout).block_n
-            and config.backward_config(n, head_dim, dtype, cosine).single_tile(n))
+    return (n <= config.forward_config(n, head_dim, dtype, cosine, dropout, arch=arch).block_n
+            and config.backward_config(n, head_dim, dtype, cosine, arch).single_tile(n))
 
 
-def maps_windows(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, backward: bool) -> bool:
+def maps_windows(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, backward: bool, arch: Arch) -> bool:
     """Whether the kernels read and write the feature-map layout (``grid``) for this
     shape: the forward always, the backward where a whole window fits its one-tile kernel
     (the kernels that stream blocks address windows by their partitioned rows)."""
-    return not backward or config.backward_config(n, head_dim, dtype, cosine).single_tile(n)
+    return not backward or config.backward_config(n, head_dim, dtype, cosine, arch).single_tile(n)
 
 
 def dq_by_atomic_adds(tiles: config.LaunchConfig) -> bool:
@@ -195,7 +196,7 @@ def forward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Option
                              query_mode, periods)
     if traced or config.OVERRIDES:
         return make()
-    key = ("fwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), num_heads, has_bias, mask is not None, periods,
+    key = ("fwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), device_arch(qkv.device), num_heads, has_bias, mask is not None, periods,
            cosine, dropout, save_stats, grid, table, table_sigmoid, query_mode, _settings())
     return _cached(key, make)
 
@@ -205,18 +206,19 @@ def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, g
     dtype = qkv.dtype
     num_windows, n, channels = windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
-    tiles = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask_apart(mask, dtype, num_heads, n))
+    arch = device_arch(qkv.device)
+    tiles = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask_apart(mask, dtype, num_heads, n), arch)
     if table and n > tiles.block_n:
         raise ValueError(f"window_attention: the bias is read from its table in windows of one tile, N = {n} is "
                          f"more (reads_table)")
-    used = mask_regions_used(n, head_dim, dtype, cosine, mask, num_heads)
+    used = mask_regions_used(n, head_dim, dtype, cosine, mask, num_heads, arch)
     per_period = num_windows // periods
     m_blocks = -(-n // tiles.block_m)
     chunks, per_chunk = config.split_windows(
-        per_period, m_blocks * num_heads * periods, config.target_programs(qkv.device, tiles.programs_per_sm))
+        per_period, m_blocks * num_heads * periods, config.target_programs(arch, tiles.programs_per_sm))
     streams = n > tiles.block_n
     flags = streamed_flags(has_bias, mask is not None, streams, dtype, num_heads, periods, n)
-    stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, dtype, cosine, save_stats)
+    stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, dtype, cosine, save_stats, arch)
     plan = ForwardPlan(tiles, num_windows, n, head_dim, periods, per_period, per_chunk,
                        (m_blocks * num_heads * periods * chunks,), (*qkv.shape[:2], num_heads * head_dim), stats_shape,
                        used, used and streams, streams, table, flags, _grid_args(grid))
@@ -278,7 +280,7 @@ def backward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Optio
                               table_sigmoid, query_mode, periods)
     if traced or config.OVERRIDES:
         return make()
-    key = ("bwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), num_heads, has_bias, mask is not None, periods,
+    key = ("bwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), device_arch(qkv.device), num_heads, has_bias, mask is not None, periods,
            cosine, bias_grad, scale_grad, dropout, grid, table, table_sigmoid, query_mode,
            torch.are_deterministic_algorithms_enabled(), _settings())
     return _cached(key, make)
@@ -289,7 +291,8 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
     dtype = qkv.dtype
     num_windows, n, channels = windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
-    tiles = config.backward_config(n, head_dim, dtype, cosine)
+    arch = device_arch(qkv.device)
+    tiles = config.backward_config(n, head_dim, dtype, cosine, arch)
     single = tiles.single_tile(n)
     if grid is not None and not single:
         raise ValueError(f"window_attention backward: the feature-map layout needs windows of one tile, N = {n} "
@@ -297,7 +300,7 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
     if table and not single:
         raise ValueError(f"window_attention backward: the bias is read from its table in windows of one tile, "
                          f"N = {n} is more (reads_table)")
-    mask_regions = mask_regions_used(n, head_dim, dtype, cosine, mask, num_heads) and not single
+    mask_regions = mask_regions_used(n, head_dim, dtype, cosine, mask, num_heads, arch) and not single
     per_period = num_windows // periods
     flags = streamed_flags(has_bias, mask is not None, not single, dtype, num_heads, periods, n)
     scale_grad = scale_grad and cosine
@@ -305,7 +308,7 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
                         _grid_args(grid))
     common = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=flags.has_bias, HAS_MASK=flags.has_mask, COSINE=cosine,
                   FP32_DOT=_fp32_dot(dtype), HAS_DROPOUT=dropout, GLOBAL_QUERY=query_mode)
-    programs = config.target_programs(qkv.device, tiles.programs_per_sm)
+    programs = config.target_programs(arch, tiles.programs_per_sm)
     if single:
         chunks, plan.per_chunk["fused"] = config.split_windows(per_period, num_heads * periods, programs)
         groups = chunks * periods
@@ -354,11 +357,11 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
         H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=tiles.block_d, COSINE=cosine,
         GLOBAL_QUERY=query_mode, **compiler_options()))
     if bias_grad and not slots:
-        dbias_tiles = config.dbias_config(n, head_dim, dtype, cosine)
+        dbias_tiles = config.dbias_config(n, head_dim, dtype, cosine, arch)
         tiles_m, tiles_n = -(-n // dbias_tiles.block_m), -(-n // dbias_tiles.block_n)
         chunks, plan.per_chunk["dbias"] = config.split_windows(
             per_period, num_heads * periods * tiles_m * tiles_n,
-            config.target_programs(qkv.device, dbias_tiles.programs_per_sm))
+            config.target_programs(arch, dbias_tiles.programs_per_sm))
         groups = chunks * periods
         # partials per program group, summed afterwards, where no atomic adds are allowed
         plan.dbias_partials_shape = (groups, num_heads, n, n)
