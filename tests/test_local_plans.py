@@ -87,9 +87,9 @@ def test_row_class_plans():
 def test_kernels_compile_for_sm90():
     """What the interpreter cannot see (constexpr branches, loop-carried types, the plan's
     shared memory): the three kernels with sink, dropout and a sliding window's period built
-    for sm_90, the forward with the plans of short, long and tall rows (tests/local_sm90_build.py
+    for sm_90, the forward with the plans of short, long and tall rows (tests/local_arch_build.py
     --smoke; the whole set without --smoke)."""
-    script = Path(__file__).with_name("local_sm90_build.py")
+    script = Path(__file__).with_name("local_arch_build.py")
     env = dict(os.environ, TRITON_INTERPRET="0")
     result = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
                             timeout=600)

@@ -140,14 +140,15 @@ def uses_kernels(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or (config.INTERPRET and tensor.device.type == "cpu")
 
 
-def served(arch: Arch, n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool) -> bool:
-    """Whether the kernels run a call of windows of n tokens on ``arch`` (``uses_kernels`` says
-    whether they take its tensors at all): the architecture builds them for ``dtype``
-    (``arch.unserved_reason``) and both passes have a configuration within its shared memory
-    (``config.fits``). Elsewhere PyTorch computes the call, and a warning says so once."""
-    if unserved_reason(arch, dtype) is None and config.fits(n, head_dim, dtype, cosine, dropout, arch):
+def served(arch: Arch, dtype: torch.dtype, fits: bool, what: str) -> bool:
+    """Whether the kernels run a call on ``arch`` (``uses_kernels`` says whether they take its
+    tensors at all): the architecture builds them for ``dtype`` (``arch.unserved_reason``)
+    and ``fits``, whether the plans have configurations within its shared memory for
+    ``what`` (the call's shape, in words). Elsewhere PyTorch computes the call, and a
+    warning says so once."""
+    if unserved_reason(arch, dtype) is None and fits:
         return True
     if not torch.compiler.is_compiling():
-        warn_unserved(arch, dtype, f"windows of {n} tokens at head_dim {head_dim} need more shared memory than "
-                                   f"{arch.name}'s {arch.shared_memory // 1024} KB")
+        warn_unserved(arch, dtype, f"{what} needs more shared memory than {arch.name}'s "
+                                   f"{arch.shared_memory // 1024} KB")
     return False

@@ -19,8 +19,9 @@ import torch
 
 from . import host_program
 from .dispatch import (KERNEL_DTYPES, call_operator, direct_launches, dispatch_free, register_autograd, register_op,
-                       uses_kernels)
-from .kernels.local_launch import local_backward, local_forward
+                       served, uses_kernels)
+from .kernels.arch import device_arch
+from .kernels.local_launch import fits, local_backward, local_forward
 from .local_reference import (LocalPattern, Visible, block_window_visible, local_attention_reference,
                               sliding_window_visible)
 from .op import draw_dropout_seed
@@ -133,7 +134,9 @@ def _eager_call(inputs: tuple, grad: bool) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: LocalPattern, visible: Visible,
             scale: float, dropout_p: float) -> torch.Tensor:
-    if not uses_kernels(q) or q.numel() == 0:
+    kernels = uses_kernels(q) and served(device_arch(q.device), q.dtype, fits(q.shape[-1], q.dtype, device_arch(q.device)),
+                                         f"head_dim {q.shape[-1]}")
+    if not kernels or q.numel() == 0:
         chunk = REFERENCE_CHUNK if q.shape[2] > REFERENCE_CHUNK else None
         return local_attention_reference(q, k, v, visible, scale, dropout_p, chunk=chunk)
     seed = draw_dropout_seed(q.device) if dropout_p > 0 else None

@@ -23,6 +23,7 @@ from . import host_program
 from .dispatch import (call_operator, direct_launches, dispatch_free, register_autograd, register_op, served,
                        uses_kernels)
 from .kernels.arch import device_arch
+from .kernels.config import fits
 from .kernels.bias_mask import kept_mask_structure, kept_streamed_bias, mask_regions_shapes, mask_regions_used
 from .kernels.launch import attention_backward, attention_forward
 from .kernels.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
@@ -421,7 +422,8 @@ def window_attention(
         t is not None and t.requires_grad for t in (qkv, bias.table if table_bias else bias, logit_scale, query))
     arch = device_arch(qkv.device)
     cosine = logit_scale is not None
-    kernels = uses_kernels(qkv) and served(arch, n, head_dim, qkv.dtype, cosine, dropout_p > 0)
+    kernels = uses_kernels(qkv) and served(arch, qkv.dtype, fits(n, head_dim, qkv.dtype, cosine, dropout_p > 0, arch),
+                                           f"windows of {n} tokens at head_dim {head_dim}")
     # the eager path: the kernels launched here, without the registered operators' dispatch
     eager = kernels and dispatch_free(qkv) and (query is None or dispatch_free(query))
     if grid is not None and not (eager and maps_windows(n, head_dim, qkv.dtype, cosine, save_stats, arch)):

@@ -10,7 +10,7 @@ loop loads ahead; a program that asks for more than the device has fails at laun
 fewer pipeline stages first (the tiles stay, and with them every decision that depends on
 whether a window is one tile), then, for the kernels that stream key blocks, smaller key and
 query blocks. Hopper and Blackwell datacenter GPUs (sm_90, sm_100) keep the tuned
-configurations as they are: their builds fit with room to spare (tests/sm90_build.py,
+configurations as they are: their builds fit with room to spare (tests/arch_build.py,
 tests/arch_build.py) and their products (wgmma, tcgen05) lay tiles out otherwise.
 
 The estimates are fitted to compile-only builds for sm_86 (triton 3.8, mma.sync, 2026-11-28;
@@ -57,17 +57,20 @@ def window_shared_bytes(kernel: str, block_m: int, block_n: int, block_d: int, s
     row, col = block_m * block_d * elem, block_n * block_d * elem  # a query / key tile
     scores = block_m * block_n * 4
     bias_mask = block_m * block_n * ((2 if elem == 2 else 4) + mask_bytes) if streamed else 0
+    # the backward's configurations are shared by calls with and without attention dropout,
+    # whose keep mask takes a score tile more in the kernels streaming key blocks (sm_86
+    # build, bf16 dkdv kernel, 64 x 64 tiles, 3 stages: 92 KB without, 104 KB with dropout)
     if kernel == "fwd":
         one = max(row + 2 * col, scores)
         products, tiles = 2 * col + (0 if streamed else row), bias_mask
     elif kernel == "fused":
-        one = 5 * col + block_n * block_n * 4
+        one = 5 * col + block_n * block_n * 4  # dropout's mask in the room of the scores (sm_86 builds)
         products, tiles = 4 * col, 0
     elif kernel == "dkdv":
-        one = 2 * (row + col) + scores + block_n * block_d * 4
+        one = 2 * (row + col) + 2 * scores + block_n * block_d * 4
         products, tiles = 2 * row, bias_mask
     elif kernel in ("dq", "dbias"):
-        one = 2 * (row + col) + scores
+        one = 2 * (row + col) + 2 * scores
         products, tiles = 2 * (col if kernel == "dq" else row + col), bias_mask
     else:
         raise ValueError(f"window_shared_bytes: unknown kernel {kernel!r}")
@@ -101,14 +104,18 @@ def local_shared_bytes(kernel: str, block_m: int, block_n: int, block_d: int, st
     """Estimated shared memory of a local-attention kernel ("fwd", "dq", "dkdv"): no bias or
     mask tiles (the pattern is arithmetic on positions), but their 16-bit product tiles do
     take staging buffers per stage (0.77x at most on the sm_86 builds, fitted as 0.8x)."""
-    row, col = block_m * block_d * elem, block_n * block_d * elem
+    # float32 products are three TF32 ones (``local_tiles.product``): each operand is split into
+    # a high and a low part, staged apart (sm_86 build of the dq kernel at head_dim 128, 64 x 32
+    # tiles, 8 warps: 144 KB where 16-bit inputs take 48 KB)
+    split = 1.5 if elem == 4 else 1
+    row, col = int(split * block_m * block_d * elem), int(split * block_n * block_d * elem)
     scores = block_m * block_n * 4
     if kernel == "fwd":
         one, products = max(row + 2 * col, scores), 2 * col
     elif kernel == "dq":
         one, products = 2 * (row + col) + scores // 4, 2 * col
-    elif kernel == "dkdv":
-        one, products = 2 * (row + col) + block_n * block_d * 4, 2 * row
+    elif kernel == "dkdv":  # 16-bit: the dK and dV accumulators' conversion too (fp32: in the split's room)
+        one, products = 2 * (row + col) + (block_n * block_d * 4 if elem == 2 else 0), 2 * row
     else:
         raise ValueError(f"local_shared_bytes: unknown kernel {kernel!r}")
     return one + max(stages - 1, 0) * _stage_bytes(elem, products, 0, product_share=0.8)
@@ -116,8 +123,9 @@ def local_shared_bytes(kernel: str, block_m: int, block_n: int, block_d: int, st
 
 def local_fit(kernel: str, tiles, block_d: int, elem: int, arch: Optional[Arch]):
     """A local-attention ``tiles`` (``local_launch.Plan``) fitted to ``arch``: fewer stages,
-    then halved blocks (the wider first), at most 4 warps once a block is 64 rows or fewer.
-    Every tile size computes the same (the pattern is per position): always fits in the end."""
+    then halved blocks (the wider first), at most 4 warps once a block is 64 rows or fewer
+    (every tile size computes the same: the pattern is per position). None where 16 x 16
+    tiles do not fit either."""
     if keeps_tuned(arch):
         return tiles
 
@@ -132,5 +140,5 @@ def local_fit(kernel: str, tiles, block_d: int, elem: int, arch: Optional[Arch])
             if max(tiles.block_m, tiles.block_n) <= 64:
                 tiles = replace(tiles, num_warps=min(tiles.num_warps, 4))
         else:
-            break  # 16 x 16 tiles: a few KB at any head_dim the kernels take
+            return None  # float32 at head_dim 256 on a 64 KB GPU (sm_75): PyTorch computes there
     return tiles

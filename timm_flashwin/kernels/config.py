@@ -119,6 +119,7 @@ def _cached(function):
     @functools.wraps(function)
     def lookup(*args):
         return function(*args) if torch.compiler.is_compiling() else cached(*args)
+    lookup.cache_clear = cached.cache_clear
     return lookup
 
 
@@ -281,7 +282,7 @@ def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: 
         block = tile_side(n)
         if dtype == torch.float32 and block > 16:
             # float32 multiplies in exact fp32 on the CUDA cores (no tensor cores): with 4 warps
-            # the sm_90 build spills 1.4 to 21 KB of registers per thread (tests/sm90_build.py,
+            # the sm_90 build spills 1.4 to 21 KB of registers per thread (tests/arch_build.py,
             # e.g. cosine N=64, D=32: 9512 B), with 8 warps 4 to 11x less (880 B). Chosen from
             # that report; not yet timed on a GPU.
             return LaunchConfig(block, block, block_d, 8, 3, 8)

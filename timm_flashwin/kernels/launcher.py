@@ -113,7 +113,7 @@ def launch_options(tiles: config.LaunchConfig, dropout: bool) -> dict:
     drops it), so traced launches go without it: compiled models run those kernels at the
     compiler's register count. Nor with attention dropout: its random numbers keep more
     registers live, and under the cap 0.4 to 2.2 KB per thread would spill (sm_90 build,
-    tests/sm90_build.py).
+    tests/arch_build.py).
     """
     options = dict(compiler_options(tiles.num_warps), num_stages=tiles.num_stages)
     if tiles.maxnreg is not None and not dropout and not traced_launch():

@@ -107,7 +107,7 @@ def row_class(pattern: Pattern, queries: int, keys: int, batch_heads: int, arch:
     (``tall_tiles``, on a GPU, without dropout), else SHORT. Only the forward at head_dim
     <= 64 has a TALL plan; the other kernels take their SHORT one there. Not with dropout:
     its random numbers take registers, and the sm_90 build of the tall forward with dropout
-    spills 336 B per thread (16 B without; tests/local_sm90_build.py), not timed."""
+    spills 336 B per thread (16 B without; tests/local_arch_build.py), not timed."""
     if long_rows(pattern, keys):
         return LONG
     if not (config.INTERPRET or dropout) and tall_tiles(pattern, queries, keys, batch_heads, arch.sm_count):
@@ -131,6 +131,14 @@ def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT, querie
 @functools.lru_cache(maxsize=None)
 def _fitted_plan(kind: str, width: int, dtype: torch.dtype, rows: str, arch: Optional[Arch]) -> Plan:
     return budget.local_fit(kind, _default_plan(kind, width, dtype, rows), max(width, 16), dtype.itemsize, arch)
+
+
+def fits(head_dim: int, dtype: torch.dtype, arch: Arch) -> bool:
+    """Whether every kernel's plan, in every class of rows, fits ``arch`` (else PyTorch
+    computes: float32 at head_dim above 128 on a 64 KB GPU)."""
+    width = config.tile_side(head_dim)
+    return all(_fitted_plan(kind, width, dtype, rows, arch) is not None
+               for kind in ("fwd", "dq", "dkdv") for rows in (SHORT, LONG, TALL))
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,7 +195,7 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype, rows: str) -> Plan:
     """Under the interpreter (CI): tiles of 16, so that small sequences still take the
     multi-block paths (window edges, partial blocks, the sink's blocks) at low cost.
 
-    On the GPU: plans for sm_90 that fit its shared memory (tests/local_sm90_build.py
+    On the GPU: plans for sm_90 that fit its shared memory (tests/local_arch_build.py
     builds and prints them), timed for 16-bit inputs at head_dim 64 and 128 (``_PLANS_16BIT``);
     float32 inputs spill a few hundred bytes per thread in every plan tried (not a
     performance target: correct, slower). ``benchmarks/bench_local.py --tune`` times others

@@ -30,7 +30,7 @@ def product(a, b, acc, PRECISION: tl.constexpr):
     products (the interpreter, whose bf16 dot is wrong: it multiplies the bit patterns),
     2 (TF32X3) float32 inputs on the GPU (three tf32 products per product, ~2^-21 relative,
     on the tensor cores: exact products run on the FMA units and spill their tiles,
-    tests/local_sm90_build.py)."""
+    tests/local_arch_build.py)."""
     if PRECISION == 0:
         return tl.dot(a, b, acc)
     elif PRECISION == 1:

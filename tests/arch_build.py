@@ -1,13 +1,16 @@
-"""Compile the kernels for a Hopper GPU (sm_90) without one, as a subprocess of the tests.
+"""Compile the window kernels for a GPU architecture without one, as a subprocess of the tests.
 
 The interpreter (how CI runs the kernels) executes them as numpy code and cannot see what
 only the compiler checks: constexpr branches, types carried through loops, the sizes of
-tiles in registers. This script builds the launch configurations of kernels/config.py for
-representative shapes with triton.compile for sm_90, prints each kernel's registers and
-stack frame (where spilled registers go) (cuobjdump's resource usage), and exits non-zero if any fails to build.
+tiles in registers, the shared memory a program takes. This script builds the launch
+configurations the plans choose for an architecture (kernels/config.py fitted to its
+limits, kernels/arch.py) for representative shapes with triton.compile, prints each
+kernel's registers, stack frame (where spilled registers go) and shared memory, and exits
+non-zero if any fails to build or takes more shared memory than the architecture has.
 
-    TRITON_INTERPRET=0 python tests/sm90_build.py            # every case and the bias copy
-    TRITON_INTERPRET=0 python tests/sm90_build.py 0 3 copy   # CASES[0], CASES[3] and the copy
+    TRITON_INTERPRET=0 python tests/arch_build.py            # sm_90: every case and the bias copy
+    TRITON_INTERPRET=0 python tests/arch_build.py 0 3 copy   # CASES[0], CASES[3] and the copy
+    TRITON_INTERPRET=0 python tests/arch_build.py --arch sm_86 4
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from triton.compiler import ASTSource
 # run from a checkout as well as after `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from timm_flashwin.kernels import backward, backward_dkdv, backward_dq_dbias, config  # noqa: E402
+from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
 from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel  # noqa: E402
 from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
 from timm_flashwin.kernels.bias_mask import folds_mask  # noqa: E402
@@ -33,7 +37,8 @@ from timm_flashwin.kernels.launcher import compiler_options, launch_options  # n
 from timm_flashwin.kernels.plan import reads_table  # noqa: E402
 from timm_flashwin.dispatch import direct_launches  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
+#: the architecture the builds are for (``main``'s --arch), and its target
+ARCH: Arch = KNOWN["sm_90"]
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 #: (N, head_dim, dtype, cosine, dropout): one-tile and multi-block windows, the largest
 #: window and head_dim, a head_dim that is not a power of two, every dtype; 256 in float32
@@ -120,17 +125,34 @@ def build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchCon
         _build(kernel, dtype, dict(constexprs, GLOBAL_QUERY=query), launch, bias_dtype)
 
 
+def target(arch: Arch) -> GPUTarget:
+    """Triton's target for ``arch`` (NVIDIA: warp size 32)."""
+    return GPUTarget("cuda", arch.capability, 32)
+
+
+#: builds whose shared memory exceeded ARCH's (``report``); ``main`` exits non-zero on any
+TOO_LARGE: list = []
+
+
 def _build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchConfig,
            bias_dtype: torch.dtype = torch.float32) -> None:
     types, constexprs, attrs = as_launched(kernel, signature(kernel, dtype, constexprs, bias_dtype), constexprs)
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs)
     with direct_launches():  # the options of an eager launch: the register cap included
         options = launch_options(launch, constexprs.get("HAS_DROPOUT", False))
-    _report(kernel, triton.compile(source, target=TARGET, options=options))
+    report(kernel.fn.__name__, triton.compile(source, target=target(ARCH), options=options), ARCH)
 
 
-def _report(kernel, compiled) -> None:
-    print(f"  {kernel.fn.__name__:40s} {resource_usage(compiled.asm['cubin'])}", flush=True)
+def report(name: str, compiled, arch: Arch) -> int:
+    """Prints a build's registers, stack frame and shared memory; returns the shared memory,
+    noted in TOO_LARGE where ``arch`` has less."""
+    shared = compiled.metadata.shared
+    fits = shared <= arch.shared_memory
+    if not fits:
+        TOO_LARGE.append(name)
+    print(f"  {name:40s} {resource_usage(compiled.asm['cubin'])}, shared {shared} B"
+          f"{'' if fits else f'  DOES NOT FIT {arch.name} ({arch.shared_memory} B)'}", flush=True)
+    return shared
 
 
 def build_bias_copy() -> None:
@@ -143,15 +165,20 @@ def build_bias_copy() -> None:
                        attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
     with direct_launches():
         options = compiler_options()
-    _report(float16_bias_copy_kernel, triton.compile(source, target=TARGET, options=options))
+    report(float16_bias_copy_kernel.fn.__name__, triton.compile(source, target=target(ARCH), options=options), ARCH)
 
 
 def main(selected: list) -> int:
     """Build CASES[i] for each index in ``selected`` and the bias copy where it names "copy"
-    (everything where it is empty)."""
+    (everything where it is empty), for the architecture ``--arch NAME`` names (sm_90
+    without it); non-zero where a build takes more shared memory than it has."""
+    global ARCH
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
+    if "--arch" in selected:
+        at = selected.index("--arch")
+        ARCH, selected = KNOWN[selected[at + 1]], selected[:at] + selected[at + 2:]
     if not selected:
         selected = [*map(str, range(len(CASES))), "copy"]
     for index in (int(i) for i in selected if i != "copy"):
@@ -167,12 +194,12 @@ def main(selected: list) -> int:
         flags = dict(H=3, N=n, D=head_dim, HAS_BIAS=True, HAS_MASK=True, COSINE=cosine,
                      FP32_DOT=dtype == torch.float32, HAS_DROPOUT=dropout)
         folded = folds_mask(dtype, 3, 16, n)  # as for 16 mask windows of 3 heads
-        fwd = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask=not folded)
-        bwd = config.backward_config(n, head_dim, dtype, cosine)
+        fwd = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask=not folded, arch=ARCH)
+        bwd = config.backward_config(n, head_dim, dtype, cosine, ARCH)
         streamed = n > fwd.block_n
         # the partitioned and the feature-map layout, and where the kernels of both passes read a
         # position bias from its table (plan.reads_table), the latter with the table too
-        table = reads_table(n, head_dim, dtype, cosine, dropout)
+        table = reads_table(n, head_dim, dtype, cosine, dropout, ARCH)
         layouts = ((0, False), (1, False)) + (((1, True),) if table else ())
         if n in (49, 64) and head_dim == 32:  # MaxViT's windows: its grid windows too
             layouts += ((2, table),)
@@ -224,14 +251,16 @@ def main(selected: list) -> int:
               config.with_changes(bwd, num_warps=4, maxnreg=None), shared_query=query)
         build(backward_dq_dbias.window_attention_bwd_dq_kernel, dtype,
               dict(blocks, SCALE_GRAD=cosine, FROM_REGIONS=kinds[0]), bwd, streamed_bias, query)
-        dbias = config.dbias_config(n, head_dim, dtype, cosine)
+        dbias = config.dbias_config(n, head_dim, dtype, cosine, ARCH)
         for atomic_sum in (True, False):  # as by default, and as in deterministic mode
             build(backward_dq_dbias.window_attention_bwd_dbias_kernel, dtype,
                   dict(blocks, BLOCK_M=dbias.block_m, BLOCK_N=dbias.block_n, BLOCK_D=dbias.block_d,
                        ATOMIC_SUM=atomic_sum), dbias, streamed_bias, query if atomic_sum else 0)
     if "copy" in selected:
         build_bias_copy()
-    return 0
+    if TOO_LARGE:
+        print(f"{len(TOO_LARGE)} builds take more shared memory than {ARCH.name} has", file=sys.stderr)
+    return 1 if TOO_LARGE else 0
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
-"""Compile the local-attention kernels for a Hopper GPU (sm_90) without one.
+"""Compile the local-attention kernels for a GPU architecture (sm_90 by default) without one.
 
 What the interpreter cannot check: constexpr branches, loop-carried types, and whether a
-launch plan (kernels/local_launch.py) fits: registers, spills (the stack frame), shared
-memory (at most 227 KiB per program on an H100). Builds each kernel for the head dims and
-dtypes of the plans, with and without sink and dropout, as a launch on contiguous tensors
-specializes it, prints each one's resources, and exits non-zero where a build fails or its
-shared memory does not fit.
+launch plan (kernels/local_launch.py, fitted to the architecture: kernels/budget.py) fits:
+registers, spills (the stack frame), shared memory (227 KiB per program on an H100, 99 KiB
+on an RTX 4090). Builds each kernel for the head dims and dtypes of the plans, with and
+without sink and dropout, as a launch on contiguous tensors specializes it, prints each
+one's resources, and exits non-zero where a build fails or its shared memory does not fit.
 
-    TRITON_INTERPRET=0 python tests/local_sm90_build.py [--quick | --smoke]
+    TRITON_INTERPRET=0 python tests/local_arch_build.py [--quick | --smoke] [--arch sm_86]
 """
 from __future__ import annotations
 
@@ -19,17 +19,16 @@ import triton
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sm90_build import TARGET, TRITON_TYPES, resource_usage  # noqa: E402
+from arch_build import TRITON_TYPES, report, target  # noqa: E402
 
 from timm_flashwin.dispatch import direct_launches  # noqa: E402
 from timm_flashwin.kernels import local_launch  # noqa: E402
+from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
 from timm_flashwin.kernels.config import tile_side  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options  # noqa: E402
 from timm_flashwin.kernels.local_backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel  # noqa: E402,E501
 from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # noqa: E402
 
-#: H100: 227 KiB of shared memory per block
-SHARED_LIMIT = 232448
 #: integer arguments a launch specializes to the constant 1 where they are 1 (Triton does so
 #: for any integer not in a kernel's do_not_specialize): S_q = S_k = 1 with one head; and "period",
 #: which stands for a sliding window here (PERIODIC False: the kernels make it the constant 1)
@@ -82,23 +81,20 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict, ones=()):
     return types, constexprs, attrs
 
 
-def build(kernel, dtype: torch.dtype, constexprs: dict, warps: int, stages: int, ones=()) -> bool:
+def build(kernel, dtype: torch.dtype, constexprs: dict, warps: int, stages: int, arch: Arch, ones=()) -> bool:
     types, constexprs, attrs = signature(kernel, dtype, constexprs, ones)
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs)
     with direct_launches():
         options = dict(compiler_options(warps), num_stages=stages)
-    compiled = triton.compile(source, target=TARGET, options=options)
-    shared = compiled.metadata.shared
-    fits = shared <= SHARED_LIMIT
-    print(f"  {kernel.fn.__name__:36s} {resource_usage(compiled.asm['cubin'])}, shared {shared} B"
-          f"{'' if fits else '  DOES NOT FIT'}", flush=True)
-    return fits
+    compiled = triton.compile(source, target=target(arch), options=options)
+    return report(kernel.fn.__name__, compiled, arch) <= arch.shared_memory
 
 
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
+    arch = KNOWN[sys.argv[sys.argv.index("--arch") + 1]] if "--arch" in sys.argv else KNOWN["sm_90"]
     ok = True
     cases = QUICK if "--quick" in sys.argv else SMOKE if "--smoke" in sys.argv else CASES
     for head_dim, dtype, sink, dropout, ones in cases:
@@ -112,15 +108,15 @@ def main() -> int:
             # suite's smoke case, also fitted to short sequences (local_launch.fitted: 4 and 16
             # queries against 16 and 64 keys, Hiera's pooling blocks)
             classes = (local_launch.SHORT, local_launch.LONG, local_launch.TALL)
-            plans = [local_launch.plan(kind, head_dim, dtype, rows) for rows in classes]
+            plans = [local_launch.plan(kind, head_dim, dtype, rows, arch=arch) for rows in classes]
             if cases is not SMOKE:
-                plans += [local_launch.plan(kind, head_dim, dtype, local_launch.SHORT, *lengths)
+                plans += [local_launch.plan(kind, head_dim, dtype, local_launch.SHORT, *lengths, arch=arch)
                           for lengths in ((4, 16), (16, 64))]
             for tiles in dict.fromkeys(plans):
                 # the forward as a positive scale builds it (local_launch.fold_scale)
                 fwd_flags = dict(FOLD_SCALE=local_launch.fold_scale(1.0, head_dim)) if kind == "fwd" else {}
                 ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **fwd_flags),
-                            tiles.num_warps, tiles.num_stages, ones)
+                            tiles.num_warps, tiles.num_stages, arch, ones)
     return 0 if ok else 1
 
 
