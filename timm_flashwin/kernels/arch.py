@@ -9,8 +9,8 @@ limits the plans must respect; ``TIMM_FLASHWIN_ASSUME_ARCH`` (``sm_80``, ``sm_86
 answer that architecture's limits instead: with ``DISABLE_MMA_V3=1`` on an H100/H200, Triton
 then builds the very kernels an RTX 4090 or an A100 gets (mma.sync, their tiles and stages).
 
-Below sm_80 the kernels are served where Triton builds them and they fit (``serves``);
-elsewhere the op computes with PyTorch (timm's math) and says so once (``unserved_reason``).
+Below sm_80 the kernels are served where Triton builds them and they fit; elsewhere the op
+computes with PyTorch (timm's math) and says so once (``unserved_reason``).
 """
 from __future__ import annotations
 
@@ -115,21 +115,19 @@ def _read(index: int) -> Arch:
     return Arch(f"sm_{capability}", capability, shared, props.multi_processor_count)
 
 
-def serves(arch: Arch, dtype: torch.dtype) -> bool:
-    """Whether the kernels run on ``arch`` for inputs of ``dtype`` (``unserved_reason``)."""
-    return unserved_reason(arch, dtype) is None
-
-
 def unserved_reason(arch: Arch, dtype: torch.dtype) -> Optional[str]:
     """Why the kernels do not run on ``arch`` for ``dtype`` (None where they do).
 
-    sm_75 (T4, RTX 20xx) and sm_70 (V100) have no bfloat16 tensor cores, and Triton builds
-    bf16 products there only by emulation it does not offer for tl.dot (compile-only
-    builds, tests/arch_build.py); float16 and float32 build and fit (the plans shrink to
-    their 64 and 96 KB). Older GPUs, and backends Triton does not build for, take
-    PyTorch's math."""
+    Below sm_80 (T4 and RTX 20xx sm_75, V100 sm_70) Triton 3.8 builds every kernel in every
+    dtype (compile-only builds, 2026-11-28), and the plans fit their 64 and 96 KB: float16
+    and float32 are served there. bfloat16 products have no tensor cores there and Triton
+    builds them on the CUDA cores: never run on such a GPU by this project, so PyTorch's
+    math (timm's) computes them. Older GPUs, and backends Triton does not build for, take
+    PyTorch's math too."""
+    if arch.backend in ("interpreter", "hip"):
+        return None
     if arch.backend != "cuda":
-        return None if arch.backend in ("interpreter", "hip") else f"backend {arch.backend} is not served"
+        return f"backend {arch.backend} is not served"
     if arch.capability >= MIN_CAPABILITY:
         return None
     if arch.capability < 70:
