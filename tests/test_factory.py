@@ -212,6 +212,16 @@ def test_repeated_and_nested_activation():
     assert timm.create_model is TIMM.create_model
 
 
+def test_patched_timm_scopes_the_factory_not_the_models():
+    """What the docstring and the README say: a model created inside stays patched after
+    the block; the factory alone is restored."""
+    with patched_timm() as created:
+        inside = timm.create_model(SWIN, **TINY)
+    assert is_patched(inside) and len(created) == 1
+    assert not is_patched(timm.create_model(SWIN, **TINY))
+    assert "stays patched after" in patched_timm.__doc__
+
+
 def test_report_logged_once_and_other_models_left_alone(caplog):
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="timm_flashwin"):
         warnings.simplefilter("always")

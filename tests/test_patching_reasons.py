@@ -98,6 +98,29 @@ def test_unsupported_head_dim_is_skipped_with_reason():
         torch.testing.assert_close(model.eval()(x), ref.eval()(x), rtol=1e-4, atol=1e-5)
 
 
+def test_strict_counts_only_what_filter_fn_did_not_exclude():
+    """strict=True with a filter_fn: modules opted out on purpose are no failure; the ones
+    the op cannot serve and the filter kept still are."""
+    unservable = dict(num_heads=(2, 8), embed_dim=528)  # layers.0: head_dim 264
+    model = patch_model(tiny_swin(**unservable), strict=True, filter_fn=lambda module, name: name.startswith("layers.1"))
+    assert [m.name for m in patch_report(model).patched] == ["layers.1.blocks.0.attn", "layers.1.blocks.1.attn"]
+    assert {m.reason for m in patch_report(model).skipped} == {"excluded by filter_fn"}
+    with pytest.raises(PatchError) as info:
+        patch_model(tiny_swin(**unservable), strict=True, filter_fn=lambda module, name: name.startswith("layers.0"))
+    assert info.value.reasons == {"layers.0.blocks.0.attn": "head_dim 264 is not in [1, 256]",
+                                  "layers.0.blocks.1.attn": "head_dim 264 is not in [1, 256]"}
+
+
+def test_a_model_name_instead_of_a_model():
+    name = "swin_tiny_patch4_window7_224"
+    for function in (patch_model, unpatch_model, patch_report, is_patched):
+        with pytest.raises(TypeError, match=r"expects a torch.nn.Module, got str; build the model first, "
+                                            r"e.g. timm.create_model\('swin_tiny_patch4_window7_224'\)"):
+            function(name)
+    with pytest.raises(TypeError, match="expects a torch.nn.Module, got OrderedDict"):
+        patch_model(tiny_swin().state_dict())
+
+
 def test_timm_version_without_expected_attribute(monkeypatch):
     monkeypatch.setattr(ADAPTERS["swin"], "required", ADAPTERS["swin"].required + ("attribute_of_another_timm",))
     model = tiny_swin()

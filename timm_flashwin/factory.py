@@ -4,7 +4,7 @@ While active, every model ``timm.create_model`` returns is patched (``patch_mode
 the arguments given) before its caller sees it, so that a script timm_flashwin never
 edits (timm's train.py, validate.py, a lab's fork of them) trains the patched model.
 Models without a timm window-attention module (ResNet, ViT, ...) are returned as timm
-built them, with no warning; ``strict`` applies to the Swin models.
+built them, with no warning; ``strict`` applies to the models with window attention.
 
 How: one ``wrapt.FunctionWrapper`` around the function ``timm.models._factory`` defines.
 The factory runs outside any compiled region, so dynamo's handling of wrapt proxies
@@ -155,10 +155,10 @@ def patch_timm(**patch_kwargs: Any) -> None:
     """Patch every model timm's factory returns from now on, until ``unpatch_timm()``.
 
     ``patch_kwargs`` are ``patch_model``'s (strict, filter_fn, recompute_qkv, feature_map);
-    they apply to every Swin model created while active. Calling it again while active
-    replaces them (the wrapper is installed once). Each patched model's report summary is
-    logged once on the ``timm_flashwin`` logger, as ``patch_model`` logs it; models without
-    timm window attention are left alone without a warning. Reached by
+    they apply to every model with timm window attention created while active. Calling it
+    again while active replaces them (the wrapper is installed once). Each patched model's
+    report summary is logged once on the ``timm_flashwin`` logger, as ``patch_model`` logs
+    it; models without timm window attention are left alone without a warning. Reached by
     ``timm.create_model``, ``timm.models.create_model``, and ``from timm import
     create_model`` run before or after this call (module-level names; see the module's
     docstring for what is not).
@@ -190,7 +190,11 @@ def patched_timm(**patch_kwargs: Any) -> Iterator[List[CreatedModel]]:
     """``with patched_timm(**patch_kwargs) as created:``: ``patch_timm`` on entry; on exit
     (also on an exception) timm's factory as it was on entry: unpatched, or patched with
     the enclosing arguments when nested. ``created`` lists the models the factory returned
-    inside, each with its patch report."""
+    inside, each with its patch report.
+
+    The scope is the factory's, not the models': a model created inside stays patched after
+    the block (``unpatch_model`` or ``patched(model)`` for a model's own scope); only models
+    created after it come unpatched."""
     with _lock:
         previous = _settings
         patch_timm(**patch_kwargs)

@@ -220,7 +220,11 @@ class PatchError(ValueError):
 # --------------------------------------------------------------------------- helpers
 def _attention_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, Optional[WindowAttentionAdapter], str]]:
     """(name, module, adapter or None, family) for every timm window-attention module.
-    Subclasses of timm's classes get no adapter: their forward may differ."""
+    Subclasses of timm's classes get no adapter: their forward may differ. What is not a
+    module (a model's name, a state_dict) is a TypeError saying what is expected."""
+    if not isinstance(model, nn.Module):
+        hint = f"; build the model first, e.g. timm.create_model({model!r})" if isinstance(model, str) else ""
+        raise TypeError(f"timm_flashwin expects a torch.nn.Module, got {type(model).__name__}{hint}")
     for name, module in model.named_modules():
         for adapter in ADAPTERS.values():
             cls = adapter.module_type()
@@ -230,12 +234,17 @@ def _attention_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, Optio
                 break
 
 
-def _unsupported(module: nn.Module, adapter: Optional[WindowAttentionAdapter], name: str,
+#: the reason of the modules filter_fn opted out of: a choice, which strict does not count
+EXCLUDED_BY_FILTER = "excluded by filter_fn"
+
+
+def _skip_reason(module: nn.Module, adapter: Optional[WindowAttentionAdapter], name: str,
                  filter_fn: Optional[FilterFn]) -> Optional[str]:
+    """Why ``module`` keeps timm's forward, or None where it is patched."""
+    if filter_fn is not None and not filter_fn(module, name):
+        return EXCLUDED_BY_FILTER
     if adapter is None:
         return f"{type(module).__name__} subclasses timm's class; its forward may differ"
-    if filter_fn is not None and not filter_fn(module, name):
-        return "excluded by filter_fn"
     return adapter.unsupported(module)
 
 
@@ -297,6 +306,7 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
         model: any nn.Module.
         strict: raise ``PatchError`` (a ValueError) listing every module that cannot be
             served, and patch nothing; raise ValueError if there is nothing to patch.
+            Modules ``filter_fn`` opts out of are not counted: they are left on purpose.
         filter_fn: ``(module, qualified_name) -> bool``; False keeps that module on timm.
         recompute_qkv: where gradients are recorded, do not keep the qkv projection's output
             (B_, N, 3 C) for the backward but compute it again there from the module's
@@ -332,9 +342,10 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
         return model
     reasons = {name: why for name, module, adapter, _ in found
                if not _is_patched(module)
-               and (why := _unsupported(module, adapter, name, filter_fn)) is not None}
-    if strict and reasons:
-        raise PatchError(model_name, reasons)
+               and (why := _skip_reason(module, adapter, name, filter_fn)) is not None}
+    failures = {name: why for name, why in reasons.items() if why != EXCLUDED_BY_FILTER}
+    if strict and failures:
+        raise PatchError(model_name, failures)
     for name, module, adapter, family in found:
         if name in reasons:
             module.__dict__[_SKIP_ATTR] = reasons[name]
