@@ -247,3 +247,32 @@ def test_dense_output_gradients_of_any_layout_are_recorded():
     assert host_program._dense(torch.randn(2, 1, 4, 8).transpose(0, 1))
     assert not host_program._dense(torch.randn(1, 1, 4, 8).expand(2, 5, 4, 8))
     assert not host_program._dense(g[..., :4])
+
+
+def test_the_extension_build_is_announced_and_can_run_ahead(monkeypatch, capsys, tmp_path):
+    """The build (about a minute, on the first eager call on a GPU) says a line when it starts,
+    with how to build ahead of time or switch it off, and one when it ends; a cached build
+    loads without a word; switched off, nothing is built. torch's build is replaced here."""
+    from torch.utils import cpp_extension
+
+    import timm_flashwin
+    built, loads = object(), []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the cache: tmp_path/NAME/NAME.so
+    monkeypatch.setenv("TIMM_FLASHWIN_HOST_PROGRAMS", "1")
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", lambda name, **kwargs: loads.append(name) or built)
+    monkeypatch.setattr(native, "_state", {})
+    capsys.readouterr()  # what importing cpp_extension may log (no CUDA runtime found)
+    assert timm_flashwin.build_extensions() is True and native.module() is built and len(loads) == 1
+    start, end = capsys.readouterr().err.splitlines()
+    assert start.startswith("timm_flashwin: building the host-program extension (C++, about a minute")
+    assert "timm_flashwin.build_extensions()" in start and "TIMM_FLASHWIN_HOST_PROGRAMS=0" in start
+    assert end.startswith("timm_flashwin: host-program extension built in ")
+
+    (tmp_path / loads[0] / f"{loads[0]}{cpp_extension.LIB_EXT}").touch()  # as torch's build leaves it
+    monkeypatch.setattr(native, "_state", {})
+    assert timm_flashwin.build_extensions() is True and len(loads) == 2 and capsys.readouterr().err == ""
+
+    monkeypatch.setenv("TIMM_FLASHWIN_HOST_PROGRAMS", "0")
+    monkeypatch.setattr(native, "_state", {})
+    assert timm_flashwin.build_extensions() is False and len(loads) == 2 and capsys.readouterr().err == ""

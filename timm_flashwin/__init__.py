@@ -30,11 +30,17 @@ Local attention, q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D)
     block_sliding_window_attention(q, k, v, *, block_size, window_blocks, sink_tokens,
                                    scale, dropout_p)
 
+The host-program extension (eager calls on CUDA replayed from C++; ``TIMM_FLASHWIN_HOST_PROGRAMS=0``
+turns it off)
+    build_extensions() -> bool: build it now (about a minute, once per machine and torch
+        version) rather than on the first eager call on a GPU
+
 Command line: ``timm-flashwin verify | list | bench | run`` (``--help`` on each).
 Design and measurements: docs/design.md and benchmarks/RESULTS.md in the repository.
 """
 from .factory import CreatedModel, patch_timm, patched_timm, unpatch_timm
 from .local_attention import block_sliding_window_attention, sliding_window_attention
+from .native import build_extensions
 from .op import window_attention
 from .position_bias import TableBias
 from .patching import PatchError, is_patched, patch_model, patch_report, patched, unpatch_model
@@ -52,6 +58,7 @@ __all__ = [
     "TableBias",
     "WindowGrid",
     "block_sliding_window_attention",
+    "build_extensions",
     "is_patched",
     "patch_model",
     "patch_report",
