@@ -1,7 +1,9 @@
-"""timm_flashwin: fused Triton window attention for timm's Swin, SwinV2 and SwinV2-CR.
+"""timm_flashwin: fused Triton window attention for timm's window-attention models (Swin,
+SwinV2, SwinV2-CR, MaxViT, CoAtNet, TinyViT, DaViT, Twins-SVT, NesT, Hiera, GCViT).
 
     import timm, timm_flashwin
-    model = timm.create_model("swinv2_tiny_window8_256").cuda()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU computes in PyTorch
+    model = timm.create_model("swinv2_tiny_window8_256").to(device)
     timm_flashwin.patch_model(model)           # in place, one line
     with timm_flashwin.patched(other_model):   # temporary
         ...
@@ -37,38 +39,43 @@ turns it off)
 
 Command line: ``timm-flashwin verify | list | bench | run`` (``--help`` on each).
 Design and measurements: docs/design.md and benchmarks/RESULTS.md in the repository.
+
+Each name is imported from its module on first use (``timm_flashwin.patch_model`` imports
+torch and timm then), so that ``import timm_flashwin`` and ``timm-flashwin --help`` stay
+fast. The op's torch.library operators (``torch.ops.timm_flashwin``) are registered once
+``timm_flashwin.op`` is imported: through ``window_attention`` or a patched model's first
+call, or ``import timm_flashwin.op`` before loading an exported program that holds them.
 """
-from .factory import CreatedModel, patch_timm, patched_timm, unpatch_timm
-from .local_attention import block_sliding_window_attention, sliding_window_attention
-from .native import build_extensions
-from .op import window_attention
-from .position_bias import TableBias
-from .patching import PatchError, is_patched, patch_model, patch_report, patched, unpatch_model
-from .report import ModuleStatus, PatchReport
-from .reference import window_attention_reference
-from .window_grid import WindowGrid
+import importlib
+from typing import Any, List
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CreatedModel",
-    "ModuleStatus",
-    "PatchError",
-    "PatchReport",
-    "TableBias",
-    "WindowGrid",
-    "block_sliding_window_attention",
-    "build_extensions",
-    "is_patched",
-    "patch_model",
-    "patch_report",
-    "patch_timm",
-    "patched",
-    "patched_timm",
-    "sliding_window_attention",
-    "unpatch_model",
-    "unpatch_timm",
-    "window_attention",
-    "window_attention_reference",
-    "__version__",
-]
+#: public name -> the submodule that defines it
+_SOURCES = {
+    "CreatedModel": "factory", "patch_timm": "factory", "patched_timm": "factory", "unpatch_timm": "factory",
+    "block_sliding_window_attention": "local_attention", "sliding_window_attention": "local_attention",
+    "window_attention": "op",
+    "TableBias": "position_bias",
+    "PatchError": "patching", "is_patched": "patching", "patch_model": "patching", "patch_report": "patching",
+    "patched": "patching", "unpatch_model": "patching",
+    "ModuleStatus": "report", "PatchReport": "report",
+    "window_attention_reference": "reference",
+    "WindowGrid": "window_grid",
+    "build_extensions": "native",
+}
+
+__all__ = sorted(_SOURCES) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (PEP 562)."""
+    if name not in _SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_SOURCES[name]}", __name__), name)
+    globals()[name] = value  # later lookups do not come here
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_SOURCES))

@@ -2,44 +2,94 @@
 
 The logic lives in the library (verify.py, discovery.py, bench.py, runner.py); this file parses
 arguments and prints. Exit codes: 0 success, 1 a mismatch (verify), 2 a usage problem; run
-exits as the script does.
+exits as the script does. Only the standard library is imported at the top: torch and timm
+take seconds to import, and ``--help`` or a usage error needs neither.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 import sys
 from typing import List, Optional
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+#: under verify's tables: why "timm err" and "patched err" can differ beside a 0 difference
+ERROR_COLUMNS = ("err: vs float64; timm err is the larger of two timm runs (the second on images moved by one ulp), "
+                 "so it can differ from patched err where patched vs timm is 0")
 
 
+# Argument types: a bad value is a usage problem (exit 2, argparse's one line naming the
+# option), not a traceback from deep inside the model.
 def _img_size(text: str):
-    parts = [int(p) for p in text.lower().replace("x", ",").split(",") if p]
+    try:
+        parts = [int(p) for p in text.lower().replace("x", ",").split(",") if p]
+    except ValueError:
+        parts = []
     if len(parts) not in (1, 2) or min(parts) < 1:
-        raise argparse.ArgumentTypeError(f"expected N or H,W, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected N or H,W of positive integers, got {text!r}")
     return parts[0] if len(parts) == 1 else tuple(parts)
 
 
+def _integer(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    return _integer(text, 1)
+
+
+def _count(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0.0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _device(text: str) -> str:
+    """cpu, cuda or cuda:N: what verify runs on (torch.device takes more, such as meta or
+    mps, where verify cannot run)."""
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="timm-flashwin", description="Fused window attention for timm Swin models.")
+    parser = argparse.ArgumentParser(prog="timm-flashwin", description="Fused Triton window attention for timm's "
+                                     "window-attention models (Swin, SwinV2, MaxViT, CoAtNet, ...; `list` shows them). "
+                                     "On a CPU, patched models compute in PyTorch (TRITON_INTERPRET=1: the kernels, "
+                                     "slowly).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser("verify", help="compare a patched timm model with the unpatched one, layer by layer")
     v.add_argument("name", help="timm model name")
     v.add_argument("--img-size", type=_img_size, default=None, help="N or H,W (default: the model's)")
-    v.add_argument("--batch", type=int, default=2)
+    v.add_argument("--batch", type=_positive_int, default=2)
     v.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="float16/bfloat16 run under autocast with float32 weights")
-    v.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    v.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda when available, "
+                                                                 "else cpu)")
     v.add_argument("--train", action="store_true", help="also compare every parameter's gradient")
     v.add_argument("--checkpoint", default=None, help="local .pth / .safetensors weights")
     v.add_argument("--pretrained", action="store_true", help="timm's hub weights")
-    v.add_argument("--seed", type=int, default=0,
+    v.add_argument("--seed", type=_count, default=0,
                    help="random init, perturbation, images and dropout: the same seed, the same run")
-    v.add_argument("--rtol", type=float, default=None, help="default per dtype (README)")
-    v.add_argument("--atol", type=float, default=None, help="default per dtype (README)")
+    v.add_argument("--rtol", type=_tolerance, default=None, help="default per dtype (README)")
+    v.add_argument("--atol", type=_tolerance, default=None, help="default per dtype (README)")
     v.add_argument("--json", action="store_true", help="print one JSON object")
 
     ls = sub.add_parser("list", help="timm models whose window attention is patched")
@@ -48,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="images/s and peak memory, unpatched against patched (GPU)")
     b.add_argument("name")
-    b.add_argument("--batch", type=int, default=64)
+    b.add_argument("--batch", type=_positive_int, default=64)
     b.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     b.add_argument("--img-size", type=_img_size, default=None)
     b.add_argument("--train", action="store_true", help="AMP training steps instead of inference")
@@ -60,8 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also the model patched with recompute_qkv=True (less training memory, a third row); "
                         "with names, only for the attention modules whose qualified names start with one "
                         "(e.g. layers.1.; give the model's name before this option)")
-    b.add_argument("--warmup", type=int, default=10)
-    b.add_argument("--repeats", type=int, default=30)
+    b.add_argument("--warmup", type=_count, default=10)
+    b.add_argument("--repeats", type=_positive_int, default=30)
     b.add_argument("--json", action="store_true")
 
     r = sub.add_parser("run", help="run a Python script or module (-m) as python would, every model timm's "
@@ -70,8 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--report", action="store_true", help="print each created model's patch report at exit (stderr)")
     r.add_argument("--no-feature-map", action="store_true", help="patch_model(feature_map=False)")
     r.add_argument("--recompute-qkv", action="store_true", help="patch_model(recompute_qkv=True)")
-    r.add_argument("--strict", action="store_true", help="patch_model(strict=True): a Swin model with a module "
-                                                         "the op cannot serve raises PatchError in the script")
+    r.add_argument("--strict", action="store_true", help="patch_model(strict=True): a model with a window-attention "
+                                                         "module the op cannot serve raises PatchError in the script")
     r.add_argument("target", nargs=argparse.REMAINDER, help="SCRIPT or -m MODULE, then its arguments "
                                                             "(options of run go before it)")
     return parser
@@ -118,6 +168,7 @@ def _verify(args) -> int:
     for c in rows:
         table.add_row(c.name, _fmt(c.err_timm), _fmt(c.err_ours), _fmt(c.diff), _fmt(c.max_abs), _ok(c))
     console.print(table)
+    console.print(ERROR_COLUMNS)
     console.print(f"top-1 agreement: patched vs timm {result.top1_agreement:.1%}, timm vs float64 "
                   f"{result.top1_timm_vs_float64:.1%}, patched vs float64 {result.top1_ours_vs_float64:.1%}"
                   + (f"   (float16 loss scale {result.loss_scale:g})" if result.loss_scale != 1.0 else ""))

@@ -59,11 +59,17 @@ def _candidate_modules() -> List[str]:
                   and any(obj in classes for obj in vars(mod).values() if isinstance(obj, type)))
 
 
+#: timm's own test models (test_coatnet, test_maxvit...: tiny configurations for timm's test
+#: suite, not models to use) are not listed
+EXCLUDED_NAMES = ["test_*"]
+
+
 def supported_models(pattern: str = "*") -> List[ModelInfo]:
     """Every timm model name matching ``pattern`` (as timm.list_models) that builds at
-    least one window-attention module the patcher serves."""
+    least one window-attention module the patcher serves, timm's test models left out."""
     import timm
-    names = sorted({n for module in _candidate_modules() for n in timm.list_models(pattern, module=module)})
+    names = sorted({n for module in _candidate_modules()
+                    for n in timm.list_models(pattern, module=module, exclude_filters=EXCLUDED_NAMES)})
     found = []
     for name in names:
         try:

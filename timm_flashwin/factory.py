@@ -22,8 +22,8 @@ timm's function, unpatched. A reference to the wrapper kept past deactivation ca
 function and patches nothing (it patches again while active).
 
 If timm is not imported yet, a wrapt post-import hook installs the wrapper once it is.
-(Importing timm_flashwin imports timm today; the hook keeps this module independent of
-that.)
+(``patch_timm`` checks its arguments against ``patch_model``, whose module imports timm,
+so timm is imported by then today; the hook keeps this module independent of that.)
 """
 from __future__ import annotations
 

@@ -167,6 +167,12 @@ class VerifyResult:
 
 
 # --------------------------------------------------------------------------- building
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's first line, for a one-line usage error."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
 def resolve_device(device: Optional[str]) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -208,7 +214,7 @@ def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoin
     except (OSError, RuntimeError, ValueError) as exc:
         if pretrained:
             raise UsageError(f"{name}: the pretrained weights could not be fetched (offline?): "
-                             f"{str(exc).splitlines()[0][:200]}") from None
+                             f"{_first_line(exc)}") from None
         raise
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
@@ -266,6 +272,8 @@ def verify_model(
     """
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if batch < 1:
+        raise UsageError(f"--batch {batch}: expected an integer >= 1")
     dev = resolve_device(device)
     rtol = RTOL[dtype] if rtol is None else rtol
     atol = ATOL[dtype] if atol is None else atol
@@ -314,7 +322,11 @@ def verify_model(
 
     loss_scale = 1.0
     with torch.set_grad_enabled(train):
-        ref_out = run(reference, True)
+        try:
+            ref_out = run(reference, True)
+        except (RuntimeError, AssertionError, ValueError) as exc:  # timm's own model, before any patched call
+            raise UsageError(f"{name} (timm's own model, unpatched) cannot run images of {size[0]}x{size[1]}: "
+                             f"{_first_line(exc)}") from None
         timm_out = run(timm_model, False)
         while train and dtype == "float16" and loss_scale > 2.0 ** -32 and not all(
                 torch.isfinite(p.grad).all() for p in timm_model.parameters() if p.grad is not None):
