@@ -1,11 +1,13 @@
-"""Data-parallel training of a patched timm Swin: DistributedDataParallel or FSDP2.
+"""Data-parallel training of a patched timm Swin under torchrun: DistributedDataParallel or
+FSDP2.
 
 On GPUs (NCCL, one GPU per process, bfloat16 autocast):
 
     torchrun --standalone --nproc_per_node=2 examples/train_ddp.py [--fsdp] [--steps 20] [--model NAME]
 
-On a CPU (gloo, float32; TRITON_INTERPRET=1 runs the Triton kernels there, slowly, so
-shrink the model; 56 = 4 x 14 pixels gives whole 7x7 windows, without padding):
+On a CPU (gloo, float32), a model small enough to train in under a minute on 2 cores (56 =
+4 x 14 pixels gives whole 7x7 windows, without padding); TRITON_INTERPRET=1 runs the Triton
+kernels under the interpreter, slowly (without it the patched modules compute in PyTorch):
 
     TRITON_INTERPRET=1 torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --device cpu \\
         --img-size 56 --embed-dim 32 --depths 2 2 --num-heads 2 4 --num-classes 10 --batch 2 --steps 2 [--fsdp]
@@ -25,7 +27,7 @@ import os
 import sys
 import time
 import warnings
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import timm
 import torch
@@ -41,21 +43,34 @@ except ImportError:  # torch 2.4 / 2.5
     from torch.distributed._composable.fsdp import fully_shard
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="swin_tiny_patch4_window7_224")
+#: what torchrun sets in each process's environment, and init_process_group reads
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The options; outside torchrun, a usage error saying how to launch (exit 2)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="swin_tiny_patch4_window7_224", help="timm model name")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DistributedDataParallel")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
     parser.add_argument("--batch", type=int, default=32, help="images per process and step")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--img-size", type=int, default=None, help="default: the model's own")
-    parser.add_argument("--num-classes", type=int, default=1000)
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda: NCCL, a GPU per process; cpu: gloo")
+    parser.add_argument("--img-size", type=int, default=None, help="image side in pixels; None: the model's own")
+    parser.add_argument("--num-classes", type=int, default=1000, help="classifier outputs")
     # Overrides of the model's architecture, for a model small enough to train on a CPU.
-    parser.add_argument("--embed-dim", type=int, default=None)
-    parser.add_argument("--depths", type=int, nargs="+", default=None)
-    parser.add_argument("--num-heads", type=int, nargs="+", default=None)
-    return parser.parse_args()
+    parser.add_argument("--embed-dim", type=int, default=None, help="the model's width; None: its own")
+    parser.add_argument("--depths", type=int, nargs="+", default=None, help="blocks per stage; None: its own")
+    parser.add_argument("--num-heads", type=int, nargs="+", default=None, help="heads per stage; None: its own")
+    args = parser.parse_args(argv)
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        parser.error(f"not launched by torchrun ({', '.join(missing)} not set); launch it as "
+                     f"torchrun --standalone --nproc_per_node=2 {sys.argv[0]} ... (the module docstring: "
+                     f"a small CPU setting too)")
+    return args
 
 
 def setup(device_type: str) -> torch.device:
@@ -120,8 +135,8 @@ def exit_before_interpreter_shutdown() -> None:
     os._exit(0)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
     device = setup(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args, device)

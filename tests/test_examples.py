@@ -1,25 +1,73 @@
-"""examples/train_local.py runs as its docstring says and its own check holds: the frame
-model trained with the local-attention operators (the Triton kernels, under the
-interpreter on a CPU) has the losses of the same model on the PyTorch reference, step by
-step, and its loss goes down. Small sizes: the interpreter runs every program in Python."""
-import os
-import subprocess
-import sys
+"""examples/*.py: each has --help with a description and its defaults, runs as its docstring
+says (small sizes: under the interpreter on a CPU every program runs in Python) printing its
+progress, and its own check holds. Run in this process (imported from their files; no
+subprocess): train_ddp.py under torchrun is tests/test_distributed.py's."""
+import importlib.util
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "examples" / "train_local.py"
+EXAMPLES = ("inference", "train_amp", "train_ddp", "train_local")
 
 
-def test_train_local_losses_match_the_reference():
-    command = [sys.executable, str(EXAMPLE), "--steps", "3", "--frames", "3", "--frame-tokens", "8", "--local", "8",
-               "--dim", "16", "--heads", "2", "--kv-heads", "1", "--layers", "1", "--batch", "1", "--sinks", "2",
-               "--window", "2"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    assert "losses match" in done.stdout, output[-4000:]
+def example(name: str) -> ModuleType:
+    """examples/NAME.py as a module (its ``if __name__ == "__main__"`` part not run)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_example_has_help_with_defaults(capsys):
+    for name in EXAMPLES:
+        module = example(name)
+        with pytest.raises(SystemExit) as info:
+            module.parse_args(["--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert info.value.code == 0 and "(default: " in out, name
+        assert " ".join(module.__doc__.split()[:6]) in out, name  # the docstring's opening, as the description
+
+
+def test_train_ddp_outside_torchrun_says_how_to_launch(capsys, monkeypatch):
+    for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(SystemExit) as info:
+        example("train_ddp").main(["--device", "cpu"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert "error: not launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set)" in err
+    assert "torchrun --standalone --nproc_per_node=2" in err
+
+
+def test_inference_compares_a_model_whose_attention_matters(capsys, monkeypatch):
+    """The perturbed weights make attention reach the output: the check passes, and a
+    kernel 1 % off fails it (timm's zero-initialised SwinV2 would pass anything)."""
+    inference = example("inference")
+    argv = ["--batch", "1", "--img-size", "32"]
+    inference.main(argv)
+    out = capsys.readouterr().out
+    assert "building swinv2_tiny_window8_256 (random init, perturbed)" in out
+    assert "running the patched model (attention: triton-interpreter)" in out
+    assert "top-1 agreement with unpatched timm 100%" in out
+
+    import timm_flashwin.adapters.base as base
+    real = base.window_attention
+    monkeypatch.setattr(base, "window_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    with pytest.raises(SystemExit, match="the patched model's output differs from timm's by"):
+        inference.main(argv)
+
+
+def test_train_local_losses_match_the_reference(capsys):
+    """The frame model trained with the local-attention operators (the Triton kernels, under
+    the interpreter) has the losses of the same model on the PyTorch reference, step by
+    step, each printed as it is done, and its loss goes down."""
+    example("train_local").main(["--steps", "3", "--frames", "3", "--frame-tokens", "8", "--local", "8", "--dim",
+                                 "16", "--heads", "2", "--kv-heads", "1", "--layers", "1", "--batch", "1",
+                                 "--sinks", "2", "--window", "2"])
+    out = capsys.readouterr().out
+    assert "losses match" in out, out
     # three steps printed: step, reference loss, flashwin loss, relative difference
-    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
-    assert len(rows) == 3 and all(float(row[3]) <= 1e-4 for row in rows), done.stdout
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
+    assert len(rows) == 3 and all(float(row[3]) <= 1e-4 for row in rows), out
