@@ -208,6 +208,10 @@ def test_list_maxvit_and_coatnet(capsys):
     assert code == 0 and "maxxvit_2d" in out and "24x24 12x12" in out and "14x14 7x7" in out
     code, out, _ = run_cli(capsys, "list", "test_*", "--json")  # timm's test_coatnet, test_maxvit: not listed
     assert code == 0 and json.loads(out) == []
+    from timm_flashwin.discovery import supported_models
+    calls = []  # what list's progress bar is told, before each model built
+    assert len(supported_models("swinv2_cr_tiny_*", progress=lambda *call: calls.append(call))) == 3
+    assert calls == [(0, 3), (1, 3), (2, 3)]
 
 
 def test_python_dash_m_help_starts_without_torch():

@@ -191,10 +191,16 @@ def _verify(args) -> int:
 
 
 def _list(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
     from rich.table import Table
 
     from .discovery import supported_models
-    infos = supported_models(args.pattern)
+    # building every candidate takes a while: a bar on a terminal's stderr (transient), else nothing
+    with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
+        task = bar.add_task("building timm's candidate models on the meta device", total=None)
+        infos = supported_models(args.pattern, progress=lambda done, total: bar.update(task, completed=done,
+                                                                                        total=total))
     if args.json:
         print(json.dumps([dict(name=i.name, families=i.families, stage_windows=[list(w) if w else None for w in i.stage_windows],
                                modules=i.modules) for i in infos]))
