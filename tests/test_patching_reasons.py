@@ -121,6 +121,17 @@ def test_a_model_name_instead_of_a_model():
         patch_model(tiny_swin().state_dict())
 
 
+def test_the_readme_shows_patch_models_signature():
+    """The README states patch_model's options as keyword-only, with their defaults."""
+    import inspect
+    from pathlib import Path
+    parameters = list(inspect.signature(patch_model).parameters.values())
+    assert parameters[0].name == "model" and all(p.kind is p.KEYWORD_ONLY for p in parameters[1:])
+    options = ", ".join(f"{p.name}={p.default!r}" for p in parameters[1:])
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert f"`patch_model(model, *, {options})`" in readme
+
+
 def test_timm_version_without_expected_attribute(monkeypatch):
     monkeypatch.setattr(ADAPTERS["swin"], "required", ADAPTERS["swin"].required + ("attribute_of_another_timm",))
     model = tiny_swin()
