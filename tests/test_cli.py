@@ -142,6 +142,19 @@ def test_cuda_asked_but_absent(capsys):
     assert code == 2 and "no CUDA device" in err
 
 
+def test_a_device_or_batch_the_library_cannot_take(monkeypatch):
+    """The Python API's checks behind the command line's: a GPU index past the machine's
+    (two GPUs pretended here), a batch of 0."""
+    from timm_flashwin.verify import UsageError, resolve_device, verify_model
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(UsageError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\), cuda:0 to cuda:1"):
+        resolve_device("cuda:2")
+    with pytest.raises(UsageError, match="--batch 0: expected an integer >= 1"):
+        verify_model("swin_tiny_patch4_window7_224", batch=0)
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="bench runs on a GPU")
 def test_bench_on_cpu_exits_2(capsys):
     code, _, err = run_cli(capsys, "bench", "swin_tiny_patch4_window7_224")

@@ -1,7 +1,7 @@
 """timm_flashwin: fused Triton window attention for timm's window-attention models (Swin,
 SwinV2, SwinV2-CR, MaxViT, CoAtNet, TinyViT, DaViT, Twins-SVT, NesT, Hiera, GCViT).
 
-    import timm, timm_flashwin
+    import timm, torch, timm_flashwin
     device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU computes in PyTorch
     model = timm.create_model("swinv2_tiny_window8_256").to(device)
     timm_flashwin.patch_model(model)           # in place, one line

@@ -174,11 +174,16 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
 
 
 def resolve_device(device: Optional[str]) -> torch.device:
+    """The device verify runs on (None: cuda when available, else cpu); UsageError for one
+    this machine does not have."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: CUDA was asked for but no CUDA device is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 
