@@ -64,7 +64,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             optimizers[name].zero_grad(set_to_none=True)
             losses[name] = loss.item()
         worst = max(worst, abs(losses["timm"] - losses["flashwin"]) / max(abs(losses["timm"]), 1.0))
-        print(f"step {step:3d}/{args.steps}  timm {losses['timm']:.4f}  flashwin {losses['flashwin']:.4f}", flush=True)
+        print(f"step {step + 1:3d}/{args.steps}  timm {losses['timm']:.4f}  flashwin {losses['flashwin']:.4f}", flush=True)
     if not worst <= tolerance:
         sys.exit(f"losses differ by {worst:.1e} (> {tolerance})")
     print(f"losses match within {tolerance} (largest difference {worst:.1e}; {device}, "

