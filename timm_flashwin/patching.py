@@ -42,7 +42,8 @@ from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .adapters import ADAPTERS, WindowAttentionAdapter
+from . import patching_hf
+from .adapters import ADAPTERS, HF_ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
 from .adapters.rel_pos import KEPT_ATTR
 from .hooks import runs_hooks
@@ -219,17 +220,19 @@ class PatchError(ValueError):
 
 # --------------------------------------------------------------------------- helpers
 def _attention_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, Optional[WindowAttentionAdapter], str]]:
-    """(name, module, adapter or None, family) for every timm window-attention module.
-    Subclasses of timm's classes get no adapter: their forward may differ. What is not a
-    module (a model's name, a state_dict) is a TypeError saying what is expected."""
+    """(name, module, adapter or None, family) for every timm (or transformers')
+    window-attention module. Subclasses of their classes get no adapter: their forward
+    may differ. What is not a module (a model's name, a state_dict) is a TypeError saying
+    what is expected."""
     if not isinstance(model, nn.Module):
         hint = f"; build the model first, e.g. timm.create_model({model!r})" if isinstance(model, str) else ""
         raise TypeError(f"timm_flashwin expects a torch.nn.Module, got {type(model).__name__}{hint}")
+    served = [(adapter, cls) for adapter in (*ADAPTERS.values(), *HF_ADAPTERS.values())
+              if (cls := adapter.module_type()) is not None]
     for name, module in model.named_modules():
-        for adapter in ADAPTERS.values():
-            cls = adapter.module_type()
+        for adapter, cls in served:
             if isinstance(module, cls):
-                own = type(module) in (cls, PATCHED_CLASSES[adapter.family])
+                own = type(module) is cls or type(module) is _patched_class_of(adapter.family)
                 yield name, module, (adapter if own else None), adapter.family
                 break
 
@@ -238,13 +241,19 @@ def _attention_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, Optio
 EXCLUDED_BY_FILTER = "excluded by filter_fn"
 
 
-def _skip_reason(module: nn.Module, adapter: Optional[WindowAttentionAdapter], name: str,
+def _patched_class_of(family: str) -> type:
+    """The class a patched module of ``family`` takes."""
+    return PATCHED_CLASSES[family] if family in PATCHED_CLASSES else patching_hf.patched_class(family)
+
+
+def _skip_reason(module: nn.Module, adapter: Optional[WindowAttentionAdapter], family: str, name: str,
                  filter_fn: Optional[FilterFn]) -> Optional[str]:
     """Why ``module`` keeps timm's forward, or None where it is patched."""
     if filter_fn is not None and not filter_fn(module, name):
         return EXCLUDED_BY_FILTER
     if adapter is None:
-        return f"{type(module).__name__} subclasses timm's class; its forward may differ"
+        owner = "transformers'" if family in HF_ADAPTERS else "timm's"
+        return f"{type(module).__name__} subclasses {owner} class; its forward may differ"
     return adapter.unsupported(module)
 
 
@@ -340,9 +349,9 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
             raise ValueError(message)
         warnings.warn(message, stacklevel=2)
         return model
-    reasons = {name: why for name, module, adapter, _ in found
+    reasons = {name: why for name, module, adapter, family in found
                if not _is_patched(module)
-               and (why := _skip_reason(module, adapter, name, filter_fn)) is not None}
+               and (why := _skip_reason(module, adapter, family, name, filter_fn)) is not None}
     failures = {name: why for name, why in reasons.items() if why != EXCLUDED_BY_FILTER}
     if strict and failures:
         raise PatchError(model_name, failures)
@@ -352,7 +361,7 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
             continue
         if not _is_patched(module):
             module.__dict__.pop(_SKIP_ATTR, None)
-            module.__class__ = PATCHED_CLASSES[family]
+            module.__class__ = _patched_class_of(family)
         if recompute_qkv is True or (callable(recompute_qkv) and recompute_qkv(module, name)):
             module.__dict__[RECOMPUTE_QKV_ATTR] = True
         else:

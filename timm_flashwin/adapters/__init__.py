@@ -6,6 +6,8 @@ from torch import nn
 from .base import WindowAttentionAdapter
 from .davit import DaVitAdapter
 from .gcvit import GcVitAdapter
+from .hf_swin import HfDonutSwinAdapter, HfMaskFormerSwinAdapter, HfSwinAdapter
+from .hf_swinv2 import HfSwin2SRAdapter, HfSwinv2Adapter
 from .hiera import HieraAdapter
 from .maxxvit import MaxxVit2dAdapter, MaxxVitAdapter
 from .nest import NestAdapter
@@ -20,13 +22,18 @@ ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
     SwinAdapter(), SwinV2Adapter(), SwinV2CRAdapter(), MaxxVitAdapter(), MaxxVit2dAdapter(), TinyVitAdapter(),
     DaVitAdapter(), TwinsAdapter(), NestAdapter(), HieraAdapter(), GcVitAdapter())}
 
+#: family name -> adapter of a Hugging Face transformers class (``patching_hf``); its
+#: ``module_type()`` is None until transformers' modeling module is imported
+HF_ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
+    HfSwinAdapter(), HfSwinv2Adapter(), HfDonutSwinAdapter(), HfMaskFormerSwinAdapter(), HfSwin2SRAdapter())}
+
 
 def adapter_for(module: nn.Module) -> Optional[WindowAttentionAdapter]:
     """The adapter serving this module's exact class, or None."""
-    for adapter in ADAPTERS.values():
+    for adapter in (*ADAPTERS.values(), *HF_ADAPTERS.values()):
         if type(module) is adapter.module_type():
             return adapter
     return None
 
 
-__all__ = ["ADAPTERS", "WindowAttentionAdapter", "adapter_for"]
+__all__ = ["ADAPTERS", "HF_ADAPTERS", "WindowAttentionAdapter", "adapter_for"]

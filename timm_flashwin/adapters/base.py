@@ -70,6 +70,10 @@ class WindowAttentionAdapter:
     def attn_drop(self, module: nn.Module) -> float:
         return float(module.attn_drop.p)
 
+    def in_features(self, module: nn.Module) -> int:
+        """C, the channels of the module's input."""
+        return module.qkv.in_features
+
     # -- what the forward computes ----------------------------------------------------
     def qkv(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return module.qkv(x)
@@ -110,7 +114,7 @@ class WindowAttentionAdapter:
         if x.shape[1] != win_h * win_w:
             raise ValueError(f"{type(module).__name__}: expected N = {win_h}*{win_w} = {win_h * win_w} tokens per "
                              f"window, got {x.shape[1]} (x of shape {tuple(x.shape)})")
-        in_features = module.qkv.in_features
+        in_features = self.in_features(module)
         if x.shape[2] != in_features:
             raise ValueError(f"{type(module).__name__}: expected C = {in_features} channels, got {x.shape[2]} "
                              f"(x of shape {tuple(x.shape)})")

@@ -5,6 +5,7 @@ relative_position_bias_table ((2Wh-1)(2Ww-1), H) by relative_position_index, han
 the op as a ``TableBias`` (gathered within its autograd node in eager mode; its backward
 sums the table gradient in one kernel).
 """
+import math
 from typing import Dict, Type, Union
 
 import torch
@@ -31,8 +32,16 @@ class SwinAdapter(WindowAttentionAdapter):
         return SwinTransformerBlock
 
     def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor]:
-        table, index = module.relative_position_bias_table, module.relative_position_index
-        return inference_cache(module, (table, index), lambda: TableBias(table, index, constant_index=not exporting()))
+        return table_position_bias(module, module.relative_position_bias_table, module.relative_position_index)
 
     def score_scale(self, module: nn.Module) -> Dict:
         return dict(scale=float(module.scale))
+
+
+def table_position_bias(module: nn.Module, table: torch.Tensor, index: torch.Tensor) -> Union[TableBias, torch.Tensor]:
+    """V1's bias for ``module``'s call: ``table`` ((2Wh-1)(2Ww-1), H) gathered by ``index``
+    (N*N or (N, N) integer rows), as the op takes it (``inference_cache``'s: kept gathered
+    in inference)."""
+    window_tokens = math.isqrt(index.numel())
+    return inference_cache(module, (table, index), lambda: TableBias(
+        table, index.view(window_tokens, window_tokens), constant_index=not exporting()))

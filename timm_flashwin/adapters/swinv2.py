@@ -49,16 +49,24 @@ class SwinV2Adapter(WindowAttentionAdapter):
         return F.linear(x, weight=module.qkv.weight, bias=qkv_bias)
 
     def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor]:
-        def compute() -> TableBias:
-            mlp, coords = module.cpb_mlp, module.relative_coords_table
-            if uses_kernels(coords) and fusable_cpb_mlp(mlp):
-                table = position_mlp_table(coords.view(-1, 2), mlp[0].weight, mlp[0].bias, mlp[2].weight)
-            else:
-                table = mlp(coords).view(-1, module.num_heads)
-            return TableBias(table, module.relative_position_index, sigmoid_scale=16.0, constant_index=not exporting())
-
-        sources = (module.relative_coords_table, module.relative_position_index, *module.cpb_mlp.parameters())
-        return inference_cache(module, sources, compute)
+        return cpb_position_bias(module, module.cpb_mlp, module.relative_coords_table, module.relative_position_index,
+                                 module.num_heads)
 
     def score_scale(self, module: nn.Module) -> Dict:
         return dict(logit_scale=module.logit_scale)
+
+
+def cpb_position_bias(module: nn.Module, mlp: nn.Module, coords: torch.Tensor, index: torch.Tensor,
+                      num_heads: int) -> Union[TableBias, torch.Tensor]:
+    """SwinV2's bias for ``module``'s call: 16 * sigmoid(mlp(coords)[index]), coords
+    (1, 2Wh-1, 2Ww-1, 2), index (N, N), the MLP Linear(2, K) -> ReLU -> Linear(K, H) (in one
+    kernel where it is exactly that, ``fusable_cpb_mlp``), as the op takes it
+    (``inference_cache``'s: kept in inference)."""
+    def compute() -> TableBias:
+        if uses_kernels(coords) and fusable_cpb_mlp(mlp):
+            table = position_mlp_table(coords.view(-1, 2), mlp[0].weight, mlp[0].bias, mlp[2].weight)
+        else:
+            table = mlp(coords).view(-1, num_heads)
+        return TableBias(table, index, sigmoid_scale=16.0, constant_index=not exporting())
+
+    return inference_cache(module, (coords, index, *mlp.parameters()), compute)
