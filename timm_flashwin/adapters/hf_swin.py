@@ -66,10 +66,15 @@ class HfSwinAdapter(HfAttentionAdapter):
         return module.o_proj(y) if self.layout(module) == PROJECTIONS else super().project(module, y)
 
     def keeps_transformers(self, module: nn.Module, mask: Optional[torch.Tensor], arguments: Dict[str, Any]) -> bool:
-        if self.layout(module) == PROJECTIONS and (
-                module.config._attn_implementation not in SERVED_IMPLEMENTATIONS
-                or runs_hooks(module.relative_position_bias)):  # its forward is not called
-            return True
+        if self.layout(module) == PROJECTIONS:
+            config = module.config
+            # 5.x records attention weights (hooks on the stages) where the call or, failing
+            # that, the config asks for them; only the call's argument reaches this module
+            if arguments.get("output_attentions", getattr(config, "output_attentions", False)):
+                return True
+            if (config._attn_implementation not in SERVED_IMPLEMENTATIONS
+                    or runs_hooks(module.relative_position_bias)):  # its forward is not called
+                return True
         return super().keeps_transformers(module, mask, arguments)
 
     # -- what the op takes ---------------------------------------------------------------
