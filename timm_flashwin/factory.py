@@ -139,14 +139,14 @@ def _on_timm_imported(module: types.ModuleType) -> None:
             _install()
 
 
-def _options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+def _options(kwargs: Dict[str, Any], caller: str = "patch_timm") -> Dict[str, Any]:
     from .patching import patch_model
     signature = inspect.signature(patch_model)
     try:
         signature.bind(None, **kwargs)
     except TypeError as exc:
         names = ", ".join(p for p in signature.parameters if p != "model")
-        raise TypeError(f"patch_timm: {exc}; patch_model takes {names}") from None
+        raise TypeError(f"{caller}: {exc}; patch_model takes {names}") from None
     return dict(kwargs)
 
 

@@ -1,5 +1,6 @@
 """``timm-flashwin run``: a Python script or module run as ``python`` runs it, with every
-model timm's factory returns patched (``factory.patched_timm``).
+model timm's factory returns patched (``factory.patched_timm``), and every model
+transformers' ``from_pretrained`` / ``from_config`` returns (``factory_hf.patched_transformers``).
 
 As ``python SCRIPT ARGS`` / ``python -m MODULE ARGS``: ``sys.argv`` is the script's (its
 ``[0]`` the script's absolute path, as the ``-m`` form's is the module's file), the code
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from .factory import CreatedModel, patched_timm
+from .factory_hf import patched_transformers
 
 PROG = "timm-flashwin run"
 _OWN_FILES = {os.path.normcase(os.path.abspath(f)) for f in (__file__, runpy.__file__)}
@@ -84,14 +86,15 @@ def _execute(target: Target) -> None:
             sys.path[:1 if path0 is not None else 0] = [own_path0]
 
 
-def _print_reports(created: List[CreatedModel]) -> None:
-    print(f"timm_flashwin: timm's factory returned {len(created)} model(s)", file=sys.stderr)
+def _print_reports(created: List[CreatedModel], source: str) -> None:
+    print(f"timm_flashwin: {source} returned {len(created)} model(s)", file=sys.stderr)
     for model in created:
         print(model, file=sys.stderr)
 
 
 def run(target: Target, *, report: bool = False, **patch_kwargs) -> int:
-    """Run ``target`` with ``patched_timm(**patch_kwargs)`` active; its exit code. The
+    """Run ``target`` with ``patched_timm(**patch_kwargs)`` and
+    ``patched_transformers(**patch_kwargs)`` active; its exit code. The
     script's ``SystemExit`` propagates (its code is the exit code, as with python);
     ``report``: each created model's patch report on stderr when the script ends."""
     if not target.module and not os.path.exists(target.name):
@@ -99,8 +102,9 @@ def run(target: Target, *, report: bool = False, **patch_kwargs) -> int:
               file=sys.stderr)
         return 2
     created: List[CreatedModel] = []
+    created_hf: List[CreatedModel] = []
     try:
-        with patched_timm(**patch_kwargs) as created:
+        with patched_timm(**patch_kwargs) as created, patched_transformers(**patch_kwargs) as created_hf:
             _execute(target)
     except (SystemExit, KeyboardInterrupt):
         raise
@@ -113,5 +117,7 @@ def run(target: Target, *, report: bool = False, **patch_kwargs) -> int:
         return 1
     finally:
         if report:
-            _print_reports(created)
+            _print_reports(created, "timm's factory")
+            if created_hf:
+                _print_reports(created_hf, "transformers' from_pretrained / from_config")
     return 0
