@@ -68,6 +68,21 @@ def _device(text: str) -> str:
     return text
 
 
+#: --hf: a transformers model instead of a timm one (timm_flashwin/hf_models.py)
+HF_HELP = ("a transformers model: a model type (swin, swinv2, donut-swin, maskformer-swin, swin2sr), a config "
+           "class (SwinConfig), or a config.json / saved model directory; ':ModelClass' picks the head; random "
+           "weights unless --pretrained (verify) reads them from that directory")
+
+
+def _model_name(args) -> str:
+    """The timm model name, or --hf's CONFIG as verify_model and benchmark_model take it."""
+    from .hf_models import HF_PREFIX
+    from .verify import UsageError
+    if (args.name is None) == (args.hf is None):
+        raise UsageError("give a timm model name or --hf CONFIG, one of them")
+    return args.name if args.hf is None else HF_PREFIX + args.hf
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="timm-flashwin", description="Fused Triton window attention for timm's "
                                      "window-attention models (Swin, SwinV2, MaxViT, CoAtNet, ...; `list` shows them). "
@@ -76,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser("verify", help="compare a patched timm model with the unpatched one, layer by layer")
-    v.add_argument("name", help="timm model name")
+    v.add_argument("name", nargs="?", help="timm model name (or --hf)")
+    v.add_argument("--hf", metavar="CONFIG", help=HF_HELP)
     v.add_argument("--img-size", type=_img_size, default=None, help="N or H,W (default: the model's)")
     v.add_argument("--batch", type=_positive_int, default=2)
     v.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
@@ -97,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="images/s and peak memory, unpatched against patched (GPU)")
-    b.add_argument("name")
+    b.add_argument("name", nargs="?", help="timm model name (or --hf)")
+    b.add_argument("--hf", metavar="CONFIG", help=HF_HELP)
     b.add_argument("--batch", type=_positive_int, default=64)
     b.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     b.add_argument("--img-size", type=_img_size, default=None)
@@ -147,7 +164,7 @@ def _verify(args) -> int:
     from rich.table import Table
 
     from .verify import verify_model
-    result = verify_model(args.name, img_size=args.img_size, batch=args.batch, dtype=args.dtype, device=args.device,
+    result = verify_model(_model_name(args), img_size=args.img_size, batch=args.batch, dtype=args.dtype, device=args.device,
                           train=args.train, checkpoint=args.checkpoint, pretrained=args.pretrained, seed=args.seed,
                           rtol=args.rtol, atol=args.atol)
     if args.json:
@@ -228,7 +245,7 @@ def _bench(args) -> int:
                 tasks[variant] = progress.add_task(variant, total=total)
             progress.update(tasks[variant], completed=done)
 
-        result = benchmark_model(args.name, batch=args.batch, dtype=args.dtype, train=args.train,
+        result = benchmark_model(_model_name(args), batch=args.batch, dtype=args.dtype, train=args.train,
                                  compile=args.compile or args.compile_mode is not None,
                                  compile_mode=args.compile_mode, img_size=args.img_size, warmup=args.warmup,
                                  repeats=args.repeats, progress=report,

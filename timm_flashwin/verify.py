@@ -48,10 +48,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .adapters import ADAPTERS
 from .comparison import Comparison, compare, group_error, jitter_images, larger_error
 from .op import uses_kernels
 from .factory import timm_create_model
+from .hf_models import HF_PREFIX, build_hf_model
 from .patching import _attention_modules, patch_model, patch_report
 
 #: Default relative tolerances per dtype (the README states them), and absolute floors.
@@ -117,7 +117,7 @@ def attention_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
             continue
         parent_name = name.rpartition(".")[0]
         parent = modules.get(parent_name) if name else None
-        block_type = ADAPTERS[family].block_type()
+        block_type = adapter.block_type()
         if block_type is not None and isinstance(parent, block_type) and getattr(parent, "attn", None) is module:
             layers.append((parent_name, parent))
         else:
@@ -190,7 +190,15 @@ def resolve_device(device: Optional[str]) -> torch.device:
 def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoint: Optional[str] = None,
                 train: bool = False, seed: int = 0, model_kwargs: Optional[Dict] = None) -> nn.Module:
     """timm.create_model(name, **model_kwargs), its random init drawn from ``seed`` (the same
-    seed, the same model: a failure can be rerun) without touching the caller's RNG state."""
+    seed, the same model: a failure can be rerun) without touching the caller's RNG state.
+    A name starting with "hf:" is a transformers CONFIG (``hf_models``; ``model_kwargs``
+    then set config attributes)."""
+    if name.startswith(HF_PREFIX):
+        model = build_hf_model(name[len(HF_PREFIX):], img_size=img_size, pretrained=pretrained, train=train,
+                               seed=seed, overrides=model_kwargs)
+        if checkpoint is not None:
+            load_checkpoint(model.model, checkpoint)
+        return model
     import timm
     if name not in timm.list_models(pretrained=False):
         close = difflib.get_close_matches(name, timm.list_models("swin*"), n=4, cutoff=0.5) or \
@@ -305,7 +313,9 @@ def verify_model(
     def run(net: nn.Module, float64: bool, loss_scale: float = 1.0, x: torch.Tensor = images
             ) -> Dict[str, torch.Tensor]:
         captured: Dict[str, torch.Tensor] = {}
-        hooks = [module.register_forward_hook(lambda mod, args, out, key=mod_name: captured.__setitem__(key, out))
+        # transformers' attention modules return tuples: (output, ...)
+        hooks = [module.register_forward_hook(lambda mod, args, out, key=mod_name: captured.__setitem__(
+                     key, out[0] if isinstance(out, tuple) else out))
                  for mod_name, module in attention_layers(net)]
         try:
             torch.manual_seed(seed)  # same dropout draws in every run (SwinV2-CR's meta_mlp)

@@ -1,5 +1,7 @@
-"""transformers' constructors patched (timm_flashwin/factory_hf.py), and ``timm-flashwin run``
-on a transformers script that timm_flashwin does not edit."""
+"""transformers models from the command line: ``verify --hf CONFIG`` (timm_flashwin/hf_models.py),
+transformers' constructors patched (timm_flashwin/factory_hf.py) and ``timm-flashwin run`` on a
+transformers script that timm_flashwin does not edit."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 from hf_cases import config  # noqa: E402
 from timm_flashwin import patch_report  # noqa: E402
+from timm_flashwin.cli import EXIT_OK, EXIT_USAGE, main  # noqa: E402
 from timm_flashwin.factory_hf import patch_transformers, patched_transformers, unpatch_transformers  # noqa: E402
+from timm_flashwin.hf_models import load_config, model_class  # noqa: E402
+from timm_flashwin.verify import UsageError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,3 +59,32 @@ def test_run_patches_an_unedited_transformers_script(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("['FlashSwinAttention']")
     assert "transformers' from_pretrained / from_config returned 1 model(s)" in result.stderr
+
+
+def test_verify_hf_config(tmp_path, capsys):
+    """``verify --hf DIR --train``: a saved config's model (random weights), patched, passes
+    verify's rule against transformers' own through the kernels; a model name and --hf
+    together, or neither, is a usage error."""
+    config("hf_swinv2").save_pretrained(tmp_path)
+    assert main(["verify", "--hf", str(tmp_path), "--train", "--batch", "1", "--json"]) == EXIT_OK
+    result = json.loads(capsys.readouterr().out)
+    assert result["passed"] and result["patched_modules"] == 2 and len(result["layers"]) == 2
+    assert result["backend"] in ("triton", "triton-interpreter")
+    for argv in (["verify"], ["verify", "swin_tiny_patch4_window7_224", "--hf", "swin"]):
+        assert main(argv) == EXIT_USAGE
+        assert "give a timm model name or --hf CONFIG" in capsys.readouterr().err
+
+
+def test_hf_config_names():
+    """--hf's CONFIG: a model type, a config class, ':ModelClass' for the head; anything else
+    a clear usage error."""
+    swin2sr, head = load_config("swin2sr:Swin2SRForImageSuperResolution")
+    assert type(swin2sr).__name__ == "Swin2SRConfig" and model_class(swin2sr, head).__name__ == head
+    donut, head = load_config("DonutSwinConfig")
+    assert head is None and model_class(donut, head).__name__ == "DonutSwinForImageClassification"
+    maskformer, head = load_config("maskformer-swin")
+    assert model_class(maskformer, head).__name__ == "MaskFormerSwinModel"
+    with pytest.raises(UsageError, match="--hf no-such-model: neither a transformers model type"):
+        load_config("no-such-model")
+    with pytest.raises(UsageError, match="not a transformers model class"):
+        model_class(swin2sr, "NoSuchModel")
