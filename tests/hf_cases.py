@@ -1,5 +1,5 @@
 """Tiny models of transformers' Swin family for the tests (tests/test_hf_swin.py, and the
-same checks on a 4.x transformers in a subprocess, tests/hf_transformers4.py): an 8x8 map
+same checks on a 4.x transformers in a subprocess, its test_transformers4): an 8x8 map
 in 4x4 windows (N = 16, four windows, the second block shifted), two heads of 8 channels,
 every parameter perturbed (``verify.perturb_``: the bias tables start at zero, SwinV2's
 logit scales all at ln 10), no dropout or drop path, so that attention reaches the output
@@ -8,8 +8,7 @@ from typing import Callable, Dict, Tuple
 
 import torch
 import transformers
-from torch import nn
-
+from timm_flashwin.hf_models import HfImageModel
 from timm_flashwin.verify import perturb_
 
 #: the geometry every family shares (Swin2SR embeds single pixels: its image is the map)
@@ -32,20 +31,9 @@ def config(family: str, **overrides) -> transformers.PretrainedConfig:
     return getattr(transformers, config_class)(image_size=size, **GEOMETRY, **{**extra, **overrides})
 
 
-class FirstOutput(nn.Module):
-    """A transformers model called on images, returning its first output tensor (logits,
-    last_hidden_state, reconstruction): what the tests' helpers take."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=pixel_values)[0]
-
-
-def tiny_model(family: str, attn_implementation: str = "", seed: int = 0) -> FirstOutput:
-    """``family``'s tiny model, perturbed, in train mode, float32; ``attn_implementation``
+def tiny_model(family: str, attn_implementation: str = "", seed: int = 0) -> HfImageModel:
+    """``family``'s tiny model, perturbed, in train mode, float32, called as timm models are
+    (``HfImageModel``: images -> its first output, flattened); ``attn_implementation``
     where the family's 5.x model takes one ("eager", "sdpa")."""
     torch.manual_seed(seed)
     model = getattr(transformers, FAMILIES[family][1])(config(family))
@@ -53,7 +41,7 @@ def tiny_model(family: str, attn_implementation: str = "", seed: int = 0) -> Fir
         model.set_attn_implementation(attn_implementation)
     with torch.no_grad():
         perturb_(model, seed)
-    return FirstOutput(model).train()
+    return HfImageModel(model).train()
 
 
 def image_size(family: str) -> int:

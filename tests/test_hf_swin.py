@@ -19,18 +19,24 @@ transformers = pytest.importorskip("transformers")
 
 from hf_cases import FAMILIES, config, counting_op_calls, image_size, tiny_model  # noqa: E402
 from model_cases import images  # noqa: E402
-from model_checks import judge, patched_in_place, training_step_runs  # noqa: E402
+from model_checks import (compiled_against_timm, full_resolution_passes, judge, patched_in_place,  # noqa: E402
+                          training_step_runs)
 from opcases import relative_error  # noqa: E402
 from timm_flashwin import PatchError, patch_model, patch_report  # noqa: E402
+from timm_flashwin.hf_models import HF_PREFIX  # noqa: E402
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 #: where a transformers 4.x is installed (pip install --target), for test_transformers4
 TRANSFORMERS4_ENV = "TIMM_FLASHWIN_TRANSFORMERS4"
+#: the tests test_transformers4 runs there (-k): the layout-dependent ones, on the CPU
+TRANSFORMERS4_TESTS = ("(training_step or output_attentions or head_mask or unknown_layout or filter_fn) "
+                       "and not sdpa and not gpu")
 
 #: (family, attention implementation): 5.x's SwinAttention calls either interface; the
 #: other families' modules (and every 4.x one) compute eagerly, whatever the config says
 CASES = [("hf_swin", "eager"), ("hf_swin", "sdpa"), ("hf_swinv2", ""), ("hf_donut_swin", ""),
          ("hf_maskformer_swin", ""), ("hf_swin2sr", "")]
+CASE_IDS = [f"{family}-{implementation}" if implementation else family for family, implementation in CASES]
 #: the bias source of each family's attention: its gradient must come through the op
 BIAS_SOURCES = {"hf_swin": ("relative_position_bias_table",), "hf_donut_swin": ("relative_position_bias_table",),
                 "hf_maskformer_swin": ("relative_position_bias_table",),
@@ -41,15 +47,21 @@ BIAS_SOURCES = {"hf_swin": ("relative_position_bias_table",), "hf_donut_swin": (
 KEY_BIASES = ("key.bias", "k_proj.bias")
 
 
-@pytest.mark.parametrize("family, implementation", CASES, ids=[f"{f}-{i}" if i else f for f, i in CASES])
+@pytest.mark.parametrize("family, implementation", CASES, ids=CASE_IDS)
 def test_training_step_matches_transformers(family, implementation, monkeypatch):
-    """A training step of the patched model (float32, the kernels) against transformers':
-    output within 2e-4 and every parameter gradient within 1e-3 relative, and verify's rule
-    against a float64 copy (the patched error at most that of transformers' own float32)."""
-    model = tiny_model(family, implementation if TRANSFORMERS_5 else "")
+    """A training step of the patched model (float32, the kernels through the interpreter)
+    against transformers' (``training_step_matches``)."""
+    training_step_matches(family, implementation, "cpu", monkeypatch)
+
+
+def training_step_matches(family: str, implementation: str, device: str, monkeypatch) -> None:
+    """A training step of the patched tiny model against transformers' on ``device``: output
+    within 2e-4 and every parameter gradient within 1e-3 relative, and verify's rule against
+    a float64 copy (the patched error at most that of transformers' own float32)."""
+    model = tiny_model(family, implementation if TRANSFORMERS_5 else "").to(device)
     ours = patch_model(copy.deepcopy(model), strict=True)
     op_calls = counting_op_calls(monkeypatch)
-    runs = training_step_runs(model, ours, images(2, (image_size(family),) * 2))
+    runs = training_step_runs(model, ours, images(2, (image_size(family),) * 2, device=device))
     assert op_calls() == len(patch_report(ours).patched) == 2
     (our_out, our_grads), (their_out, their_grads) = runs[:2]
     assert relative_error(our_out, their_out) < 2e-4
@@ -61,6 +73,30 @@ def test_training_step_matches_transformers(family, implementation, monkeypatch)
     assert all(grad.abs().sum() > 0 for name, grad in attention.items() if not name.endswith(KEY_BIASES))
     failed = judge(*runs)
     assert not failed, "\n".join(map(str, failed))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family, implementation", CASES, ids=CASE_IDS)
+def test_training_step_matches_transformers_gpu(family, implementation, monkeypatch):
+    """The same on the GPU."""
+    training_step_matches(family, implementation, "cuda", monkeypatch)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family, implementation", CASES, ids=CASE_IDS)
+def test_compiled_matches_transformers_gpu(family, implementation):
+    """torch.compile(fullgraph=True) of the patched tiny model: one op call per module in
+    every graph, eval output and a training step's gradients judged against transformers'."""
+    failed = compiled_against_timm(tiny_model(family, implementation if TRANSFORMERS_5 else ""))
+    assert not failed, "\n".join(map(str, failed))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("spec", ["swin", "swinv2", "donut-swin", "swin2sr:Swin2SRForImageSuperResolution"])
+def test_default_configs_bfloat16_gpu(spec):
+    """Each family's default config (swin-tiny's for Swin, 224x224; Swin2SR's 64x64), AMP
+    bfloat16 training through verify (``full_resolution_passes``)."""
+    full_resolution_passes(HF_PREFIX + spec, "bfloat16")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -176,8 +212,8 @@ def test_filter_fn_and_headed_models():
 
 
 def test_transformers4():
-    """This file's tests again on a transformers 4.x (its "self_output" layout for Swin
-    too, head masks), in a subprocess whose path puts it first."""
+    """This file's tests of the layout-dependent behaviour again on a transformers 4.x (its
+    "self_output" layout for Swin too, head masks), in a subprocess whose path puts it first."""
     where = os.environ.get(TRANSFORMERS4_ENV)
     if not where or not (Path(where) / "transformers").is_dir():
         pytest.skip(f"{TRANSFORMERS4_ENV} does not name a directory holding transformers 4.x (.ci/run installs one: "
@@ -187,9 +223,10 @@ def test_transformers4():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([where, str(root), os.environ.get("PYTHONPATH", "")]))
     env.pop(TRANSFORMERS4_ENV)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-                             "--override-ini=addopts=", __file__, "-k", "not transformers4 and not sdpa"],
+                             "--override-ini=addopts=", __file__, "-k", TRANSFORMERS4_TESTS],
                             cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]  # head masks' test ran
     assert "transformers 4." in subprocess.run(
         [sys.executable, "-c", "import transformers; print('transformers', transformers.__version__)"],
         env=env, capture_output=True, text=True).stdout
