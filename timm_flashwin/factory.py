@@ -78,20 +78,27 @@ def _patch_created(model: Any, settings: Dict[str, Any]) -> PatchReport:
     return patch_report(model)
 
 
-def _create_model(wrapped: Callable, instance: Any, args: tuple, kwargs: dict):
-    settings = _settings
-    if settings is None or getattr(_calls, "inside", False):
+def patching_call(wrapped: Callable, args: tuple, kwargs: dict, settings: Optional[Dict[str, Any]],
+                  calls: threading.local, recorders: List[List[CreatedModel]], name: Callable[[Any], str]):
+    """``wrapped(*args, **kwargs)``, the model it returns patched with ``settings`` (None:
+    not active) and recorded as ``name(model)`` in every list of ``recorders``; a call made
+    inside another (``calls.inside``: a constructor calling itself) is left to the outer one."""
+    if settings is None or getattr(calls, "inside", False):
         return wrapped(*args, **kwargs)
-    _calls.inside = True
+    calls.inside = True
     try:
         model = wrapped(*args, **kwargs)
     finally:
-        _calls.inside = False
+        calls.inside = False
     report = _patch_created(model, settings)
-    name = args[0] if args else kwargs.get("model_name", "?")
-    for created in list(_recorders):
-        created.append(CreatedModel(str(name), report))
+    for created in list(recorders):
+        created.append(CreatedModel(name(model), report))
     return model
+
+
+def _create_model(wrapped: Callable, instance: Any, args: tuple, kwargs: dict):
+    return patching_call(wrapped, args, kwargs, _settings, _calls, _recorders,
+                         lambda model: str(args[0] if args else kwargs.get("model_name", "?")))
 
 
 def timm_create_model() -> Callable:
@@ -195,17 +202,26 @@ def patched_timm(**patch_kwargs: Any) -> Iterator[List[CreatedModel]]:
     The scope is the factory's, not the models': a model created inside stays patched after
     the block (``unpatch_model`` or ``patched(model)`` for a model's own scope); only models
     created after it come unpatched."""
-    with _lock:
-        previous = _settings
-        patch_timm(**patch_kwargs)
+    with recording(_lock, _recorders, _settings, patch_timm, unpatch_timm, patch_kwargs) as created:
+        yield created
+
+
+@contextlib.contextmanager
+def recording(lock, recorders: List[List[CreatedModel]], previous: Optional[Dict[str, Any]], patch: Callable,
+              unpatch: Callable, patch_kwargs: Dict[str, Any]) -> Iterator[List[CreatedModel]]:
+    """``patch(**patch_kwargs)`` on entry, a list of the models created inside in
+    ``recorders``; on exit (also on an exception) that list removed and the settings
+    ``previous`` back: ``unpatch()`` where there were none."""
+    with lock:
+        patch(**patch_kwargs)
         created: List[CreatedModel] = []
-        _recorders.append(created)
+        recorders.append(created)
     try:
         yield created
     finally:
-        with _lock:
-            del _recorders[next(i for i, r in enumerate(_recorders) if r is created)]  # by identity
+        with lock:
+            del recorders[next(i for i, r in enumerate(recorders) if r is created)]  # by identity
             if previous is None:
-                unpatch_timm()
+                unpatch()
             else:
-                patch_timm(**previous)
+                patch(**previous)

@@ -19,13 +19,14 @@ imports transformers itself.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import wrapt
 
-from .factory import CreatedModel, _options, _patch_created
+from .factory import CreatedModel, _options, patching_call, recording
 
 _MODELING = "transformers.modeling_utils"
 _METHODS = ("from_pretrained", "_from_config")
@@ -39,19 +40,9 @@ _calls = threading.local()  # .inside: a constructor call of this thread is runn
 
 
 def _construct(wrapped: Callable, instance: Any, args: tuple, kwargs: dict):
-    settings = _settings
-    if settings is None or getattr(_calls, "inside", False):
-        return wrapped(*args, **kwargs)
-    _calls.inside = True
-    try:
-        model = wrapped(*args, **kwargs)
-    finally:
-        _calls.inside = False
-    report = _patch_created(model, settings)
-    name = args[0] if args and isinstance(args[0], str) else type(model).__name__
-    for created in list(_recorders):
-        created.append(CreatedModel(str(name), report))
-    return model
+    return patching_call(wrapped, args, kwargs, _settings, _calls, _recorders,
+                         lambda model: str(args[0]) if args and isinstance(args[0], (str, os.PathLike))
+                         else type(model).__name__)
 
 
 def _install() -> None:
@@ -103,17 +94,5 @@ def patched_transformers(**patch_kwargs: Any) -> Iterator[List[CreatedModel]]:
     """``with patched_transformers(**patch_kwargs) as created:``: ``patch_transformers`` on
     entry; on exit (also on an exception) the constructors as they were on entry.
     ``created`` lists the models they returned inside, each with its patch report."""
-    with _lock:
-        previous = _settings
-        patch_transformers(**patch_kwargs)
-        created: List[CreatedModel] = []
-        _recorders.append(created)
-    try:
+    with recording(_lock, _recorders, _settings, patch_transformers, unpatch_transformers, patch_kwargs) as created:
         yield created
-    finally:
-        with _lock:
-            del _recorders[next(i for i, r in enumerate(_recorders) if r is created)]  # by identity
-            if previous is None:
-                unpatch_transformers()
-            else:
-                patch_transformers(**previous)

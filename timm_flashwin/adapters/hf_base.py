@@ -40,8 +40,8 @@ class HfAttentionAdapter(WindowAttentionAdapter):
     Subclasses name the class (``hf_module``, ``hf_class``), what their ``.self`` holds in
     the "self_output" layout (``self_required``) and whether they read the "projections"
     layout too. q, k and v come from calling the module's own Linear layers (their hooks
-    run, and a PEFT LoRA layer in their place takes part) and are concatenated into the
-    (B_, N, 3C) qkv the op reads.
+    run, as would those of a layer put in their place) and are concatenated into the
+    (B_, N, 3C) qkv the op reads: one copy of the projections' outputs.
     """
 
     #: transformers' modeling module and the attention class in it that is patched
