@@ -164,8 +164,8 @@ def _verify(args) -> int:
     from rich.table import Table
 
     from .verify import verify_model
-    result = verify_model(_model_name(args), img_size=args.img_size, batch=args.batch, dtype=args.dtype, device=args.device,
-                          train=args.train, checkpoint=args.checkpoint, pretrained=args.pretrained, seed=args.seed,
+    result = verify_model(_model_name(args), img_size=args.img_size, batch=args.batch, dtype=args.dtype,
+                          device=args.device, train=args.train, checkpoint=args.checkpoint, pretrained=args.pretrained, seed=args.seed,
                           rtol=args.rtol, atol=args.atol)
     if args.json:
         print(json.dumps(result.to_dict()))

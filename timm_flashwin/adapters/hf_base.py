@@ -62,7 +62,8 @@ class HfAttentionAdapter(WindowAttentionAdapter):
 
     # -- layout -----------------------------------------------------------------------
     def layout(self, module: nn.Module) -> Optional[str]:
-        """PROJECTIONS, SELF_OUTPUT, or None: neither layout this adapter reads."""
+        """PROJECTIONS, SELF_OUTPUT, or None: neither layout this adapter reads. Checks every
+        attribute the forward reads: at patch time (``unsupported``)."""
         if self.projections_required and all(hasattr(module, name) for name in self.projections_required):
             return PROJECTIONS
         inner, output = getattr(module, "self", None), getattr(module, "output", None)
@@ -71,9 +72,14 @@ class HfAttentionAdapter(WindowAttentionAdapter):
             return SELF_OUTPUT
         return None
 
+    def call_layout(self, module: nn.Module) -> str:
+        """The layout of a module ``layout`` accepted when it was patched, from one submodule's
+        name: what the forward asks, several times per call (host time)."""
+        return PROJECTIONS if self.projections_required and "o_proj" in module._modules else SELF_OUTPUT
+
     def attention(self, module: nn.Module) -> nn.Module:
         """The module holding q, k, v and the position bias: the module itself or its ``.self``."""
-        return module if self.layout(module) == PROJECTIONS else module.self
+        return module if self.call_layout(module) == PROJECTIONS else module.self
 
     def unsupported(self, module: nn.Module) -> Optional[str]:
         if self.layout(module) is None:
@@ -119,7 +125,7 @@ class HfAttentionAdapter(WindowAttentionAdapter):
             return True
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 3):
             return True
-        if self.layout(module) == SELF_OUTPUT:
+        if self.call_layout(module) == SELF_OUTPUT:
             return runs_hooks(module.self, module.output)
         return False
 
@@ -129,4 +135,4 @@ class HfAttentionAdapter(WindowAttentionAdapter):
         (nW, N, N) or None -> what transformers' forward returns without attention weights:
         ((B_, N, C), None) in the "projections" layout, ((B_, N, C),) in "self_output"."""
         out = self.forward(module, hidden_states, mask)
-        return (out, None) if self.layout(module) == PROJECTIONS else (out,)
+        return (out, None) if self.call_layout(module) == PROJECTIONS else (out,)

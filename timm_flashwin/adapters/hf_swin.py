@@ -44,29 +44,29 @@ class HfSwinAdapter(HfAttentionAdapter):
 
     # -- the "projections" layout; "self_output" is hf_base's ---------------------------
     def window_size(self, module: nn.Module) -> Tuple[int, int]:
-        if self.layout(module) == PROJECTIONS:
+        if self.call_layout(module) == PROJECTIONS:
             return tuple(module.relative_position_bias.window_size)
         return super().window_size(module)
 
     def head_dim(self, module: nn.Module) -> int:
-        return module.head_dim if self.layout(module) == PROJECTIONS else super().head_dim(module)
+        return module.head_dim if self.call_layout(module) == PROJECTIONS else super().head_dim(module)
 
     def attn_drop(self, module: nn.Module) -> float:
-        return float(module.attention_dropout) if self.layout(module) == PROJECTIONS else super().attn_drop(module)
+        return float(module.attention_dropout) if self.call_layout(module) == PROJECTIONS else super().attn_drop(module)
 
     def in_features(self, module: nn.Module) -> int:
-        return module.q_proj.in_features if self.layout(module) == PROJECTIONS else super().in_features(module)
+        return module.q_proj.in_features if self.call_layout(module) == PROJECTIONS else super().in_features(module)
 
     def qkv(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.layout(module) == PROJECTIONS:
+        if self.call_layout(module) == PROJECTIONS:
             return torch.cat((module.q_proj(x), module.k_proj(x), module.v_proj(x)), dim=-1)
         return super().qkv(module, x)
 
     def project(self, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
-        return module.o_proj(y) if self.layout(module) == PROJECTIONS else super().project(module, y)
+        return module.o_proj(y) if self.call_layout(module) == PROJECTIONS else super().project(module, y)
 
     def keeps_transformers(self, module: nn.Module, mask: Optional[torch.Tensor], arguments: Dict[str, Any]) -> bool:
-        if self.layout(module) == PROJECTIONS:
+        if self.call_layout(module) == PROJECTIONS:
             config = module.config
             # 5.x records attention weights (hooks on the stages) where the call or, failing
             # that, the config asks for them; only the call's argument reaches this module
@@ -79,11 +79,11 @@ class HfSwinAdapter(HfAttentionAdapter):
 
     # -- what the op takes ---------------------------------------------------------------
     def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor]:
-        holder = module.relative_position_bias if self.layout(module) == PROJECTIONS else module.self
+        holder = module.relative_position_bias if self.call_layout(module) == PROJECTIONS else module.self
         return table_position_bias(module, holder.relative_position_bias_table, holder.relative_position_index)
 
     def score_scale(self, module: nn.Module) -> Dict:
-        if self.layout(module) == PROJECTIONS:
+        if self.call_layout(module) == PROJECTIONS:
             return dict(scale=float(module.scaling))
         return dict(scale=self.head_dim(module) ** -0.5)
 
