@@ -19,6 +19,9 @@ Patching models
 Patching timm's factory (for scripts you do not edit; CLI: ``timm-flashwin run``)
     patch_timm(**patch_model_kwargs), unpatch_timm(),
     patched_timm(**kwargs) (context manager yielding [CreatedModel])
+    patch_transformers(**kwargs), unpatch_transformers(), patched_transformers(**kwargs): the
+        same for transformers' from_pretrained / from_config (Swin, Swinv2, DonutSwin,
+        MaskFormerSwin, Swin2SR; docs/support.md)
 The window-attention op
     window_attention(qkv (B_, N, 3*H*D), num_heads, *, bias (H, N, N) | TableBias,
                      mask (nW, N, N), scale | logit_scale (H,), dropout_p, grid)
@@ -54,6 +57,7 @@ __version__ = "0.1.0"
 #: public name -> the submodule that defines it
 _SOURCES = {
     "CreatedModel": "factory", "patch_timm": "factory", "patched_timm": "factory", "unpatch_timm": "factory",
+    "patch_transformers": "factory_hf", "patched_transformers": "factory_hf", "unpatch_transformers": "factory_hf",
     "block_sliding_window_attention": "local_attention", "sliding_window_attention": "local_attention",
     "window_attention": "op",
     "TableBias": "position_bias",

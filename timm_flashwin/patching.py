@@ -22,6 +22,9 @@ A plain method on a subclass is what dynamo traces, and because dynamo guards on
 types, a patched and an unpatched copy of one model never share a graph (with an instance
 attribute as the mark, they did).
 
+Hugging Face transformers' Swin-family attention classes are patched the same way, by
+subclasses made when first needed (``patching_hf``; their adapters in ``adapters/hf_*.py``).
+
 The timm block holding a patched Swin-family module as ``.attn`` gets a subclass the same way
 (``FlashSwinTransformerBlock``, ...), whose window method (timm's ``_attn`` or
 ``_shifted_window_attn``: roll, partition, attention, merge, roll back) has the op read
@@ -303,7 +306,8 @@ def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapt
 # ------------------------------------------------------------------------ public API
 def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[FilterFn] = None,
                 recompute_qkv: RecomputeQkv = False, feature_map: bool = True) -> nn.Module:
-    """Route every timm window-attention module of ``model`` through the fused op, in place.
+    """Route every timm (or transformers' Swin-family) window-attention module of ``model``
+    through the fused op, in place.
 
     Works wherever the modules sit (timm models, features_only wrappers, a user's
     nn.Module, DistributedDataParallel). Each module keeps its own parameters, read at

@@ -9,7 +9,8 @@ that of transformers' eager and SDPA interfaces alike (the bias added to the shi
 into one float mask), so both are served; another interface the config names (a kernel
 registered with transformers) keeps transformers' path. DonutSwin and MaskFormerSwin are
 "Copied from" Swin in transformers and share this adapter's code, each under its family
-name; they are in the "self_output" layout up to 5.24 and read in either.
+name, in the "self_output" layout only: theirs in every release checked (4.57 to 5.24); a
+release that moves them to another is reported, not read as Swin's.
 """
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -92,9 +93,11 @@ class HfDonutSwinAdapter(HfSwinAdapter):
     family = "hf_donut_swin"
     hf_module = "transformers.models.donut.modeling_donut_swin"
     hf_class = "DonutSwinAttention"
+    projections_required = ()
 
 
 class HfMaskFormerSwinAdapter(HfSwinAdapter):
     family = "hf_maskformer_swin"
     hf_module = "transformers.models.maskformer.modeling_maskformer_swin"
     hf_class = "MaskFormerSwinAttention"
+    projections_required = ()
