@@ -92,7 +92,8 @@ def test_compiled_matches_transformers_gpu(family, implementation):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("spec", ["swin", "swinv2", "donut-swin", "swin2sr:Swin2SRForImageSuperResolution"])
+@pytest.mark.parametrize("spec", ["swin", "swinv2", "donut-swin", "maskformer-swin",
+                                  "swin2sr:Swin2SRForImageSuperResolution"])
 def test_default_configs_bfloat16_gpu(spec):
     """Each family's default config (swin-tiny's for Swin, 224x224; Swin2SR's 64x64), AMP
     bfloat16 training through verify (``full_resolution_passes``)."""
@@ -107,7 +108,8 @@ def test_state_dict_pickling_and_unpatch(family):
     x = images(1, (image_size(family),) * 2)
     with patched_in_place(model, x, patched=2) as (expected, patched_out):
         torch.testing.assert_close(patched_out, expected, rtol=2e-4, atol=1e-5)
-        assert all(f"flashwin={family}" in repr(m) for m in model.modules() if type(m).__name__.startswith("Flash"))
+        patched = [m for m in model.modules() if type(m).__module__ == "timm_flashwin.patching_hf"]
+        assert len(patched) == 2 and all(f"flashwin={family}" in repr(m) for m in patched)
 
 
 def test_output_attentions_keeps_transformers_path(monkeypatch):
