@@ -154,3 +154,19 @@ def test_an_unserved_device_computes_with_pytorch_and_warns_once(monkeypatch):
     assert not launched and torch.equal(out, again)
     assert arch.unserved_reason(arch.KNOWN["sm_75"], torch.float16) is None
     assert arch.unserved_reason(arch.KNOWN["sm_80"], torch.bfloat16) is None
+
+
+def test_patch_model_on_an_unserved_device_keeps_timm_and_says_so(monkeypatch):
+    """A bfloat16 model on an assumed T4 (sm_75): every module keeps timm's forward, with the
+    reason in patch_report and one warning; strict=True raises it; float32 is patched."""
+    from model_cases import tiny_swin
+    from timm_flashwin import PatchError, patch_model, patch_report
+    monkeypatch.setenv(arch.ASSUME_ENV, "sm_75")
+    model = tiny_swin().to(torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="sm_75 has no bfloat16 tensor cores: bfloat16 computes with PyTorch"):
+        patch_model(model)
+    report = patch_report(model)
+    assert not report.patched and all("no bfloat16 tensor cores" in m.reason for m in report.modules)
+    with pytest.raises(PatchError, match="no bfloat16 tensor cores"):
+        patch_model(tiny_swin().to(torch.bfloat16), strict=True)
+    assert len(patch_report(patch_model(tiny_swin())).patched) == len(report.modules)

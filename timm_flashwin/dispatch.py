@@ -19,7 +19,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .kernels import config
-from .kernels.arch import Arch, unserved_reason, warn_unserved
+from .kernels.arch import Arch, device_arch, unserved_reason, warn_unserved
 
 #: the dtypes the kernels take; float64 runs in PyTorch
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -152,3 +152,12 @@ def served(arch: Arch, dtype: torch.dtype, fits: bool, what: str) -> bool:
         warn_unserved(arch, dtype, f"{what} needs more shared memory than {arch.name}'s "
                                    f"{arch.shared_memory // 1024} KB")
     return False
+
+
+def unserved_device(model: torch.nn.Module) -> Optional[str]:
+    """Why the kernels do not serve ``model`` on the device its parameters are on, in their
+    dtype (``arch.unserved_reason``: bfloat16 on a T4), None where they do or it has none
+    (``patch_model`` then leaves its modules on their own forward)."""
+    param = next(model.parameters(), None)
+    reason = unserved_reason(device_arch(param.device), param.dtype) if param is not None else None
+    return f"{reason}: {str(param.dtype).replace('torch.', '')} computes with PyTorch there" if reason else None

@@ -49,6 +49,7 @@ from . import patching_hf
 from .adapters import ADAPTERS, HF_ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
 from .adapters.rel_pos import KEPT_ATTR
+from .dispatch import unserved_device
 from .hooks import runs_hooks
 from .report import ModuleStatus, PatchReport
 from .tracing import runs_timm
@@ -353,9 +354,12 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
             raise ValueError(message)
         warnings.warn(message, stacklevel=2)
         return model
+    device = unserved_device(model)  # a GPU the kernels do not serve in the model's dtype
     reasons = {name: why for name, module, adapter, family in found
                if not _is_patched(module)
-               and (why := _skip_reason(module, adapter, family, name, filter_fn)) is not None}
+               and (why := _skip_reason(module, adapter, family, name, filter_fn) or device) is not None}
+    if device is not None and not strict:
+        warnings.warn(f"timm_flashwin: {device}; {model_name} keeps its own attention", RuntimeWarning, stacklevel=2)
     failures = {name: why for name, why in reasons.items() if why != EXCLUDED_BY_FILTER}
     if strict and failures:
         raise PatchError(model_name, failures)
