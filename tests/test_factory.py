@@ -127,7 +127,7 @@ def test_run_strict_raises_in_the_script(capsys, monkeypatch):
     lines = err.splitlines()
     assert lines[0] == "Traceback (most recent call last):" and lines[1].startswith(f'  File "{MAKE_MODELS}", line ')
     assert not any(name in err for name in ("runner.py", "runpy", "cli.py"))
-    assert "timm_flashwin.patching.PatchError: timm_flashwin: cannot patch 4 window-attention module(s) of SwinTransformer:" in err
+    assert "timm_flashwin.report.PatchError: timm_flashwin: cannot patch 4 window-attention module(s) of SwinTransformer:" in err
     assert lines[-1] == "  layers.1.blocks.1.attn: attn_drop=1.0 is not in [0, 1)"
 
 

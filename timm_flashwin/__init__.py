@@ -61,7 +61,7 @@ _SOURCES = {
     "block_sliding_window_attention": "local_attention", "sliding_window_attention": "local_attention",
     "window_attention": "op",
     "TableBias": "position_bias",
-    "PatchError": "patching", "is_patched": "patching", "patch_model": "patching", "patch_report": "patching",
+    "PatchError": "report", "is_patched": "patching", "patch_model": "patching", "patch_report": "patching",
     "patched": "patching", "unpatch_model": "patching",
     "ModuleStatus": "report", "PatchReport": "report",
     "window_attention_reference": "reference",

@@ -51,8 +51,8 @@ from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
 from .adapters.rel_pos import KEPT_ATTR
 from .dispatch import unserved_device
 from .hooks import runs_hooks
-from .report import ModuleStatus, PatchReport
-from .tracing import runs_timm
+from .report import ModuleStatus, PatchError, PatchReport
+from .tracing import register_fx_leaves, runs_timm
 
 logger = logging.getLogger("timm_flashwin")
 
@@ -189,37 +189,13 @@ for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSw
     PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
 
 
-def _register_fx_leaves() -> None:
-    """The patched classes are leaves of timm's fx tracer (its ``register_notrace_module``
-    registry, which timm's fx feature extraction, ``features_only=True, feature_cls="fx"``
-    and ``timm.layers.create_feature_extractor``, and its tests pass to torchvision's
-    tracer): the GraphModule calls the patched module, which runs the op. Other tracers
-    trace through it, and it runs timm's forward on their proxies (``tracing.runs_timm``)."""
-    try:
-        from timm.layers import register_notrace_module
-    except ImportError:  # pragma: no cover - timm without fx helpers
-        return
-    for cls in PATCHED_CLASSES.values():
-        register_notrace_module(cls)
-
-
-_register_fx_leaves()
+register_fx_leaves(PATCHED_CLASSES.values())
 
 #: family -> the class the block holding a patched module takes (``adapter.block_type``)
 PATCHED_BLOCK_CLASSES: Dict[str, type] = {}
 for _family, _name in (("swin", "FlashSwinTransformerBlock"), ("swinv2", "FlashSwinTransformerV2Block"),
                        ("swinv2_cr", "FlashSwinTransformerV2CrBlock"), ("maxxvit", "FlashMaxxVitPartitionAttentionCl")):
     PATCHED_BLOCK_CLASSES[_family] = globals()[_name] = _patched_block_class(ADAPTERS[_family], _name)
-
-
-# ------------------------------------------------------------------ strict mode
-class PatchError(ValueError):
-    """strict=True and some modules cannot be served; ``reasons`` maps name -> reason."""
-
-    def __init__(self, model: str, reasons: Dict[str, str]):
-        self.reasons = reasons
-        lines = "\n".join(f"  {name or '<model>'}: {why}" for name, why in reasons.items())
-        super().__init__(f"timm_flashwin: cannot patch {len(reasons)} window-attention module(s) of {model}:\n{lines}")
 
 
 # --------------------------------------------------------------------------- helpers

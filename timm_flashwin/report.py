@@ -54,3 +54,13 @@ class PatchReport:
             state = "patched" if m.patched else f"skipped: {m.reason}"
             lines.append(f"  {m.name or '<model>'} [{m.family}] {state}")
         return "\n".join(lines)
+
+
+class PatchError(ValueError):
+    """``patch_model(..., strict=True)`` and some modules cannot be served; ``reasons`` maps
+    each one's name to its reason."""
+
+    def __init__(self, model: str, reasons: Dict[str, str]):
+        self.reasons = reasons
+        lines = "\n".join(f"  {name or '<model>'}: {why}" for name, why in reasons.items())
+        super().__init__(f"timm_flashwin: cannot patch {len(reasons)} window-attention module(s) of {model}:\n{lines}")

@@ -26,6 +26,8 @@ in eager mode (host time, which eager steps of the tiny models are bound by).
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 _is_tracing = torch._C._is_tracing
@@ -74,3 +76,17 @@ def exporting() -> bool:
     if _compiler_module is not None:
         return _compiler_module._is_exporting_flag
     return _is_exporting()
+
+
+def register_fx_leaves(classes: Iterable[type]) -> None:
+    """The patched classes are leaves of timm's fx tracer (its ``register_notrace_module``
+    registry, which timm's fx feature extraction, ``features_only=True, feature_cls="fx"``
+    and ``timm.layers.create_feature_extractor``, and its tests pass to torchvision's
+    tracer): the GraphModule calls the patched module, which runs the op. Other tracers
+    trace through it, and it runs timm's forward on their proxies (``runs_timm``)."""
+    try:
+        from timm.layers import register_notrace_module
+    except ImportError:  # pragma: no cover - timm without fx helpers
+        return
+    for cls in classes:
+        register_notrace_module(cls)
