@@ -170,3 +170,14 @@ def test_patch_model_on_an_unserved_device_keeps_timm_and_says_so(monkeypatch):
     with pytest.raises(PatchError, match="no bfloat16 tensor cores"):
         patch_model(tiny_swin().to(torch.bfloat16), strict=True)
     assert len(patch_report(patch_model(tiny_swin())).patched) == len(report.modules)
+
+
+def test_local_attention_on_an_unserved_dtype_computes_with_pytorch(monkeypatch):
+    from timm_flashwin import sliding_window_attention
+    monkeypatch.setenv(arch.ASSUME_ENV, "sm_70")
+    monkeypatch.setattr("timm_flashwin.local_attention.local_forward", lambda *a, **k: pytest.fail("launched"))
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+               for i in range(3))
+    with pytest.warns(RuntimeWarning, match="sm_70 has no bfloat16 tensor cores"):
+        out = sliding_window_attention(q.to(KERNEL_DEVICE), k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE), window=(4, 4))
+    assert out.shape == q.shape and out.dtype == torch.bfloat16

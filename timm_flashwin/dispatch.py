@@ -19,7 +19,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .kernels import config
-from .kernels.arch import Arch, device_arch, unserved_reason, warn_unserved
+from .kernels.arch import Arch, tensor_arch, unserved_reason, warn_unserved
+from .kernels.budget import keeps_tuned
 
 #: the dtypes the kernels take; float64 runs in PyTorch
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -140,17 +141,23 @@ def uses_kernels(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or (config.INTERPRET and tensor.device.type == "cpu")
 
 
-def served(arch: Arch, dtype: torch.dtype, fits: bool, what: str) -> bool:
+def served(arch: Arch, dtype: torch.dtype, misfit: Callable[[], Optional[str]]) -> bool:
     """Whether the kernels run a call on ``arch`` (``uses_kernels`` says whether they take its
     tensors at all): the architecture builds them for ``dtype`` (``arch.unserved_reason``)
-    and ``fits``, whether the plans have configurations within its shared memory for
-    ``what`` (the call's shape, in words). Elsewhere PyTorch computes the call, and a
-    warning says so once."""
-    if unserved_reason(arch, dtype) is None and fits:
+    and ``misfit()`` is None, else the call's shape in words, whose plans do not fit the
+    architecture's shared memory. Hopper's and Blackwell's tuned plans serve every call
+    (asked nothing: this runs in every eager call). Elsewhere PyTorch computes the call, and
+    a warning says so once."""
+    if keeps_tuned(arch):
         return True
+    reason = unserved_reason(arch, dtype)
+    if reason is None:
+        shape = misfit()
+        if shape is None:
+            return True
+        reason = f"{shape} needs more shared memory than {arch.name}'s {arch.shared_memory // 1024} KB"
     if not torch.compiler.is_compiling():
-        warn_unserved(arch, dtype, f"{what} needs more shared memory than {arch.name}'s "
-                                   f"{arch.shared_memory // 1024} KB")
+        warn_unserved(arch, dtype, reason)
     return False
 
 
@@ -159,5 +166,5 @@ def unserved_device(model: torch.nn.Module) -> Optional[str]:
     dtype (``arch.unserved_reason``: bfloat16 on a T4), None where they do or it has none
     (``patch_model`` then leaves its modules on their own forward)."""
     param = next(model.parameters(), None)
-    reason = unserved_reason(device_arch(param.device), param.dtype) if param is not None else None
+    reason = unserved_reason(tensor_arch(param), param.dtype) if param is not None else None
     return f"{reason}: {str(param.dtype).replace('torch.', '')} computes with PyTorch there" if reason else None

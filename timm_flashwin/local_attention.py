@@ -20,7 +20,7 @@ import torch
 from . import host_program
 from .dispatch import (KERNEL_DTYPES, call_operator, direct_launches, dispatch_free, register_autograd, register_op,
                        served, uses_kernels)
-from .kernels.arch import device_arch
+from .kernels.arch import tensor_arch
 from .kernels.local_launch import fits, local_backward, local_forward
 from .local_reference import (LocalPattern, Visible, block_window_visible, local_attention_reference,
                               sliding_window_visible)
@@ -132,10 +132,15 @@ def _eager_call(inputs: tuple, grad: bool) -> torch.Tensor:
     return host_program.call(key, tensors, python_road, grad=grad)
 
 
+def _served(q: torch.Tensor) -> bool:
+    """Whether the kernels serve ``q``'s device and dtype at its head_dim (``dispatch.served``)."""
+    arch, head_dim = tensor_arch(q), q.shape[-1]
+    return served(arch, q.dtype, lambda: None if fits(head_dim, q.dtype, arch) else f"head_dim {head_dim}")
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: LocalPattern, visible: Visible,
             scale: float, dropout_p: float) -> torch.Tensor:
-    kernels = uses_kernels(q) and served(device_arch(q.device), q.dtype, fits(q.shape[-1], q.dtype, device_arch(q.device)),
-                                         f"head_dim {q.shape[-1]}")
+    kernels = uses_kernels(q) and _served(q)
     if not kernels or q.numel() == 0:
         chunk = REFERENCE_CHUNK if q.shape[2] > REFERENCE_CHUNK else None
         return local_attention_reference(q, k, v, visible, scale, dropout_p, chunk=chunk)

@@ -22,7 +22,7 @@ import torch
 from . import host_program
 from .dispatch import (call_operator, direct_launches, dispatch_free, register_autograd, register_op, served,
                        uses_kernels)
-from .kernels.arch import device_arch
+from .kernels.arch import tensor_arch
 from .kernels.config import fits
 from .kernels.bias_mask import kept_mask_structure, kept_streamed_bias, mask_regions_shapes, mask_regions_used
 from .kernels.launch import attention_backward, attention_forward
@@ -107,7 +107,7 @@ def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropou
     num_windows, n, channels = windows_tokens_channels(qkv, None)
     head_dim = channels // (3 * num_heads)
     out = qkv.new_empty((num_windows, n, channels // 3))
-    arch = device_arch(qkv.device)
+    arch = tensor_arch(qkv)
     stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats, arch)
     used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads, arch)
     regions_shape, info_shape = mask_regions_shapes(mask.shape[0] if mask is not None else 1, n, used)
@@ -323,7 +323,7 @@ def _kept_mask_regions(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.T
         return ()
     _, n, channels = windows_tokens_channels(qkv, grid)
     if not mask_regions_used(n, channels // (3 * num_heads), qkv.dtype, cosine, mask, num_heads,
-                             device_arch(qkv.device)):
+                             tensor_arch(qkv)):
         return ()
     with direct_launches():
         return kept_mask_structure(mask)
@@ -420,10 +420,10 @@ def window_attention(
     table_bias = isinstance(bias, TableBias)
     save_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (qkv, bias.table if table_bias else bias, logit_scale, query))
-    arch = device_arch(qkv.device)
+    arch = tensor_arch(qkv)
     cosine = logit_scale is not None
-    kernels = uses_kernels(qkv) and served(arch, qkv.dtype, fits(n, head_dim, qkv.dtype, cosine, dropout_p > 0, arch),
-                                           f"windows of {n} tokens at head_dim {head_dim}")
+    kernels = uses_kernels(qkv) and served(arch, qkv.dtype, lambda: None if fits(
+        n, head_dim, qkv.dtype, cosine, dropout_p > 0, arch) else f"windows of {n} tokens at head_dim {head_dim}")
     # the eager path: the kernels launched here, without the registered operators' dispatch
     eager = kernels and dispatch_free(qkv) and (query is None or dispatch_free(query))
     if grid is not None and not (eager and maps_windows(n, head_dim, qkv.dtype, cosine, save_stats, arch)):

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import budget, config
-from .arch import Arch, device_arch
+from .arch import Arch, tensor_arch
 from .launcher import compiler_options, launcher, traced_launch, unused_pointer
 from .local_backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel
 from .local_forward import local_attention_fwd_kernel, local_dropout_factor_kernel
@@ -251,7 +251,7 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
     the tiles visited without and with a mask are added."""
     B, H, S, D = q.shape
     S_k = k.shape[2]
-    arch = device_arch(q.device)
+    arch = tensor_arch(q)
     tiles = plan("fwd", D, q.dtype, row_class(pattern, S, S_k, B * H, arch, dropout_p > 0), S, S_k, arch)
     out = torch.empty_like(q)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
@@ -277,7 +277,7 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     H_kv, S_k = k.shape[1], k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = q.new_empty((B, H, S), dtype=torch.float32)
-    arch = device_arch(q.device)
+    arch = tensor_arch(q)
     rows_class = row_class(pattern, S, S_k, B * H, arch, dropout_p > 0)
     rows = plan("dq", D, q.dtype, rows_class, S, S_k, arch)
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)

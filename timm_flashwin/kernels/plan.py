@@ -31,7 +31,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import config
-from .arch import Arch, device_arch
+from .arch import Arch, tensor_arch
 from .bias_mask import StreamedFlags, mask_regions_used, reads_mask_apart, streamed_flags
 from .launcher import compiler_options, launch_options
 from ..window_grid import WindowGrid
@@ -196,7 +196,7 @@ def forward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Option
                              query_mode, periods)
     if traced or config.OVERRIDES:
         return make()
-    key = ("fwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), device_arch(qkv.device), num_heads, has_bias, mask is not None, periods,
+    key = ("fwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), tensor_arch(qkv), num_heads, has_bias, mask is not None, periods,
            cosine, dropout, save_stats, grid, table, table_sigmoid, query_mode, _settings())
     return _cached(key, make)
 
@@ -206,7 +206,7 @@ def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, g
     dtype = qkv.dtype
     num_windows, n, channels = windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
-    arch = device_arch(qkv.device)
+    arch = tensor_arch(qkv)
     tiles = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask_apart(mask, dtype, num_heads, n), arch)
     if table and n > tiles.block_n:
         raise ValueError(f"window_attention: the bias is read from its table in windows of one tile, N = {n} is "
@@ -280,7 +280,7 @@ def backward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Optio
                               table_sigmoid, query_mode, periods)
     if traced or config.OVERRIDES:
         return make()
-    key = ("bwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), device_arch(qkv.device), num_heads, has_bias, mask is not None, periods,
+    key = ("bwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), tensor_arch(qkv), num_heads, has_bias, mask is not None, periods,
            cosine, bias_grad, scale_grad, dropout, grid, table, table_sigmoid, query_mode,
            torch.are_deterministic_algorithms_enabled(), _settings())
     return _cached(key, make)
@@ -291,7 +291,7 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
     dtype = qkv.dtype
     num_windows, n, channels = windows_tokens_channels(qkv, grid)
     head_dim = channels // (3 * num_heads)
-    arch = device_arch(qkv.device)
+    arch = tensor_arch(qkv)
     tiles = config.backward_config(n, head_dim, dtype, cosine, arch)
     single = tiles.single_tile(n)
     if grid is not None and not single:
