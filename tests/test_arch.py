@@ -181,3 +181,20 @@ def test_local_attention_on_an_unserved_dtype_computes_with_pytorch(monkeypatch)
     with pytest.warns(RuntimeWarning, match="sm_70 has no bfloat16 tensor cores"):
         out = sliding_window_attention(q.to(KERNEL_DEVICE), k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE), window=(4, 4))
     assert out.shape == q.shape and out.dtype == torch.bfloat16
+
+
+def test_a_compiled_call_does_not_guard_on_the_device_cache(monkeypatch):
+    """Under dynamo the device's limits are read, not looked up in ``arch._BY_DEVICE``: the
+    plans, made outside dynamo while the same frame compiles, fill that cache, and a guard on
+    it failed on the frame that made it (compiled SwinV2 on an H200). Here: the cache filled
+    between two calls recompiles nothing."""
+    from torch._dynamo.testing import CompileCounter
+    monkeypatch.setattr(arch, "_read", lambda index: arch.KNOWN["sm_90"])
+    monkeypatch.setattr(arch, "_BY_DEVICE", {})
+    counter = CompileCounter()
+    scaled = torch.compile(lambda x: x * arch._arch_of(0).capability, backend=counter, fullgraph=True)
+    torch._dynamo.reset()
+    assert scaled(torch.ones(2)).tolist() == [90.0, 90.0]
+    assert arch._arch_of(0) is arch.KNOWN["sm_90"] and arch._BY_DEVICE == {0: arch.KNOWN["sm_90"]}
+    scaled(torch.ones(2))
+    assert counter.frame_count == 1

@@ -108,11 +108,15 @@ def _arch_of(index: int) -> Arch:
         return found
     if index < 0:
         return INTERPRETER
+    if torch.compiler.is_compiling():
+        # dynamo folds the device's properties to constants; a look into _BY_DEVICE would
+        # guard the graph on the cache's contents, which the plans, made outside dynamo while
+        # the same frame compiles, then change: "Guard failed on the same frame it was
+        # created" (H200, torch 2.11, a compiled SwinV2 before any eager call)
+        return _read(index)
     found = _BY_DEVICE.get(index)
     if found is None:
-        found = _read(index)
-        if not torch.compiler.is_compiling():
-            _BY_DEVICE[index] = found
+        found = _BY_DEVICE[index] = _read(index)
     return found
 
 
