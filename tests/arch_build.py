@@ -107,14 +107,20 @@ def as_launched(kernel, types: dict, constexprs: dict):
     return types, constexprs, attrs
 
 
-def resource_usage(cubin: bytes) -> str:
+def registers_and_stack(cubin: bytes):
+    """(registers, stack frame bytes) of a build, None where cuobjdump cannot say."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", text)  # register spills live in the stack frame
-    return f"registers {found[1]}, stack frame {found[2]} B" if found else "resource usage unavailable"
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def resource_usage(cubin: bytes) -> str:
+    found = registers_and_stack(cubin)
+    return f"registers {found[0]}, stack frame {found[1]} B" if found else "resource usage unavailable"
 
 
 def build(kernel, dtype: torch.dtype, constexprs: dict, launch: config.LaunchConfig,
