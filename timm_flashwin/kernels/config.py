@@ -313,7 +313,7 @@ def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: 
 
 
 def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool,
-                 arch: Optional[Arch] = None) -> LaunchConfig:
+                 arch: Optional[Arch] = None) -> Optional[LaunchConfig]:
     """The tiles of the multi-block backward's dbias kernel, which loops over the windows
     sharing a (head, mask window) and recomputes each one's (query block, key block) tile
     of dZ. A configuration of its own, since it keeps no per-window accumulator and larger
@@ -332,10 +332,13 @@ def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool,
     found = OVERRIDES.get(("dbias", n, head_dim, dtype, cosine))
     if found is not None:
         return found
-    tiles = replace(backward_config(n, head_dim, dtype, cosine, arch), programs_per_sm=4)
+    tiles = backward_config(n, head_dim, dtype, cosine, arch)
+    if tiles is None:
+        return None
+    tiles = replace(tiles, programs_per_sm=4)
     if tiles.block_n == 64 and 0 < n % 64 <= 32 and not tiles.single_tile(n):
         tiles = replace(tiles, block_n=32, maxnreg=None, programs_per_sm=8)
-    return budget.window_fit("dbias", tiles, n, dtype.itemsize, 4, arch) or tiles
+    return budget.window_fit("dbias", tiles, n, dtype.itemsize, 4, arch)
 
 
 def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:
@@ -343,9 +346,11 @@ def with_changes(config: LaunchConfig, **changes) -> LaunchConfig:
 
 
 def fits(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool, arch: Optional[Arch]) -> bool:
-    """Whether both passes have a configuration that fits ``arch`` (else PyTorch computes)."""
-    return (forward_config(n, head_dim, dtype, cosine, dropout, arch=arch) is not None
-            and backward_config(n, head_dim, dtype, cosine, arch) is not None)
+    """Whether both passes have a configuration that fits ``arch``, the multi-block backward's
+    dbias kernel included where it runs (else PyTorch computes)."""
+    backward = backward_config(n, head_dim, dtype, cosine, arch)
+    return (forward_config(n, head_dim, dtype, cosine, dropout, arch=arch) is not None and backward is not None
+            and (backward.single_tile(n) or dbias_config(n, head_dim, dtype, cosine, arch) is not None))
 
 
 def target_programs(arch: Arch, per_sm: int) -> int:
