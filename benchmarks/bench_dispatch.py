@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import write_json  # noqa: E402
-from timm_flashwin import op  # noqa: E402
+from timm_flashwin.ops import window as op  # noqa: E402
 
 
 def stub_launchers(num_windows: int, n: int, channels: int, heads: int):

@@ -15,7 +15,7 @@ Models (random weights from their configs: timing does not depend on the values)
 Variants: ``transformers`` (the model as transformers builds it: Swin's SDPA interface in
 5.x, DonutSwin's eager math) and ``flashwin`` (the same model, ``patch_model``). Tasks:
 ``train`` (AMP bfloat16 steps: forward, cross-entropy on the flattened first output,
-backward, AdamW; ``timm_flashwin.bench``'s step) and ``infer`` (bfloat16 weights,
+backward, AdamW; ``timm_flashwin.tools.bench``'s step) and ``infer`` (bfloat16 weights,
 inference_mode). Modes: ``eager`` and ``compile`` (torch.compile's default mode).
 
 Per (model, task, mode) the variants are warmed up, then timed in alternating rounds
@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, peak_mib, write_json  # noqa: E402
 from profile_step import _profile, alternating_rounds, warm_up  # noqa: E402
 from timm_flashwin import patch_model, patch_report  # noqa: E402
-from timm_flashwin.bench import _step_fn  # noqa: E402
-from timm_flashwin.hf_models import HfImageModel  # noqa: E402
+from timm_flashwin.tools.bench import _step_fn  # noqa: E402
+from timm_flashwin.tools.hf_models import HfImageModel  # noqa: E402
 
 #: model -> (model class, config class, config arguments, (training batch, inference batch))
 MODELS: Dict[str, Tuple[str, str, dict, Tuple[int, int]]] = {

@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, gpu_ms_per_call, write_json  # noqa: E402
-from timm_flashwin.adapters.hiera import HieraAdapter  # noqa: E402
-from timm_flashwin.op import window_attention  # noqa: E402
+from timm_flashwin.patching.adapters.hiera import HieraAdapter  # noqa: E402
+from timm_flashwin.ops.window import window_attention  # noqa: E402
 
 #: the tokens each pooling module of hiera_tiny_224 takes at 224 x 224
 TOKENS = {"blocks.1.attn": 3136, "blocks.3.attn": 784, "blocks.10.attn": 196}

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
-from timm_flashwin.patching import _attention_modules  # noqa: E402
-from timm_flashwin.verify import build_model  # noqa: E402
+from timm_flashwin.patching.model import _attention_modules  # noqa: E402
+from timm_flashwin.tools.verify import build_model  # noqa: E402
 
 MODELS = ["swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_224"]
 

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, host_us_per_call, write_json  # noqa: E402
 from timm_flashwin import window_attention  # noqa: E402
 from timm_flashwin.kernels import fast_launch  # noqa: E402
-from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
-from timm_flashwin.dispatch import direct_launches  # noqa: E402
+from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402
+from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
 
 #: name: (windows, heads, N, head_dim, mask windows)
 CASES = {"w7": (16, 3, 49, 32, 4), "w24": (4, 4, 576, 32, 4)}

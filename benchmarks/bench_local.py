@@ -49,8 +49,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, enqueue_us, python_profile, write_json  # noqa: E402
 from plot_local import plot  # noqa: E402
 from profile_step import _profile  # noqa: E402
-from timm_flashwin import block_sliding_window_attention, host_program, sliding_window_attention  # noqa: E402
-from timm_flashwin.local_reference import LocalPattern  # noqa: E402
+from timm_flashwin import block_sliding_window_attention, sliding_window_attention
+from timm_flashwin.ops import host_program  # noqa: E402
+from timm_flashwin.ops.local_reference import LocalPattern  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def ours(pattern: LocalPattern) -> Callable:
 
 
 def ours_python_road(pattern: LocalPattern) -> Callable:
-    """``ours`` with host programs off for its calls (``timm_flashwin.host_program``)."""
+    """``ours`` with host programs off for its calls (``timm_flashwin.ops.host_program``)."""
     call = ours(pattern)
 
     def python_road(q, k, v):
@@ -328,7 +329,7 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     """Time launch plans of our kernels ``kinds`` on one case (forward plans by the forward,
     backward ones by forward+backward), the others at their defaults. The case's length
     decides which plans it tunes: those of its class of rows (``local_launch.row_class``)."""
-    from timm_flashwin.kernels import local_launch
+    from timm_flashwin.kernels.local import launch as local_launch
     from timm_flashwin.kernels.arch import device_arch
     name, seq_len = spec.split(":")
     case, seq_len = CASES[name], int(seq_len)

@@ -4,7 +4,7 @@
 
 Models and batch sizes of the performance issues: the three tiny Swin models and one model
 of each other window-attention family at batch 128 (inference, bf16 weights) and 64
-(AMP-bf16 training steps), and swinv2_base_window12to24_192to384 at 32 / 16. Uses timm_flashwin.bench (the same code
+(AMP-bf16 training steps), and swinv2_base_window12to24_192to384 at 32 / 16. Uses timm_flashwin.tools.bench (the same code
 as ``timm-flashwin bench``).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, write_json  # noqa: E402
-from timm_flashwin.bench import benchmark_model, recompute_qkv_option  # noqa: E402
+from timm_flashwin.tools.bench import benchmark_model, recompute_qkv_option  # noqa: E402
 
 MODELS = {  # name: (inference batch, training batch)
     "swin_tiny_patch4_window7_224": (128, 64),

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, write_json  # noqa: E402
 from timm_flashwin import window_attention  # noqa: E402
-from timm_flashwin.position_bias import gather_position_bias  # noqa: E402
-from timm_flashwin.reference import LOGIT_SCALE_MAX  # noqa: E402
+from timm_flashwin.ops.position_bias import gather_position_bias  # noqa: E402
+from timm_flashwin.ops.reference import LOGIT_SCALE_MAX  # noqa: E402
 
 # (B_, H, N, D, nW): the shapes. nW is the number of windows per image at the
 # model's native resolution (stage 1 of swin_tiny at 224: 8x8 windows of 7x7, batch 64).

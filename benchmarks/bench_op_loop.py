@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_op import SHAPES, timm_mask  # noqa: E402
 from common import code_version, enqueue_us, host_us_per_call, python_profile, write_json  # noqa: E402
-from timm_flashwin import TableBias, host_program, window_attention  # noqa: E402
+from timm_flashwin import TableBias, window_attention
+from timm_flashwin.ops import host_program  # noqa: E402
 
 
 def relative_position_index(window: int) -> torch.Tensor:
@@ -95,7 +96,7 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="*", default=["v1", "cosine"], choices=["v1", "cosine"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--host-programs", choices=["on", "off", "both"], default="on",
-                        help="replay recorded host programs (timm_flashwin.host_program); both: each case "
+                        help="replay recorded host programs (timm_flashwin.ops.host_program); both: each case "
                              "both ways in alternating rounds, two rows")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most own time over 200 calls of each case")

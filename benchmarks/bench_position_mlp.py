@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, cuda_kernel_times, write_json  # noqa: E402
-from timm_flashwin.kernels import position_launch as launch  # noqa: E402
-from timm_flashwin.position_mlp import position_mlp_table  # noqa: E402
+from timm_flashwin.kernels.position import launch as launch  # noqa: E402
+from timm_flashwin.ops.position_mlp import position_mlp_table  # noqa: E402
 
 SHAPES = [(w, heads) for w in (8, 12, 16, 24) for heads in (3, 32)]
 HIDDEN = 512

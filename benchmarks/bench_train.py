@@ -25,7 +25,7 @@ mode's own. Columns, per variant (median over the rounds):
 ``patch_model(..., recompute_qkv=...)`` for every module (no prefix) or for the modules
 whose qualified names start with a prefix (``layers.1.``: the second stage).
 ``--python-road`` adds a variant patched alike whose op calls keep their Python road
-(``timm_flashwin.host_program.switched_off`` around its steps): what the host programs save.
+(``timm_flashwin.ops.host_program.switched_off`` around its steps): what the host programs save.
 
 GPU only.
 """
@@ -42,9 +42,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, peak_mib, write_json  # noqa: E402
 from profile_step import _profile, alternating_rounds, warm_up  # noqa: E402
-from timm_flashwin import host_program, patch_model  # noqa: E402
-from timm_flashwin.bench import _step_fn, model_variants, recompute_qkv_option  # noqa: E402
-from timm_flashwin.verify import build_model  # noqa: E402
+from timm_flashwin.ops import host_program
+from timm_flashwin import patch_model  # noqa: E402
+from timm_flashwin.tools.bench import _step_fn, model_variants, recompute_qkv_option  # noqa: E402
+from timm_flashwin.tools.verify import build_model  # noqa: E402
 
 MODELS = ["swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_224"]
 MODES = {"eager": None, "compile": "default", "reduce-overhead": "reduce-overhead"}

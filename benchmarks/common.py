@@ -79,7 +79,7 @@ def timm_meta_mlp(step):
     """``step`` with the SwinV2-CR adapter computing its bias with timm's meta_mlp layers
     (``module._relative_positional_encodings()``), as before ``position_mlp_table`` took
     it: the variant ``flashwin-timm-meta-mlp`` of profile_step.py."""
-    from timm_flashwin.adapters import swinv2_cr
+    from timm_flashwin.patching.adapters import swinv2_cr
 
     def run():
         fusable = swinv2_cr.fusable_meta_mlp
@@ -97,8 +97,8 @@ def broadcast_query(step):
     keys and values (``reference.shared_query_qkv``), as before the kernels read the global
     query from its own tensor: the variant ``flashwin-broadcast-query`` of profile_step.py."""
     from timm_flashwin import window_attention
-    from timm_flashwin.adapters import gcvit
-    from timm_flashwin.reference import shared_query_qkv
+    from timm_flashwin.patching.adapters import gcvit
+    from timm_flashwin.ops.reference import shared_query_qkv
 
     def attention(self, module, x, bias, q_global, dropout_p, grid=None):
         if q_global is None:
@@ -125,8 +125,8 @@ def gathered_bias(step):
     the attention kernels reading the dense bias), as before the op took a ``TableBias``:
     the variant ``flashwin-gathered-bias`` of profile_step.py and bench_feature_map.py."""
     from timm_flashwin import TableBias
-    from timm_flashwin.adapters.swin import SwinAdapter
-    from timm_flashwin.adapters.swinv2 import SwinV2Adapter
+    from timm_flashwin.patching.adapters.swin import SwinAdapter
+    from timm_flashwin.patching.adapters.swinv2 import SwinV2Adapter
 
     def dense(position_bias):
         def gathered(self, module):

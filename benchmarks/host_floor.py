@@ -38,7 +38,8 @@ from bench_dispatch import alternating_us_per_call  # noqa: E402
 from bench_op import timm_mask  # noqa: E402
 from bench_op_loop import relative_position_index  # noqa: E402
 from common import code_version, write_json  # noqa: E402
-from timm_flashwin import TableBias, host_program, sliding_window_attention, window_attention  # noqa: E402
+from timm_flashwin import TableBias, sliding_window_attention, window_attention
+from timm_flashwin.ops import host_program  # noqa: E402
 from timm_flashwin.kernels import launcher  # noqa: E402
 
 WINDOWS, HEADS, TOKENS, HEAD_DIM, WINDOW = 4, 3, 49, 32, 7

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from launch_host import autotuners, kernel_name  # noqa: E402
-from timm_flashwin.op import window_attention  # noqa: E402
+from timm_flashwin.ops.window import window_attention  # noqa: E402
 
 B, N, H, D = 1024, 49, 4, 32
 

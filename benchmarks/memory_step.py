@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import code_version, write_json  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
-from timm_flashwin.verify import build_model  # noqa: E402
+from timm_flashwin.tools.verify import build_model  # noqa: E402
 
 MIB = 2 ** 20
 

@@ -58,10 +58,10 @@ from launch_host import launch_host  # noqa: E402
 from common import (broadcast_query, call_times_us, code_version, cuda_kernel_times, enqueue_us,  # noqa: E402
                     gathered_bias, peak_mib, python_profile, timm_meta_mlp, write_json)
 from timm_flashwin import patch_model  # noqa: E402
-from timm_flashwin.adapters import adapter_for  # noqa: E402
-from timm_flashwin.bench import _step_fn  # noqa: E402
+from timm_flashwin.patching.adapters import adapter_for  # noqa: E402
+from timm_flashwin.tools.bench import _step_fn  # noqa: E402
 from timm_flashwin.kernels import fast_launch  # noqa: E402
-from timm_flashwin.verify import build_model  # noqa: E402
+from timm_flashwin.tools.verify import build_model  # noqa: E402
 
 
 def _wall_and_enqueue_ms(step, repeats: int):

@@ -20,12 +20,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_op import SHAPES, dense_bias, make_inputs  # noqa: E402
 from common import write_json  # noqa: E402
-from timm_flashwin.kernels import backward, backward_dkdv, backward_dq_dbias  # noqa: E402
-from timm_flashwin.kernels import config, forward as fwd_kernels  # noqa: E402
-from timm_flashwin.kernels.bias_mask import reads_mask_apart  # noqa: E402
-from timm_flashwin.kernels.launch import attention_backward, attention_forward  # noqa: E402
-from timm_flashwin.kernels.plan import dq_by_atomic_adds  # noqa: E402
-from timm_flashwin.dispatch import direct_launches  # noqa: E402
+from timm_flashwin.kernels.window import backward, backward_dkdv, backward_dq_dbias  # noqa: E402
+from timm_flashwin.kernels import config
+from timm_flashwin.kernels.window import forward as fwd_kernels  # noqa: E402
+from timm_flashwin.kernels.window.bias_mask import reads_mask_apart  # noqa: E402
+from timm_flashwin.kernels.window.launch import attention_backward, attention_forward  # noqa: E402
+from timm_flashwin.kernels.window.plan import dq_by_atomic_adds  # noqa: E402
+from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
 
 
 def _compiled(kernel) -> Dict:

@@ -10,7 +10,7 @@ with TRITON_INTERPRET=1 through the kernels under Triton's interpreter: slow, he
 small setting above (under a minute on 2 cores).
 
 Without --pretrained the weights are timm's random init, perturbed as ``timm-flashwin
-verify`` perturbs them (``timm_flashwin.verify.perturb_``): a fresh SwinV2 zero-initialises
+verify`` perturbs them (``timm_flashwin.tools.verify.perturb_``): a fresh SwinV2 zero-initialises
 its post-norm weights, so its attention would not reach the output and any kernel would
 "match". The printed difference is then a real comparison of the attention.
 """
@@ -23,7 +23,7 @@ import timm
 import torch
 
 import timm_flashwin
-from timm_flashwin.verify import backend_name, perturb_
+from timm_flashwin.tools.verify import backend_name, perturb_
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

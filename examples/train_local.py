@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import timm_flashwin
-from timm_flashwin.local_reference import block_window_visible, local_attention_reference, sliding_window_visible
+from timm_flashwin.ops.local_reference import block_window_visible, local_attention_reference, sliding_window_visible
 
 
 class Attention(nn.Module):

@@ -28,14 +28,15 @@ from triton.compiler import ASTSource
 
 # run from a checkout as well as after `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from timm_flashwin.kernels import backward, backward_dkdv, backward_dq_dbias, config  # noqa: E402
+from timm_flashwin.kernels.window import backward, backward_dkdv, backward_dq_dbias
+from timm_flashwin.kernels import config  # noqa: E402
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
-from timm_flashwin.kernels.bias_copy import float16_bias_copy_kernel  # noqa: E402
-from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
-from timm_flashwin.kernels.bias_mask import folds_mask  # noqa: E402
+from timm_flashwin.kernels.window.bias_copy import float16_bias_copy_kernel  # noqa: E402
+from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402
+from timm_flashwin.kernels.window.bias_mask import folds_mask  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options, launch_options  # noqa: E402
-from timm_flashwin.kernels.plan import reads_table  # noqa: E402
-from timm_flashwin.dispatch import direct_launches  # noqa: E402
+from timm_flashwin.kernels.window.plan import reads_table  # noqa: E402
+from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
 
 #: the architecture the builds are for (``main``'s --arch), and its target
 ARCH: Arch = KNOWN["sm_90"]

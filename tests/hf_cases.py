@@ -8,8 +8,8 @@ from typing import Callable, Dict, Tuple
 
 import torch
 import transformers
-from timm_flashwin.hf_models import HfImageModel
-from timm_flashwin.verify import perturb_
+from timm_flashwin.tools.hf_models import HfImageModel
+from timm_flashwin.tools.verify import perturb_
 
 #: the geometry every family shares (Swin2SR embeds single pixels: its image is the map)
 GEOMETRY = dict(embed_dim=16, depths=[2], num_heads=[2], window_size=4, mlp_ratio=2.0, drop_path_rate=0.0,
@@ -50,7 +50,7 @@ def image_size(family: str) -> int:
 
 def counting_op_calls(monkeypatch) -> Callable[[], int]:
     """Counts the adapters' calls of ``window_attention`` from now on: () -> the count."""
-    from timm_flashwin.adapters import base
+    from timm_flashwin.patching.adapters import base
     calls = []
     op = base.window_attention
     monkeypatch.setattr(base, "window_attention", lambda *args, **kwargs: (calls.append(1), op(*args, **kwargs))[1])

@@ -4,7 +4,8 @@ import torch
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from test_position_bias import relative_position_index
-from timm_flashwin import TableBias, WindowGrid, host_program, window_attention
+from timm_flashwin import TableBias, WindowGrid, window_attention
+from timm_flashwin.ops import host_program
 
 
 def shift_mask(windows: int, n: int) -> torch.Tensor:

@@ -21,13 +21,13 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from arch_build import TRITON_TYPES, report, target  # noqa: E402
 
-from timm_flashwin.dispatch import direct_launches  # noqa: E402
-from timm_flashwin.kernels import local_launch  # noqa: E402
+from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
+from timm_flashwin.kernels.local import launch as local_launch  # noqa: E402
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
 from timm_flashwin.kernels.config import tile_side  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options  # noqa: E402
-from timm_flashwin.kernels.local_backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel  # noqa: E402,E501
-from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # noqa: E402
+from timm_flashwin.kernels.local.backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel  # noqa: E402,E501
+from timm_flashwin.kernels.local.forward import local_attention_fwd_kernel  # noqa: E402
 
 #: integer arguments a launch specializes to the constant 1 where they are 1 (Triton does so
 #: for any integer not in a kernel's do_not_specialize): S_q = S_k = 1 with one head; and "period",

@@ -6,8 +6,8 @@ import timm
 import torch
 from torch import nn
 
-from timm_flashwin.adapters import WindowAttentionAdapter
-from timm_flashwin.verify import perturb_
+from timm_flashwin.patching.adapters import WindowAttentionAdapter
+from timm_flashwin.tools.verify import perturb_
 
 
 def create(name: str, seed: int = 0, **kwargs) -> nn.Module:

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from model_cases import flashwin_ops, images, recording_backend
-from timm_flashwin import dispatch, is_patched, patch_model, patch_report, unpatch_model
-from timm_flashwin.comparison import Comparison, compare, group_error, jitter_images, larger_error
-from timm_flashwin.verify import GRADIENT_FACTOR, verify_model
+from timm_flashwin.ops import dispatch
+from timm_flashwin import is_patched, patch_model, patch_report, unpatch_model
+from timm_flashwin.tools.comparison import Comparison, compare, group_error, jitter_images, larger_error
+from timm_flashwin.tools.verify import GRADIENT_FACTOR, verify_model
 
 #: one run: (output, {parameter name: gradient})
 Run = Tuple[torch.Tensor, Dict[str, torch.Tensor]]

@@ -15,8 +15,8 @@ import timm
 import torch
 
 import timm_flashwin
-from timm_flashwin import op
-from timm_flashwin.discovery import supported_models
+from timm_flashwin.ops import window as op
+from timm_flashwin.tools.discovery import supported_models
 
 
 def main(path: Path) -> None:

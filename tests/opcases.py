@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from timm_flashwin.kernels.arch import INTERPRETER
-from timm_flashwin.kernels.bias_mask import streams_key_blocks
-from timm_flashwin.reference import CLAMP_GRADIENT_AT_BOUND, LOGIT_SCALE_MAX, window_attention_reference
+from timm_flashwin.kernels.window.bias_mask import streams_key_blocks
+from timm_flashwin.kernels.config import CLAMP_GRADIENT_AT_BOUND, LOGIT_SCALE_MAX
+from timm_flashwin.ops.reference import window_attention_reference
 
 #: Relative error bound (||x - ref|| / ||ref||) against the float64 reference, for the
 #: output and every gradient. These are the numbers the README and docs/support.md state.

@@ -34,14 +34,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import arch_build  # noqa: E402
 import local_arch_build  # noqa: E402
-from timm_flashwin.dispatch import direct_launches  # noqa: E402
-from timm_flashwin.kernels import backward, backward_dkdv, backward_dq_dbias, budget, config, local_launch  # noqa: E402,E501
+from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
+from timm_flashwin.kernels.window import backward, backward_dkdv, backward_dq_dbias
+from timm_flashwin.kernels import budget, config
+from timm_flashwin.kernels.local import launch as local_launch  # noqa: E402,E501
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
-from timm_flashwin.kernels.forward import window_attention_fwd_kernel  # noqa: E402
+from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options, launch_options  # noqa: E402
-from timm_flashwin.kernels.local_backward import (local_attention_bwd_dkdv_kernel,  # noqa: E402
-                                                  local_attention_bwd_dq_kernel)
-from timm_flashwin.kernels.local_forward import local_attention_fwd_kernel  # noqa: E402
+from timm_flashwin.kernels.local.backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel
+from timm_flashwin.kernels.local.forward import local_attention_fwd_kernel  # noqa: E402
 
 ARCHES = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 #: the architecture whose builds stand for each one's (``CROSS_CHECKS``)

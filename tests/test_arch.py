@@ -10,7 +10,9 @@ from conftest import KERNEL_DEVICE
 from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from plan_fits import LOCAL_HEAD_DIMS, window_shapes
 from timm_flashwin import window_attention
-from timm_flashwin.kernels import arch, budget, config, local_launch, plan
+from timm_flashwin.kernels import arch, budget, config
+from timm_flashwin.kernels.local import launch as local_launch
+from timm_flashwin.kernels.window import plan
 
 FITTED = [a for a in arch.KNOWN.values() if not budget.keeps_tuned(a)]
 
@@ -144,7 +146,7 @@ def test_an_unserved_device_computes_with_pytorch_and_warns_once(monkeypatch):
     reference math, as timm's), with one RuntimeWarning; float16 calls keep the kernels."""
     monkeypatch.setenv(arch.ASSUME_ENV, "sm_75")
     launched = []
-    monkeypatch.setattr("timm_flashwin.op._eager_call", lambda *a, **k: launched.append(1) or pytest.fail("launched"))
+    monkeypatch.setattr("timm_flashwin.ops.window._eager_call", lambda *a, **k: launched.append(1) or pytest.fail("launched"))
     case = make_case(2, 1, 1, 16, 16, cosine=False, masked=False, dtype=torch.bfloat16, device=KERNEL_DEVICE)
     with pytest.warns(RuntimeWarning, match="sm_75 has no bfloat16 tensor cores.*computes with PyTorch"):
         out = window_attention(case.qkv, case.num_heads, **case.kwargs())
@@ -175,7 +177,7 @@ def test_patch_model_on_an_unserved_device_keeps_timm_and_says_so(monkeypatch):
 def test_local_attention_on_an_unserved_dtype_computes_with_pytorch(monkeypatch):
     from timm_flashwin import sliding_window_attention
     monkeypatch.setenv(arch.ASSUME_ENV, "sm_70")
-    monkeypatch.setattr("timm_flashwin.local_attention.local_forward", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr("timm_flashwin.ops.local.local_forward", lambda *a, **k: pytest.fail("launched"))
     q, k, v = (torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
                for i in range(3))
     with pytest.warns(RuntimeWarning, match="sm_70 has no bfloat16 tensor cores"):

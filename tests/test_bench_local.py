@@ -9,8 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_local  # noqa: E402
-from timm_flashwin.local_reference import (LocalPattern, block_window_visible,  # noqa: E402
-                                           sliding_window_visible)
+from timm_flashwin.ops.local_reference import LocalPattern, block_window_visible, sliding_window_visible
 
 PATTERNS = [
     (LocalPattern.sliding(250, 249), sliding_window_visible(250, 249)),

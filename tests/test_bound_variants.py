@@ -19,7 +19,7 @@ from profile_step import WINDOW_METHODS, _attention_free_forward, attention_free
 from conftest import KERNEL_DEVICE  # noqa: E402
 from model_cases import autograd_nodes  # noqa: E402
 from timm_flashwin import patch_model  # noqa: E402
-from timm_flashwin.adapters import adapter_for  # noqa: E402
+from timm_flashwin.patching.adapters import adapter_for  # noqa: E402
 
 # small members of each family: two stages, shifted and unshifted blocks
 MODELS = {

@@ -9,7 +9,7 @@ import timm
 import torch
 
 from conftest import HAS_CUDA
-from timm_flashwin.cli import ERROR_COLUMNS, main
+from timm_flashwin.tools.cli import ERROR_COLUMNS, main
 
 
 def run_cli(capsys, *args):
@@ -50,7 +50,7 @@ def test_verify_json(capsys):
 
 def test_verify_mismatch_exits_1(capsys, monkeypatch):
     """A wrong kernel must be caught: scale the op's output slightly."""
-    import timm_flashwin.adapters.base as base
+    import timm_flashwin.patching.adapters.base as base
     real = base.window_attention
     monkeypatch.setattr(base, "window_attention", lambda *a, **k: real(*a, **k) * 1.01)
     code, out, _ = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--json", "--batch", "1")
@@ -60,7 +60,7 @@ def test_verify_mismatch_exits_1(capsys, monkeypatch):
 def test_timm_second_run_moves_every_pixel_one_ulp():
     """verify runs timm a second time on jittered images; its error is a second draw of
     timm's rounding noise, and the larger of the two is the one the tolerance uses."""
-    from timm_flashwin.comparison import compare, jitter_images, larger_error
+    from timm_flashwin.tools.comparison import compare, jitter_images, larger_error
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     moved = jitter_images(x)
     assert torch.equal(jitter_images(x), moved)  # the same images for timm on every run
@@ -79,7 +79,7 @@ def test_timm_second_run_moves_every_pixel_one_ulp():
 def test_verify_builds_the_same_model_for_the_same_seed():
     """A failing verify can be rerun: the random init comes from --seed, and the caller's
     RNG is left as it was."""
-    from timm_flashwin.verify import build_model
+    from timm_flashwin.tools.verify import build_model
     state = torch.random.get_rng_state()
     first, again, other = (build_model("swin_tiny_patch4_window7_224", img_size=56, seed=s).state_dict()
                            for s in (0, 0, 1))
@@ -145,7 +145,7 @@ def test_cuda_asked_but_absent(capsys):
 def test_a_device_or_batch_the_library_cannot_take(monkeypatch):
     """The Python API's checks behind the command line's: a GPU index past the machine's
     (two GPUs pretended here), a batch of 0."""
-    from timm_flashwin.verify import UsageError, resolve_device, verify_model
+    from timm_flashwin.tools.verify import UsageError, resolve_device, verify_model
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
@@ -170,7 +170,7 @@ def test_bench_on_cpu_exits_2(capsys):
 def test_bench_recompute_qkv_variants():
     """bench's third variant: recompute_qkv for every module, or for names starting with a
     prefix (one name or several; a single string is one prefix, not its characters)."""
-    from timm_flashwin.bench import model_variants, recompute_qkv_option
+    from timm_flashwin.tools.bench import model_variants, recompute_qkv_option
     # the option as parsed: absent, given alone, given with names
     assert recompute_qkv_option(None) is False and recompute_qkv_option([]) is True
     assert recompute_qkv_option(["layers.1."]) == ["layers.1."]
@@ -185,7 +185,7 @@ def test_bench_recompute_qkv_variants():
 
 
 def test_bench_compile_mode_needs_compile():
-    from timm_flashwin.bench import UsageError, benchmark_model
+    from timm_flashwin.tools.bench import UsageError, benchmark_model
     with pytest.raises(UsageError, match="compile_mode='reduce-overhead' needs compile=True"):
         benchmark_model("swin_tiny_patch4_window7_224", compile_mode="reduce-overhead")
 
@@ -221,7 +221,7 @@ def test_list_maxvit_and_coatnet(capsys):
     assert code == 0 and "maxxvit_2d" in out and "24x24 12x12" in out and "14x14 7x7" in out
     code, out, _ = run_cli(capsys, "list", "test_*", "--json")  # timm's test_coatnet, test_maxvit: not listed
     assert code == 0 and json.loads(out) == []
-    from timm_flashwin.discovery import supported_models
+    from timm_flashwin.tools.discovery import supported_models
     calls = []  # what list's progress bar is told, before each model built
     assert len(supported_models("swinv2_cr_tiny_*", progress=lambda *call: calls.append(call))) == 3
     assert calls == [(0, 3), (1, 3), (2, 3)]
@@ -234,4 +234,4 @@ def test_python_dash_m_help_starts_without_torch():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "{verify,list,bench,run}" in proc.stdout and "Swin models" not in proc.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "timm_flashwin.cli" in imported and not imported & {"torch", "timm", "triton", "rich"}
+    assert "timm_flashwin.tools.cli" in imported and not imported & {"torch", "timm", "triton", "rich"}

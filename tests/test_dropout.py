@@ -9,8 +9,8 @@ import torch
 from conftest import KERNEL_DEVICE
 from opcases import TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from timm_flashwin import window_attention, window_attention_reference
-from timm_flashwin.kernels.dropout import dropout_factors
-from timm_flashwin.op import draw_dropout_seed
+from timm_flashwin.kernels.window.dropout import dropout_factors
+from timm_flashwin.ops.window import draw_dropout_seed
 
 
 def rng_state():
@@ -113,7 +113,7 @@ def test_nan_propagates_through_dropped_probabilities():
 def test_pytorch_path_uses_torch_dropout(monkeypatch):
     """Without kernels (plain CPU), the op applies F.dropout, drawing from torch's CPU
     generator exactly as the reference does."""
-    from timm_flashwin import op
+    from timm_flashwin.ops import window as op
     monkeypatch.setattr(op, "uses_kernels", lambda qkv: False)
     case = make_case(4, 2, 2, 49, 16, cosine=True, masked=True, dtype=torch.float32, device="cpu")
     kwargs = case.kwargs()

@@ -54,7 +54,7 @@ def test_inference_compares_a_model_whose_attention_matters(capsys, monkeypatch)
     assert f"running the patched model (attention: {'triton' if HAS_CUDA else 'triton-interpreter'})" in out
     assert "top-1 agreement with unpatched timm 100%" in out
 
-    import timm_flashwin.adapters.base as base
+    import timm_flashwin.patching.adapters.base as base
     real = base.window_attention
     monkeypatch.setattr(base, "window_attention", lambda *a, **k: real(*a, **k) * 0)
     with pytest.raises(SystemExit, match="the patched model's output differs from timm's by"):

@@ -15,10 +15,11 @@ import timm.models
 import timm.models._factory
 import wrapt
 
-from timm_flashwin import PatchError, factory, is_patched, patch_report, patch_timm, patched_timm, unpatch_timm
-from timm_flashwin.adapters.base import RECOMPUTE_QKV_ATTR
-from timm_flashwin.cli import main
-from timm_flashwin.runner import Target, split_argv
+from timm_flashwin import PatchError, is_patched, patch_report, patch_timm, patched_timm, unpatch_timm
+from timm_flashwin.patching import factory
+from timm_flashwin.patching.adapters.base import RECOMPUTE_QKV_ATTR
+from timm_flashwin.tools.cli import main
+from timm_flashwin.tools.runner import Target, split_argv
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 MAKE_MODELS, FAIL = os.path.join(SCRIPTS, "make_models.py"), os.path.join(SCRIPTS, "fail.py")
@@ -63,7 +64,7 @@ def children():
         "make_models": child("-m", "timm_flashwin", "run", "--report", "--recompute-qkv", "--no-feature-map",
                              MAKE_MODELS, "--exit-code", "3", "--strict", "-m", "x"),
         # the console script's entry point; a relative path, as typed
-        "fail": child("-c", "from timm_flashwin.cli import console_main; console_main()", "run",
+        "fail": child("-c", "from timm_flashwin.tools.cli import console_main; console_main()", "run",
                       os.path.relpath(FAIL, REPO), "/no/such/file"),
     }
     yield procs
@@ -127,7 +128,7 @@ def test_run_strict_raises_in_the_script(capsys, monkeypatch):
     lines = err.splitlines()
     assert lines[0] == "Traceback (most recent call last):" and lines[1].startswith(f'  File "{MAKE_MODELS}", line ')
     assert not any(name in err for name in ("runner.py", "runpy", "cli.py"))
-    assert "timm_flashwin.report.PatchError: timm_flashwin: cannot patch 4 window-attention module(s) of SwinTransformer:" in err
+    assert "timm_flashwin.patching.report.PatchError: timm_flashwin: cannot patch 4 window-attention module(s) of SwinTransformer:" in err
     assert lines[-1] == "  layers.1.blocks.1.attn: attn_drop=1.0 is not in [0, 1)"
 
 
@@ -293,7 +294,7 @@ def test_installed_when_timm_is_imported_later(monkeypatch, tmp_path):
 def test_the_librarys_own_tools_build_timms_unpatched_models():
     """verify compares a patched model with timm's: under patched_timm it must still get
     timm's unpatched model (and list describes timm's models)."""
-    from timm_flashwin.verify import build_model
+    from timm_flashwin.tools.verify import build_model
     with patched_timm():
         assert any(is_patched(m) for m in timm.create_model("swin_tiny_patch4_window7_224").modules())
         model = build_model("swin_tiny_patch4_window7_224")

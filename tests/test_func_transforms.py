@@ -20,8 +20,8 @@ from test_maxxvit import SIZE as MAXXVIT_SIZE, tiny as tiny_maxxvit
 from test_tools import FAMILIES, create, images, pair
 from test_window_families import MODELS as WINDOW_FAMILIES
 from timm_flashwin import block_sliding_window_attention, sliding_window_attention
-from timm_flashwin.local_reference import block_window_visible, local_attention_reference
-from timm_flashwin.verify import build_model, perturb_
+from timm_flashwin.ops.local_reference import block_window_visible, local_attention_reference
+from timm_flashwin.tools.verify import build_model, perturb_
 
 
 @pytest.fixture(autouse=True)

@@ -21,9 +21,9 @@ from model_checks import compiled_against_timm, full_resolution_passes, judge, p
 from model_cases import flashwin_ops, images, recording_backend
 from opcases import relative_error
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
-from timm_flashwin.adapters import gcvit as adapter
-from timm_flashwin.comparison import compare
-from timm_flashwin.verify import perturb_
+from timm_flashwin.patching.adapters import gcvit as adapter
+from timm_flashwin.tools.comparison import compare
+from timm_flashwin.tools.verify import perturb_
 
 GCVIT = timm.models.gcvit
 ATTENTION = GCVIT.WindowAttentionGlobal
@@ -137,7 +137,7 @@ def test_every_registered_model_is_fully_patched_on_meta():
 
 def test_list_shows_family_and_windows():
     """``timm-flashwin list`` (discovery.supported_models): the third stage's 14x14 windows."""
-    from timm_flashwin.discovery import supported_models
+    from timm_flashwin.tools.discovery import supported_models
     rows = {i.name: i for i in supported_models("gcvit*")}
     assert set(rows) == {"gcvit_xxtiny", "gcvit_xtiny", "gcvit_tiny", "gcvit_small", "gcvit_base"}
     assert all(i.families == ["gcvit"] and i.stage_windows == [(7, 7), (7, 7), (14, 14), (7, 7)] for i in rows.values())

@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 from hf_cases import config  # noqa: E402
 from timm_flashwin import patch_report  # noqa: E402
-from timm_flashwin.cli import EXIT_OK, EXIT_USAGE, main  # noqa: E402
-from timm_flashwin.factory_hf import patch_transformers, patched_transformers, unpatch_transformers  # noqa: E402
-from timm_flashwin.hf_models import load_config, model_class  # noqa: E402
-from timm_flashwin.verify import UsageError  # noqa: E402
+from timm_flashwin.tools.cli import EXIT_OK, EXIT_USAGE, main  # noqa: E402
+from timm_flashwin.patching.factory_hf import patch_transformers, patched_transformers, unpatch_transformers  # noqa: E402
+from timm_flashwin.tools.hf_models import load_config, model_class  # noqa: E402
+from timm_flashwin.tools.verify import UsageError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,7 @@ from model_checks import (compiled_against_timm, full_resolution_passes, judge, 
                           training_step_runs)
 from opcases import relative_error  # noqa: E402
 from timm_flashwin import PatchError, patch_model, patch_report  # noqa: E402
-from timm_flashwin.hf_models import HF_PREFIX  # noqa: E402
+from timm_flashwin.tools.hf_models import HF_PREFIX  # noqa: E402
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 #: where a transformers 4.x is installed (pip install --target), for test_transformers4
@@ -108,7 +108,7 @@ def test_state_dict_pickling_and_unpatch(family):
     x = images(1, (image_size(family),) * 2)
     with patched_in_place(model, x, patched=2) as (expected, patched_out):
         torch.testing.assert_close(patched_out, expected, rtol=2e-4, atol=1e-5)
-        patched = [m for m in model.modules() if type(m).__module__ == "timm_flashwin.patching_hf"]
+        patched = [m for m in model.modules() if type(m).__module__ == "timm_flashwin.patching.hf"]
         assert len(patched) == 2 and all(f"flashwin={family}" in repr(m) for m in patched)
 
 

@@ -7,9 +7,10 @@ import torch
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from host_program_cases import CASES, case_call, shift_mask
 from test_position_bias import relative_position_index
-from timm_flashwin import TableBias, host_program, native, window_attention
-from timm_flashwin.host_recorder import Recorder
-from timm_flashwin.position_bias import TableGather
+from timm_flashwin import TableBias, window_attention
+from timm_flashwin.ops import host_program, native
+from timm_flashwin.ops.host_recorder import Recorder
+from timm_flashwin.ops.position_bias import TableGather
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -60,7 +61,7 @@ def test_recorder_notes_launches_by_the_compiled_signature():
     parameters Triton specialized away (constexpr) are dropped, two null scratch pointers
     close the list; a runtime parameter passed by keyword, scratch memory or a tensor from
     outside refuse the recording."""
-    from timm_flashwin import host_recorder as hp
+    from timm_flashwin.ops import host_recorder as hp
     x = torch.randn(4)
     kernel = _kernel("x", "y", "n", "one", "scale", "BLOCK")
     signature = {"x": "*fp32", "y": "*fp32", "n": "i32", "one": "constexpr", "scale": "fp32", "BLOCK": "constexpr"}
@@ -107,7 +108,7 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
     recording), and the backward's launches read the float16 bias copy that the forward
     made and saved (kept on the gathered bias only, the backward's recording did not know
     it)."""
-    from timm_flashwin import local_attention, op as window_op
+    from timm_flashwin.ops import local as local_attention, window as window_op
     if HAS_CUDA and native.module() is None:
         pytest.skip("the host-program extension cannot be built here")
     generator = torch.Generator().manual_seed(0)

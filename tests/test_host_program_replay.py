@@ -8,7 +8,8 @@ import torch
 from conftest import HAS_CUDA
 from host_program_cases import CASES, case_call, ready_programs, shift_mask
 from test_position_bias import relative_position_index
-from timm_flashwin import TableBias, host_program, native, sliding_window_attention, window_attention
+from timm_flashwin import TableBias, sliding_window_attention, window_attention
+from timm_flashwin.ops import host_program, native
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

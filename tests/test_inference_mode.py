@@ -13,7 +13,7 @@ from test_maxxvit import SIZE as MAXXVIT_SIZE
 from test_maxxvit import tiny as tiny_maxxvit
 from test_window_families import MODELS as OTHER_FAMILIES
 from timm_flashwin import patch_model
-from timm_flashwin.verify import build_model, perturb_
+from timm_flashwin.tools.verify import build_model, perturb_
 
 SMALL_V2 = dict(depths=(2, 2), num_heads=(2, 4), embed_dim=32, num_classes=10)
 

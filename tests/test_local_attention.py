@@ -12,10 +12,10 @@ import torch
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import TOLERANCE, assert_matches_reference
 from timm_flashwin import block_sliding_window_attention, sliding_window_attention
-from timm_flashwin.kernels import local_launch
-from timm_flashwin.local_attention import local_attention_bwd, local_attention_fwd
-from timm_flashwin.local_reference import (LocalPattern, block_window_visible, local_attention_reference,
-                                           sliding_window_visible)
+from timm_flashwin.kernels.local import launch as local_launch
+from timm_flashwin.ops.local import local_attention_bwd, local_attention_fwd
+from timm_flashwin.ops.local_reference import (LocalPattern, block_window_visible, local_attention_reference,
+                                               sliding_window_visible)
 
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -265,7 +265,7 @@ def test_dropout_same_seed_same_result_and_zero_draws_nothing():
 def test_float64_and_plain_cpu_take_pytorch(monkeypatch):
     """float64 (any device) and, without the interpreter, CPU tensors: the reference's math
     with autograd, the same semantics."""
-    from timm_flashwin import local_attention
+    from timm_flashwin.ops import local as local_attention
     q, k, v, do = make_inputs(1, 2, 1, 30, 16, dtype=torch.float64)
     visible = block_window_visible(4, 3, 2)
     ours = forward_backward(blocks(4, 3, 2), q, k, v, do)
@@ -282,7 +282,7 @@ def test_pytorch_path_takes_long_sequences_a_chunk_of_queries_at_a_time(monkeypa
     """The PyTorch path computes REFERENCE_CHUNK query rows at a time, over the keys they
     see (no S x S scores): the same output and gradients as the whole, and no chunk's
     scores larger than chunk x (chunk + window)."""
-    from timm_flashwin import local_attention
+    from timm_flashwin.ops import local as local_attention
     monkeypatch.setattr(local_attention, "REFERENCE_CHUNK", 64)
     widest = []
     softmax = torch.Tensor.softmax
@@ -298,7 +298,7 @@ def test_pytorch_path_takes_long_sequences_a_chunk_of_queries_at_a_time(monkeypa
 def test_eager_path_equals_the_operator(monkeypatch):
     """In eager mode the kernels launch without the operator dispatch; outputs and gradients
     bit-equal to the registered operator's; without gradients no autograd node."""
-    from timm_flashwin import local_attention
+    from timm_flashwin.ops import local as local_attention
     q, k, v, do = make_inputs(1, 2, 1, 20, 16)
     fn = blocks(4, 2, 1)
     calls = []

@@ -10,9 +10,9 @@ import torch
 from opcases import TOLERANCE, assert_matches_reference, relative_error
 from test_local_attention import NAMES, blocks, forward_backward, make_inputs, reference, sliding
 from timm_flashwin import block_sliding_window_attention, sliding_window_attention
-from timm_flashwin.kernels import local_launch
-from timm_flashwin.local_attention import local_attention_fwd
-from timm_flashwin.local_reference import block_window_visible, sliding_window_visible
+from timm_flashwin.kernels.local import launch as local_launch
+from timm_flashwin.ops.local import local_attention_fwd
+from timm_flashwin.ops.local_reference import block_window_visible, sliding_window_visible
 
 
 def _compare_on_gpu(fn, visible, shape, dtype, chunk=None, scale=None):
@@ -90,7 +90,7 @@ def test_gpu_torch_compile_fullgraph():
 
 
 def _compiled_variants() -> int:
-    from timm_flashwin.kernels import local_backward, local_forward
+    from timm_flashwin.kernels.local import backward as local_backward, forward as local_forward
     total = 0
     for kernel in (local_forward.local_attention_fwd_kernel, local_backward.local_attention_bwd_dkdv_kernel,
                    local_backward.local_attention_bwd_dq_kernel):

@@ -12,9 +12,9 @@ import pytest
 import torch
 import triton
 
-from timm_flashwin.kernels import local_launch
+from timm_flashwin.kernels.local import launch as local_launch
 from timm_flashwin.kernels.arch import INTERPRETER
-from timm_flashwin.local_reference import LocalPattern
+from timm_flashwin.ops.local_reference import LocalPattern
 
 LONG = local_launch.LONG_ROW_KEYS
 

@@ -19,8 +19,8 @@ from conftest import KERNEL_DEVICE
 from model_checks import compiled_against_timm, full_resolution_passes, judge, patched_in_place
 from model_cases import flashwin_ops, images, maps_read_in_place, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
-from timm_flashwin.comparison import compare
-from timm_flashwin.verify import perturb_, verify_model
+from timm_flashwin.tools.comparison import compare
+from timm_flashwin.tools.verify import perturb_, verify_model
 
 MAXXVIT = timm.models.maxxvit
 ATTENTION = (MAXXVIT.AttentionCl, MAXXVIT.Attention2d)
@@ -131,7 +131,7 @@ def test_partitions_are_read_from_the_map(monkeypatch):
     in the (B, H, W, C) map, no window_partition / grid_partition copies: the partitioned
     op's output bit for bit, and its gradients (the projections' weight gradients sum the
     tokens in another order); head-first qkv (the rw models) keeps timm's partition."""
-    from timm_flashwin.window_grid import WindowGrid
+    from timm_flashwin.ops.window_grid import WindowGrid
     grids = maps_read_in_place(monkeypatch)
     x = images(1, (SIZE, SIZE), device=KERNEL_DEVICE)
     results = []
@@ -260,7 +260,7 @@ def test_attention_dropout_runs_in_the_kernel(monkeypatch, deterministic_algorit
     model = tiny("coatnet", transformer_attn_drop=0.25).to(KERNEL_DEVICE)
     timm_model = copy.deepcopy(model)
     patch_model(model, strict=True)
-    import timm_flashwin.adapters.base as base
+    import timm_flashwin.patching.adapters.base as base
     real, calls = base.window_attention, []
     monkeypatch.setattr(base, "window_attention", lambda *a, **k: calls.append(k["dropout_p"]) or real(*a, **k))
     x = images(1, (SIZE, SIZE), device=KERNEL_DEVICE)

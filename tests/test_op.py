@@ -20,10 +20,10 @@ from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make
                      relative_error)
 from timm_flashwin import window_attention
 from timm_flashwin.kernels import config
-from timm_flashwin.op import uses_kernels
-from timm_flashwin.kernels.bias_mask import mask_structure
-from timm_flashwin.kernels.plan import dbias_slots, dbias_sum_by_atomic_adds, dq_by_atomic_adds
-from timm_flashwin.reference import window_attention_reference
+from timm_flashwin.ops.window import uses_kernels
+from timm_flashwin.kernels.window.bias_mask import mask_structure
+from timm_flashwin.kernels.window.plan import dbias_slots, dbias_sum_by_atomic_adds, dq_by_atomic_adds
+from timm_flashwin.ops.reference import window_attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (N, head_dim) from the issue's grid; N=42 is a 6x7 window, 144 runs the multi-block path.
@@ -202,7 +202,7 @@ def test_delta_kernel_zeroes_the_gradient_sums(numel, heads):
     (H,) logit-scale gradient go into, every element whatever their sizes against the
     kernel's programs (fewer elements than programs, not a multiple of them, many per
     program; more than 16 heads), and computes rowsum(dO * O)."""
-    from timm_flashwin.kernels.backward_dkdv import window_attention_bwd_delta_kernel
+    from timm_flashwin.kernels.window.backward_dkdv import window_attention_bwd_delta_kernel
     windows, n, head_dim, block = 2, 144, 32, 64
     g = torch.Generator().manual_seed(0)
     out = torch.randn(windows, n, heads * head_dim, generator=g).to(KERNEL_DEVICE)

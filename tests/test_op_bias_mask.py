@@ -10,9 +10,10 @@ import torch
 from conftest import KERNEL_DEVICE
 from opcases import (TOLERANCE, assert_matches_reference, bias_as_read, forward_backward, make_case,
                      reference_forward_backward, relative_error, shift_mask)
-from timm_flashwin import host_program, window_attention
-from timm_flashwin.kernels.bias_mask import mask_structure
-from timm_flashwin.reference import window_attention_reference
+from timm_flashwin.ops import host_program
+from timm_flashwin import window_attention
+from timm_flashwin.kernels.window.bias_mask import mask_structure
+from timm_flashwin.ops.reference import window_attention_reference
 
 
 def test_mask_structure_recognizes_region_masks_only():
@@ -38,7 +39,7 @@ def test_mask_structure_is_kept_on_the_mask_until_it_changes(monkeypatch):
     """Eager calls with the same mask tensor find its region structure once; an in-place
     change of the mask (here: no longer region-structured) is seen by the next call, whose
     output follows the new mask (multi-block path, N = 144)."""
-    from timm_flashwin.kernels import bias_mask
+    from timm_flashwin.kernels.window import bias_mask
     found = []
     monkeypatch.setattr(bias_mask, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
     case = make_case(4, 2, 3, 144, 16, cosine=False, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
@@ -70,7 +71,8 @@ def _record_launches(monkeypatch, flags=("FROM_REGIONS",)) -> list:
     bias_mask.py call it): the GPU's direct launches, which skip ``wrap_triton``, as well
     as the interpreter's and traced ones. Host programs are switched off: a replayed call
     launches from its recording, never through ``launcher``."""
-    from timm_flashwin.kernels import bias_mask, launch, launcher as launcher_module
+    from timm_flashwin.kernels.window import bias_mask, launch
+    from timm_flashwin.kernels import launcher as launcher_module
     monkeypatch.setattr(host_program, "ENABLED", False)
     launches, real_launcher = [], launcher_module.launcher
 
@@ -146,7 +148,7 @@ def test_inference_tensors_are_not_kept_on(dtype, monkeypatch):
     the mask's region structure, a contiguous bias; 16-bit inputs: the float16 copy of
     bias + mask) is computed in every call, not kept. Host programs are switched off: a
     replayed call recomputes what its recording did, without the functions counted here."""
-    from timm_flashwin.kernels import bias_mask
+    from timm_flashwin.kernels.window import bias_mask
     monkeypatch.setattr(host_program, "ENABLED", False)
     found = []
     monkeypatch.setattr(bias_mask, "mask_structure", lambda m: (found.append(1), mask_structure(m))[1])
@@ -166,7 +168,7 @@ def test_inference_tensors_are_not_kept_on(dtype, monkeypatch):
 
 def _record_bias_reads(monkeypatch):
     """The (dtype, contiguous) of every bias the launchers hand to a kernel."""
-    from timm_flashwin.kernels import launch
+    from timm_flashwin.kernels.window import launch
     seen = []
     real = launch.bias_mask_args
     monkeypatch.setattr(launch, "bias_mask_args", lambda bias, *rest: (
@@ -272,7 +274,7 @@ def test_float16_copy_folds_the_mask_into_the_bias():
     """The copy the streaming kernels read with 16-bit inputs: (bias[h] + mask[w]) * log2(e)
     per (window, head), rounded to float16; a finite sum beyond float16's range is NaN where
     positive and float16's lowest where negative (a mask of -1e9); +-inf and NaN stay."""
-    from timm_flashwin.kernels.bias_mask import _log2e_float16_copy
+    from timm_flashwin.kernels.window.bias_mask import _log2e_float16_copy
     g = torch.Generator().manual_seed(5)
     bias = torch.randn(3, 9, 9, generator=g).permute(0, 2, 1).to(KERNEL_DEVICE)  # strided, as SwinV2-CR's
     mask = torch.where(torch.rand(2, 9, 9, generator=g) < 0.3, -100.0, 0.0).to(KERNEL_DEVICE)
@@ -301,7 +303,7 @@ def test_masks_fold_into_the_bias_copy_where_it_is_small():
     (nW, H, N, N) copy is at most config.FOLDED_MASK_MAX_BYTES: window 16 of the benchmarks
     (16 mask windows, 3 heads, 256 tokens: 6.3 MB) does, window 24 (16, 4, 576: 42.5 MB)
     reads the mask's region ids; float32 inputs always do."""
-    from timm_flashwin.kernels.bias_mask import folds_mask
+    from timm_flashwin.kernels.window.bias_mask import folds_mask
     assert folds_mask(torch.bfloat16, 3, 16, 256) and folds_mask(torch.float16, 4, 16, 144)
     assert not folds_mask(torch.bfloat16, 4, 16, 576) and not folds_mask(torch.float32, 3, 16, 256)
 

@@ -8,12 +8,12 @@ import torch
 from conftest import KERNEL_DEVICE
 from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from timm_flashwin import window_attention
-from timm_flashwin.op import uses_kernels, window_attention_fwd
+from timm_flashwin.ops.window import uses_kernels, window_attention_fwd
 
 
 def _record_stats_shapes(monkeypatch):
     """The shape of the softmax statistics of every forward the op launches."""
-    from timm_flashwin import op as op_module
+    from timm_flashwin.ops import window as op_module
     shapes = []
     real = op_module.attention_forward
 
@@ -30,7 +30,7 @@ def test_forward_saves_softmax_statistics_only_for_a_backward(cosine, monkeypatc
     """Windows over 64 tokens: the forward saves the softmax statistics (and, for cosine
     attention, sums the rows' mean score) only where a gradient can follow; the output is
     the same either way, and a backward without them is refused by name."""
-    from timm_flashwin.kernels.launch import attention_backward, attention_forward
+    from timm_flashwin.kernels.window.launch import attention_backward, attention_forward
     shapes = _record_stats_shapes(monkeypatch)
     case = make_case(4, 2, 3, 144, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     saved = (4 if cosine else 2, 4, 3, 144)
@@ -73,7 +73,7 @@ def test_eager_path_equals_the_operator(cosine, monkeypatch):
     """In eager mode the kernels run through an autograd.Function without the operator
     dispatch; its outputs and every gradient are bit-equal to the registered operator's,
     and it leaves no graph for a second backward."""
-    from timm_flashwin import op
+    from timm_flashwin.ops import window as op
     case = make_case(4, 2, 3, 16, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     ops_called = []
     real_op = op.window_attention_fwd
@@ -98,7 +98,7 @@ def test_eager_forward_without_gradients_skips_autograd(n, monkeypatch):
     forward runs without a torch.autograd.Function (host time of small inference calls):
     no autograd node, and the output bit-equal to the forward that saves statistics for a
     backward."""
-    from timm_flashwin import host_program, op
+    from timm_flashwin.ops import host_program, window as op
     monkeypatch.setattr(host_program, "ENABLED", False)  # the Python road (a replay takes none of it)
     case = make_case(4, 2, 3, n, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     applied = []
@@ -120,7 +120,7 @@ def test_fake_tensors_take_the_operator():
     """Under FakeTensorMode (shape propagation, memory estimates) the registered
     operator's fake implementation answers; no kernel runs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from timm_flashwin.dispatch import dispatch_free
+    from timm_flashwin.ops.dispatch import dispatch_free
     case = make_case(4, 2, 3, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     assert dispatch_free(case.qkv)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -189,7 +189,7 @@ def test_compiled_inference_saves_no_statistics(monkeypatch):
 
 def test_plain_cpu_path_matches_reference(monkeypatch):
     """Without the interpreter, CPU tensors go through PyTorch with the same result."""
-    from timm_flashwin import op
+    from timm_flashwin.ops import window as op
     monkeypatch.setattr(op, "uses_kernels", lambda qkv: False)
     case = make_case(4, 2, 3, 49, 16, cosine=True, masked=True, dtype=torch.float32, device="cpu")
     # PyTorch's own float32 math: its logit-scale gradient, a cancelling sum, is 1.0e-5 off
@@ -207,7 +207,9 @@ def test_float64_runs_in_pytorch():
 def _record_traced_launches(monkeypatch):
     """The tensor arguments of every launch, with the launchers told they are traced for
     torch.compile (under the interpreter the kernels still run as Python)."""
-    from timm_flashwin.kernels import bias_mask, launch, launcher as launcher_module, local_launch
+    from timm_flashwin.kernels.window import bias_mask, launch
+    from timm_flashwin.kernels import launcher as launcher_module
+    from timm_flashwin.kernels.local import launch as local_launch
     launches, real = [], launcher_module.launcher
 
     def recording(kernel):

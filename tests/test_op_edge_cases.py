@@ -9,9 +9,9 @@ import triton.language as tl
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from timm_flashwin import window_attention
-from timm_flashwin.kernels.bias_mask import mask_structure
-from timm_flashwin.kernels.tiles import head_scale
-from timm_flashwin.reference import LOGIT_SCALE_MAX, window_attention_reference
+from timm_flashwin.kernels.window.bias_mask import mask_structure
+from timm_flashwin.kernels.window.tiles import head_scale
+from timm_flashwin.ops.reference import LOGIT_SCALE_MAX, window_attention_reference
 
 
 def test_logit_scale_gradient_stops_at_the_clamp():

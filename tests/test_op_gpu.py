@@ -8,8 +8,8 @@ import torch
 from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
                      relative_error)
 from timm_flashwin import window_attention
-from timm_flashwin.op import window_attention_fwd
-from timm_flashwin.reference import window_attention_reference
+from timm_flashwin.ops.window import window_attention_fwd
+from timm_flashwin.ops.reference import window_attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -65,7 +65,7 @@ def test_gpu_autocast_fp32_parameters(cosine, dtype):
 
 def _compiled_kernel_count() -> int:
     """Compiled variants of our kernels across Triton versions."""
-    from timm_flashwin.kernels import backward, forward
+    from timm_flashwin.kernels.window import backward, forward
     kernels = [forward.window_attention_fwd_kernel, backward.window_attention_bwd_fused_kernel]
     total = 0
     for kernel in kernels:
@@ -140,7 +140,7 @@ def test_gpu_runs_on_a_gpu_that_is_not_the_current_one(cosine, n):
     """Inputs on cuda:1 while cuda:0 is the current device (a model moved with
     ``.to("cuda:1")``): the kernels run on the inputs' GPU, forward, every gradient and the
     bias gather with its table gradient as on cuda:0."""
-    from timm_flashwin.position_bias import gather_position_bias
+    from timm_flashwin.ops.position_bias import gather_position_bias
     from test_position_bias import relative_position_index
     case = make_case(16, 4, 3, n, 32, cosine=cosine, masked=True, dtype=torch.bfloat16, device="cuda")
     win = int(n ** 0.5)

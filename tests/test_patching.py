@@ -14,8 +14,8 @@ from torch import nn
 from conftest import KERNEL_DEVICE
 from model_cases import create, images, run_step, tiny_swin
 from timm_flashwin import is_patched, patch_model, patch_report, patched, unpatch_model
-from timm_flashwin.comparison import compare, group_error, jitter_images, larger_error
-from timm_flashwin.verify import GRADIENT_FACTOR
+from timm_flashwin.tools.comparison import compare, group_error, jitter_images, larger_error
+from timm_flashwin.tools.verify import GRADIENT_FACTOR
 
 
 SWIN_V1 = timm.models.swin_transformer.WindowAttention

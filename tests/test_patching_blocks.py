@@ -13,9 +13,9 @@ from conftest import KERNEL_DEVICE
 from model_cases import autograd_nodes, create, images, maps_read_in_place, run_step, tiny_swin
 from opcases import relative_error
 from timm_flashwin import is_patched, patch_model, patched, unpatch_model
-from timm_flashwin.adapters.base import BLOCK_GRID_ATTR
-from timm_flashwin.patching import FlashSwinTransformerBlock
-from timm_flashwin.window_grid import WindowGrid
+from timm_flashwin.patching.adapters.base import BLOCK_GRID_ATTR
+from timm_flashwin.patching.model import FlashSwinTransformerBlock
+from timm_flashwin.ops.window_grid import WindowGrid
 
 
 # ------------------------------------------------------------ the blocks around the modules
@@ -78,7 +78,7 @@ def test_training_computes_the_meta_mlp_bias_in_one_node():
     assert nodes.count("AddmmBackward0") == timm_nodes.count("AddmmBackward0") - 8
     assert timm_nodes.count("ReluBackward0") == 4 and "ReluBackward0" not in nodes
     assert not {"NativeDropoutBackward0", "MulBackward0"} & set(nodes)
-    from timm_flashwin.adapters.swinv2_cr import SwinV2CRAdapter
+    from timm_flashwin.patching.adapters.swinv2_cr import SwinV2CRAdapter
     with torch.no_grad():
         expected = model.stages[0].blocks[0].attn.eval()._relative_positional_encodings()[0]
         got = SwinV2CRAdapter().position_bias(ours.stages[0].blocks[0].attn.eval())

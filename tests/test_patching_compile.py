@@ -14,7 +14,7 @@ from model_cases import create, flashwin_ops, images, recording_backend, tiny_sw
 from model_checks import full_resolution_passes
 from opcases import relative_error
 from timm_flashwin import patch_model, patch_report, unpatch_model
-from timm_flashwin.comparison import compare
+from timm_flashwin.tools.comparison import compare
 
 
 def test_compiles_whole_model_without_graph_break():

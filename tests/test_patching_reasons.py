@@ -14,8 +14,8 @@ from torch import nn
 
 from model_cases import create, images, tiny_swin
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
-from timm_flashwin.adapters import ADAPTERS
-from timm_flashwin.verify import perturb_
+from timm_flashwin.patching.adapters import ADAPTERS
+from timm_flashwin.tools.verify import perturb_
 
 
 SWIN_V1 = timm.models.swin_transformer.WindowAttention
@@ -51,7 +51,7 @@ def test_attention_dropout_runs_in_the_kernel(monkeypatch):
     timm_model = copy.deepcopy(model)
     patch_model(model, strict=True)
     assert len(patch_report(model).patched) == 4
-    import timm_flashwin.adapters.base as base
+    import timm_flashwin.patching.adapters.base as base
     real, calls = base.window_attention, []
     monkeypatch.setattr(base, "window_attention", lambda *a, **k: calls.append(k["dropout_p"]) or real(*a, **k))
     with torch.no_grad():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from timm_flashwin.position_bias import TableRows, gather_position_bias
+from timm_flashwin.ops.position_bias import TableRows, gather_position_bias
 
 
 def relative_position_index(win_h: int, win_w: int) -> torch.Tensor:
@@ -77,7 +77,7 @@ def test_gather_without_gradient_runs_the_kernel(window, monkeypatch):
     """Without a gradient (no_grad, or a table that takes none) the eager gather runs the
     same kernel (PyTorch's indexing took 50 times as long on 24x24 windows on an H200),
     bit-equal to PyTorch's gather."""
-    from timm_flashwin import position_bias
+    from timm_flashwin.ops import position_bias
     calls = []
     real = position_bias.relative_bias_gather
     monkeypatch.setattr(position_bias, "relative_bias_gather", lambda *a: calls.append(1) or real(*a))
@@ -114,7 +114,7 @@ def test_eager_gather_skips_the_operator_dispatch(as_parameter, monkeypatch):
     """In eager mode the gather of a table that takes a gradient runs its kernels through
     an autograd.Function, not the registered operators, also where the table is an
     nn.Parameter (as timm's relative_position_bias_table is): same bias and gradient."""
-    from timm_flashwin import position_bias
+    from timm_flashwin.ops import position_bias
     index = relative_position_index(7, 7).to(KERNEL_DEVICE)
     grad = torch.randn(3, 49, 49).to(KERNEL_DEVICE)
     values = torch.randn(169, 3, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
@@ -139,8 +139,8 @@ def test_table_gradient_of_pairs_sorted_from_another_index_is_nan():
     from another index of the same shape (what a compiled graph would hold if a module's
     index changed after tracing) make the rows they no longer match NaN, never a wrong
     number; pairs of the index itself give the float64 sums."""
-    from timm_flashwin.kernels.position_launch import relative_bias_table_grad
-    from timm_flashwin.position_bias import _sorted_pairs
+    from timm_flashwin.kernels.position.launch import relative_bias_table_grad
+    from timm_flashwin.ops.position_bias import _sorted_pairs
     index = relative_position_index(7, 7).to(KERNEL_DEVICE)
     grad = torch.randn(3, 49, 49, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
     expected = torch.zeros(169, 3, dtype=torch.float64).index_add_(
@@ -206,7 +206,7 @@ def test_sigmoid_scale_matches_float64(dtype, dispatched, monkeypatch):
     its derivative applied per table row in the gradient kernel (the autograd.Function and
     the registered operators): against float64 autograd of timm's expression, NaN staying
     in its row."""
-    from timm_flashwin import position_bias
+    from timm_flashwin.ops import position_bias
     if dispatched:
         monkeypatch.setattr(position_bias, "dispatch_free", lambda t: False)
     g = torch.Generator().manual_seed(3)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from timm_flashwin.position_mlp import fusable_cpb_mlp, position_mlp_table
+from timm_flashwin.ops.position_mlp import fusable_cpb_mlp, position_mlp_table
 
 
 def _mlp_inputs(rows, hidden, heads, dtype, seed=0):
@@ -37,7 +37,7 @@ def test_table_and_weight_gradients_match_float64(rows, hidden, heads, dtype, di
     eager autograd.Function and through the registered operators, against float64; shapes
     with partial tiles of rows, hidden units and heads, and with several row groups whose
     partial sums the backward adds up (700 rows)."""
-    from timm_flashwin import position_mlp
+    from timm_flashwin.ops import position_mlp
     if dispatched:
         monkeypatch.setattr(position_mlp, "dispatch_free", lambda t: False)
     coords, w1, b1, w2 = (t.to(KERNEL_DEVICE) for t in _mlp_inputs(rows, hidden, heads, dtype))
@@ -163,7 +163,7 @@ def test_meta_mlp_table_and_gradients_match_float64(rows, hidden, heads, mask_dt
     given mask, the table written heads-first): the table and all four weight gradients,
     through the eager autograd.Function and the registered operators, against float64;
     several row groups (2401 rows), partial tiles of hidden units and heads."""
-    from timm_flashwin import position_mlp
+    from timm_flashwin.ops import position_mlp
     if dispatched:
         monkeypatch.setattr(position_mlp, "dispatch_free", lambda t: False)
     g = torch.Generator().manual_seed(3)
@@ -232,7 +232,7 @@ def test_only_timms_meta_mlp_is_fused():
     """timm's SwinV2-CR meta_mlp is fused; another activation, a second dropout, an
     in-place dropout, a norm, or a forward hook keep timm's layers."""
     from timm.layers import Mlp
-    from timm_flashwin.position_mlp import fusable_meta_mlp
+    from timm_flashwin.ops.position_mlp import fusable_meta_mlp
     attn = _cr_attention()
     assert fusable_meta_mlp(attn.meta_mlp)
     assert not fusable_meta_mlp(Mlp(2, 16, 3, act_layer=nn.GELU))
@@ -257,7 +257,7 @@ def test_meta_mlp_dropout_mask_is_timms(autocast, device):
     state (so every later draw matches timm's too), on the device the kernels run on: the
     dropped hidden units of timm's own forward are the mask's zeros; the generator ends in
     the same state. In eval mode nothing is drawn."""
-    from timm_flashwin.position_mlp import meta_mlp_dropout_mask
+    from timm_flashwin.ops.position_mlp import meta_mlp_dropout_mask
     attn = _cr_attention().to(device).train()
     mlp, coords = attn.meta_mlp, attn.relative_coordinates_log
     seen = {}

@@ -86,7 +86,7 @@ def test_heads_interleaved_16bit_matches_the_reference(dtype):
 def test_layouts_through_the_registered_operator(monkeypatch):
     """The operator (torch.compile's road) and its fake implementation take the 5-D view:
     the same values, the fake's qkv gradient in the real one's layout."""
-    from timm_flashwin import op
+    from timm_flashwin.ops import window as op
     case = make_case(2, 1, 2, 16, 16, cosine=True, masked=False, dtype=torch.float32, device=KERNEL_DEVICE)
     eager, _ = _run(case, "channels_first_interleaved")
     monkeypatch.setattr(op, "dispatch_free", lambda tensor: False)

@@ -10,8 +10,8 @@ from conftest import KERNEL_DEVICE
 from opcases import TOLERANCE, Reference, assert_matches_reference, gradient_conditions, make_case
 from test_position_bias import relative_position_index
 from timm_flashwin import TableBias, WindowGrid, window_attention
-from timm_flashwin.position_bias import TableGather, gather_position_bias
-from timm_flashwin.reference import window_attention_reference
+from timm_flashwin.ops.position_bias import TableGather, gather_position_bias
+from timm_flashwin.ops.reference import window_attention_reference
 
 
 def _table_case(window, heads, *, cosine, dtype, windows=4, head_dim=16, seed=0):
@@ -142,7 +142,7 @@ def test_the_registered_operators_read_the_table(window, cosine, sigmoid_scale, 
     bias (``TableBias.dense()``). Bit for bit the eager path's results (in deterministic
     mode: on a GPU the larger windows' backward otherwise sums the logit scale's gradient
     with atomic adds, in a varying order)."""
-    from timm_flashwin import op, position_bias
+    from timm_flashwin.ops import window as op, position_bias
     case, table, index = _table_case(window, 2, cosine=cosine, dtype=torch.float32, windows=2)
     assert index.dtype == torch.int64
     eager = _run(case, table, index, sigmoid_scale, as_table=True)
@@ -184,8 +184,8 @@ def test_compiled_with_a_table_matches_eager():
 def test_operator_check_with_a_table():
     """Schema, fake tensors (the table's gradient of the table's shape and dtype), autograd
     registration and AOT dispatch of the forward operator given a table and its index."""
-    from timm_flashwin.op import window_attention_fwd
-    from timm_flashwin.position_bias import operator_table_rows
+    from timm_flashwin.ops.window import window_attention_fwd
+    from timm_flashwin.ops.position_bias import operator_table_rows
     case, table, index = _table_case((4, 4), 2, cosine=True, dtype=torch.float32, windows=2)
     args = (case.qkv.requires_grad_(), 2, table.requires_grad_(), case.mask, case.logit_scale.reshape(2), 1.0,
             True, 0.0, None, True, index, *operator_table_rows(index, table, False), 16.0)

@@ -15,10 +15,10 @@ import torch
 
 from conftest import KERNEL_DEVICE
 from timm_flashwin import is_patched, patch_model, unpatch_model
-from timm_flashwin.adapters import base as adapter_base
-from timm_flashwin.patching import PATCHED_CLASSES
-from timm_flashwin.tracing import runs_timm
-from timm_flashwin.verify import perturb_
+from timm_flashwin.patching.adapters import base as adapter_base
+from timm_flashwin.patching.model import PATCHED_CLASSES
+from timm_flashwin.patching.tracing import runs_timm
+from timm_flashwin.tools.verify import perturb_
 
 FAMILIES = {  # small enough for the interpreter: a shifted block per stage, masks, two stages
     "swin": ("swin_tiny_patch4_window7_224", dict(img_size=28, depths=(2, 2), num_heads=(1, 2), embed_dim=16)),
@@ -267,7 +267,7 @@ def test_compile_is_not_export(family):
     of the graph, not computed in it at every step. Dynamo up to torch 2.11 answered True
     to ``torch.compiler.is_exporting()`` under torch.compile too (pytorch#176347), which
     put 12 sorts and 24 aranges into a compiled SwinV2-tiny step (``tracing.exporting``)."""
-    from timm_flashwin.tracing import exporting
+    from timm_flashwin.patching.tracing import exporting
     flags = []
 
     def seen(x):

@@ -19,7 +19,7 @@ from model_cases import create, images, tiny_swin
 from opcases import forward_backward, make_case
 from timm_flashwin import is_patched, patch_model, patch_report, window_attention
 from timm_flashwin.kernels import config
-from timm_flashwin.op import uses_kernels
+from timm_flashwin.ops.window import uses_kernels
 
 
 def tiny_swinv2(**kwargs) -> nn.Module:
@@ -161,8 +161,8 @@ def test_model_gradients_are_bit_reproducible(family, deterministic_algorithms, 
     a GPU it checks the order of the reductions.) Both passes run as eager training does,
     with no dispatch mode (under one, the op and the bias gather take their dispatched
     paths); the backward launches are counted instead."""
-    import timm_flashwin.op as op_module
-    from timm_flashwin import host_program
+    import timm_flashwin.ops.window as op_module
+    from timm_flashwin.ops import host_program
     # the Python road, whose launches are counted (tests/test_host_program_replay.py: replays give its bits)
     monkeypatch.setattr(host_program, "ENABLED", False)
     backward_calls = []
@@ -229,8 +229,8 @@ def test_recompute_qkv(family):
     patched model's, with timm's block checkpointing on top too. patched() restores the
     setting, unpatching drops it."""
     from timm_flashwin import patched, unpatch_model
-    from timm_flashwin.adapters.base import RECOMPUTE_QKV_ATTR
-    from timm_flashwin.patching import PATCHED_CLASSES
+    from timm_flashwin.patching.adapters.base import RECOMPUTE_QKV_ATTR
+    from timm_flashwin.patching.model import PATCHED_CLASSES
     factory, size = MODELS[family]
     model = patch_model(factory(drop_path_rate=0.0).to(KERNEL_DEVICE))
     x = images(2, size, device=KERNEL_DEVICE)
@@ -261,8 +261,8 @@ def test_recompute_qkv_for_some_modules():
     """recompute_qkv as a predicate (module, qualified name) -> bool: only the modules it
     picks recompute their projection (one matrix product more each); gradients unchanged.
     Anything but a bool or a callable is refused, naming the argument."""
-    from timm_flashwin.adapters.base import RECOMPUTE_QKV_ATTR
-    from timm_flashwin.patching import PATCHED_CLASSES
+    from timm_flashwin.patching.adapters.base import RECOMPUTE_QKV_ATTR
+    from timm_flashwin.patching.model import PATCHED_CLASSES
     model = patch_model(tiny_swin(drop_path_rate=0.0).to(KERNEL_DEVICE))
     x = images(2, (56, 56), device=KERNEL_DEVICE)
     with OpCalls() as plain_calls:

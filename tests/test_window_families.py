@@ -19,9 +19,9 @@ from model_checks import compiled_against_timm, full_resolution_passes, judge, p
 from model_cases import flashwin_ops, images, recording_backend
 from opcases import relative_error
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
-from timm_flashwin.adapters import hiera as hiera_adapter
-from timm_flashwin.comparison import compare
-from timm_flashwin.verify import build_model, perturb_, verify_model
+from timm_flashwin.patching.adapters import hiera as hiera_adapter
+from timm_flashwin.tools.comparison import compare
+from timm_flashwin.tools.verify import build_model, perturb_, verify_model
 
 M = timm.models
 CLASSES = {"tiny_vit": M.tiny_vit.Attention, "davit": M.davit.WindowAttention, "twins": M.twins.LocallyGroupedAttn,
@@ -186,7 +186,7 @@ def test_every_registered_model_is_patched_or_reported_on_meta(no_tiny_vit_index
 
 def test_list_shows_families_and_windows(no_tiny_vit_index):
     """``timm-flashwin list``'s rows (discovery.supported_models): family, windows, modules."""
-    from timm_flashwin.discovery import supported_models
+    from timm_flashwin.tools.discovery import supported_models
     rows = {i.name: i for i in supported_models("tiny_vit_21m_512")
             + supported_models("hiera_tiny_224") + supported_models("twins_svt_s*") + supported_models("nest_t*")}
     assert set(rows) == {"tiny_vit_21m_512", "hiera_tiny_224", "twins_svt_small", "nest_tiny", "nest_tiny_jx"}
@@ -250,7 +250,7 @@ def test_attention_dropout_runs_in_the_kernel(case, monkeypatch):
     module = module_case(case, attn_drop=0.25).to(KERNEL_DEVICE)
     timm_module = copy.deepcopy(module)
     patch_model(module, strict=True)
-    import timm_flashwin.adapters.base as base
+    import timm_flashwin.patching.adapters.base as base
     real, calls = base.window_attention, []
     monkeypatch.setattr(base, "window_attention", lambda *a, **k: calls.append(k["dropout_p"]) or real(*a, **k))
     x = some_x().to(KERNEL_DEVICE)

@@ -13,9 +13,9 @@ from opcases import (LOGIT_SCALES, TOLERANCE, Case, Reference, assert_matches_re
                      forward_backward, gradient_conditions, shift_mask)
 from timm_flashwin import window_attention
 from timm_flashwin.kernels.arch import INTERPRETER
-from timm_flashwin.kernels.plan import maps_windows
-from timm_flashwin.reference import window_attention_reference
-from timm_flashwin.window_grid import WindowGrid
+from timm_flashwin.kernels.window.plan import maps_windows
+from timm_flashwin.ops.reference import window_attention_reference
+from timm_flashwin.ops.window_grid import WindowGrid
 
 #: (height, width, window, shift): non-square windows and maps, shifts along one or both
 #: axes, none; the last is swin_tiny's last-but-one stage (49 tokens, 2 x 1 windows)

@@ -46,8 +46,14 @@ Design and measurements: docs/design.md and benchmarks/RESULTS.md in the reposit
 Each name is imported from its module on first use (``timm_flashwin.patch_model`` imports
 torch and timm then), so that ``import timm_flashwin`` and ``timm-flashwin --help`` stay
 fast. The op's torch.library operators (``torch.ops.timm_flashwin``) are registered once
-``timm_flashwin.op`` is imported: through ``window_attention`` or a patched model's first
-call, or ``import timm_flashwin.op`` before loading an exported program that holds them.
+``timm_flashwin.ops`` is imported: through ``window_attention`` or a patched model's first
+call, or ``import timm_flashwin.ops`` before loading an exported program that holds them.
+
+The folders are the layers, each importing only from those below it (docs/design.md):
+``kernels/`` (Triton kernels, their plans and launchers; ``window/``, ``local/``,
+``position/``) < ``ops/`` (the operators, their checks, references and roads) <
+``patching/`` (models: ``patch_model``, the factories, one adapter per family) < ``tools/``
+(the CLI, verify, bench).
 """
 import importlib
 from typing import Any, List
@@ -56,17 +62,17 @@ __version__ = "0.1.0"
 
 #: public name -> the submodule that defines it
 _SOURCES = {
-    "CreatedModel": "factory", "patch_timm": "factory", "patched_timm": "factory", "unpatch_timm": "factory",
-    "patch_transformers": "factory_hf", "patched_transformers": "factory_hf", "unpatch_transformers": "factory_hf",
-    "block_sliding_window_attention": "local_attention", "sliding_window_attention": "local_attention",
-    "window_attention": "op",
-    "TableBias": "position_bias",
-    "PatchError": "report", "is_patched": "patching", "patch_model": "patching", "patch_report": "patching",
-    "patched": "patching", "unpatch_model": "patching",
-    "ModuleStatus": "report", "PatchReport": "report",
-    "window_attention_reference": "reference",
-    "WindowGrid": "window_grid",
-    "build_extensions": "native",
+    "CreatedModel": "patching.factory", "patch_timm": "patching.factory", "patched_timm": "patching.factory",
+    "unpatch_timm": "patching.factory",
+    "patch_transformers": "patching.factory_hf", "patched_transformers": "patching.factory_hf",
+    "unpatch_transformers": "patching.factory_hf",
+    "PatchError": "patching.report", "ModuleStatus": "patching.report", "PatchReport": "patching.report",
+    "is_patched": "patching.model", "patch_model": "patching.model", "patch_report": "patching.model",
+    "patched": "patching.model", "unpatch_model": "patching.model",
+    "window_attention": "ops.window", "TableBias": "ops.position_bias", "WindowGrid": "ops.window_grid",
+    "window_attention_reference": "ops.reference",
+    "block_sliding_window_attention": "ops.local", "sliding_window_attention": "ops.local",
+    "build_extensions": "ops.native",
 }
 
 __all__ = sorted(_SOURCES) + ["__version__"]

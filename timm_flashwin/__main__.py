@@ -1,6 +1,6 @@
 """python -m timm_flashwin: the timm-flashwin command line."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

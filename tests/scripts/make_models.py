@@ -20,7 +20,7 @@ TINY = dict(img_size=56, depths=(2, 2), num_heads=(2, 4), embed_dim=32, num_clas
 def describe(model):
     """The model's class, the timm_flashwin classes among its modules', whether any module
     recomputes its qkv projection."""
-    from timm_flashwin.adapters.base import RECOMPUTE_QKV_ATTR
+    from timm_flashwin.patching.adapters.base import RECOMPUTE_QKV_ATTR
     ours = {type(m).__name__ for m in model.modules() if type(m).__module__.startswith("timm_flashwin")}
     return dict(model=type(model).__name__, flashwin_classes=sorted(ours),
                 recompute_qkv=any(m.__dict__.get(RECOMPUTE_QKV_ATTR, False) for m in model.modules()))

@@ -37,7 +37,7 @@ _COMPILED: Dict[Tuple, Tuple[Any, Tuple]] = {}
 ENABLED = _knobs is not None
 
 #: called after each launch with (kernel, compiled kernel or None, grid, args) while a host
-#: program is recorded (``timm_flashwin.host_program``); None otherwise
+#: program is recorded (``timm_flashwin.ops.host_program``); None otherwise
 RECORD = None
 
 #: what RECORD is given for the compiled kernel of a launch the interpreter ran

@@ -1,0 +1,403 @@
+"""Patching timm models: which modules are routed through the op, and how.
+
+Mechanism: patching swaps a module's ``__class__`` to a subclass of its timm class
+defined here (``FlashSwinWindowAttention``, ``FlashSwinV2WindowAttention``,
+``FlashSwinV2CrWindowMultiHeadAttention``, ``FlashMaxxVitAttentionCl``,
+``FlashMaxxVitAttention2d``, ``FlashTinyVitAttention``, ...; ``PATCHED_CLASSES``) whose
+``forward`` calls the family's adapter.
+The subclass adds no state (``recompute_qkv`` sets one plain instance attribute, a bool): it
+survives ``copy.deepcopy``,
+``torch.save(model)`` / ``torch.load`` (with timm_flashwin importable) and ``state_dict``
+round trips, adds no parameter or buffer, shows in ``repr``, and unpatching (restoring
+timm's class) restores timm's forward exactly.
+
+Why not a wrapt wrapper on timm's ``forward`` (the first design, and what the design
+card asked for): torch.compile does not call it. When a module is called by its parent,
+as every attention module in a model is, dynamo calls the function a wrapt wrapper wraps
+(timm's forward), not the wrapper, and compiles timm's attention with no graph break and no
+error; eager mode runs the wrapper. Seen on torch 2.14.1 with wrapt 2.1.2 and on torch 2.11
+(the compiled "patched" model's graph held timm's softmax and no timm_flashwin op);
+``tests/test_patching_compile.py::test_why_not_wrapt`` checks it on whatever versions run the tests.
+A plain method on a subclass is what dynamo traces, and because dynamo guards on module
+types, a patched and an unpatched copy of one model never share a graph (with an instance
+attribute as the mark, they did).
+
+Hugging Face transformers' Swin-family attention classes are patched the same way, by
+subclasses made when first needed (``patching_hf``; their adapters in ``adapters/hf_*.py``).
+
+The timm block holding a patched Swin-family module as ``.attn`` gets a subclass the same way
+(``FlashSwinTransformerBlock``, ...), whose window method (timm's ``_attn`` or
+``_shifted_window_attn``: roll, partition, attention, merge, roll back) has the op read
+the windows from the feature map instead (``WindowAttentionAdapter.block_attention``),
+in eager mode, where the map is a whole number of windows and no hook on the module
+would be skipped; elsewhere it is timm's method, which calls the patched module. Under
+torch.compile inductor fuses the copies into their neighbours already (benchmarks/
+RESULTS.md: no gain), and the compiled graphs stay what they were.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+import warnings
+from typing import Callable, Dict, Iterator, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from . import hf as patching_hf
+from .adapters import ADAPTERS, HF_ADAPTERS, WindowAttentionAdapter
+from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
+from .adapters.rel_pos import KEPT_ATTR
+from ..ops.dispatch import unserved_device
+from ..ops.hooks import runs_hooks
+from .report import ModuleStatus, PatchError, PatchReport
+from .tracing import register_fx_leaves, runs_timm
+
+logger = logging.getLogger("timm_flashwin")
+
+_FAMILY_ATTR = "_flashwin_family"  # class attribute of the patched subclasses: the family
+_BLOCK_FAMILY_ATTR = "_flashwin_block_family"  # the same, of the patched block subclasses
+_SKIP_ATTR = "_flashwin_skipped"  # set on instances patch_model left alone: the reason
+_CACHE_ATTR = "_flashwin_bias_cache"  # adapters.base.inference_cache
+
+#: A user's per-module opt-out, as torchao's filter_fn: (module, qualified name) -> patch?
+FilterFn = Callable[[nn.Module, str], bool]
+#: ``patch_model``'s recompute_qkv: for every patched module or none, or per module
+RecomputeQkv = Union[bool, FilterFn]
+
+
+# ------------------------------------------------------------------- patched classes
+def _renamed(function: Callable, name: str) -> Callable:
+    """A copy of ``function`` under another ``__name__``: TorchScript compiles a method
+    under its function's name, and a class's ``forward`` can name timm's only so."""
+    copy = types.FunctionType(function.__code__, function.__globals__, name, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__, copy.__annotations__ = function.__kwdefaults__, dict(function.__annotations__)
+    copy.__qualname__, copy.__module__, copy.__doc__ = name, function.__module__, function.__doc__
+    return copy
+
+
+def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
+    timm_class = adapter.module_type()
+    timm_forward = timm_class.forward
+
+    # timm's signature, which TorchScript compiles: torch.jit.is_scripting() is resolved
+    # when it compiles, so that only the first branch is compiled (timm's forward); the
+    # rest must only parse (no *args, **kwargs). tracing.py says what each tool gets.
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x, mask)
+        if runs_timm(x):
+            return timm_forward(self, x, mask)
+        return adapter.forward(self, x, mask)
+
+    # the same under MaxViT's name of the second argument (its blocks pass it by keyword)
+    def forward_shared_rel_pos(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None):
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x, shared_rel_pos)
+        if runs_timm(x):
+            return timm_forward(self, x, shared_rel_pos)
+        return adapter.forward(self, x, shared_rel_pos)
+
+    # x alone (TinyViT, DaViT, NesT, Hiera)
+    def forward_x(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x)
+        if runs_timm(x):
+            return timm_forward(self, x)
+        return adapter.forward(self, x)
+
+    # Twins' LocallyGroupedAttn: x and its map's (H, W)
+    def forward_size(self, x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x, size)
+        if runs_timm(x):
+            return timm_forward(self, x, size)
+        return adapter.forward(self, x, size)
+
+    # GCViT's WindowAttentionGlobal: x and its image's global query
+    def forward_q_global(self, x: torch.Tensor, q_global: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x, q_global)
+        if runs_timm(x):
+            return timm_forward(self, x, q_global)
+        return adapter.forward(self, x, q_global)
+
+    forwards = {"mask": forward, "shared_rel_pos": _renamed(forward_shared_rel_pos, "forward"),
+                None: _renamed(forward_x, "forward"), "size": _renamed(forward_size, "forward"),
+                "q_global": _renamed(forward_q_global, "forward")}
+
+    def extra_repr(self) -> str:
+        text = timm_class.extra_repr(self)
+        return f"{text}, flashwin={adapter.family}" if text else f"flashwin={adapter.family}"
+
+    return type(name, (timm_class,), {
+        "forward": forwards[adapter.forward_arg],
+        "_flashwin_timm_forward": _renamed(timm_forward, "_flashwin_timm_forward"),
+        "extra_repr": extra_repr, _FAMILY_ATTR: adapter.family,
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"timm's {timm_class.__module__}.{timm_class.__qualname__}, patched by timm_flashwin.",
+    })
+
+
+def _patched_block_class(adapter: WindowAttentionAdapter, name: str) -> type:
+    timm_class = adapter.block_type()
+    timm_method = getattr(timm_class, adapter.block_method)
+
+    def window_attention(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # as the module's forward
+            return self._flashwin_timm_window_attention(x)
+        grid = _feature_map_grid(self, adapter, x)
+        if grid is None:
+            return timm_method(self, x)
+        return adapter.block_attention(self, x, grid)
+
+    window_attention.__name__ = window_attention.__qualname__ = adapter.block_method
+    window_attention.__doc__ = (f"timm's {adapter.block_method}, with the op reading the windows from the map "
+                                "(``WindowAttentionAdapter.block_attention``) where it can.")
+    return type(name, (timm_class,), {
+        adapter.block_method: window_attention,
+        "_flashwin_timm_window_attention": _renamed(timm_method, "_flashwin_timm_window_attention"),
+        _BLOCK_FAMILY_ATTR: adapter.family,
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"timm's {timm_class.__module__}.{timm_class.__qualname__}, its windows read in place by "
+                   "timm_flashwin.",
+    })
+
+
+def _feature_map_grid(block: nn.Module, adapter: WindowAttentionAdapter, x: torch.Tensor):
+    """The block's window grid where its patched module's attention can run on the map
+    (``adapter.block_grid``), else None: the module not patched (filtered out, unpatched),
+    torch.compile tracing, a tool that runs timm's code (``tracing.runs_timm``), hooks on
+    the module that calling it would run."""
+    attn = getattr(block, "attn", None)
+    if (type(attn) is not PATCHED_CLASSES[adapter.family] or torch.compiler.is_compiling() or runs_timm(x)
+            or runs_hooks(attn)):
+        return None
+    return adapter.block_grid(block, x)
+
+
+#: family -> the class patched instances take (module-level names, so that pickle finds them)
+PATCHED_CLASSES: Dict[str, type] = {}
+for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSwinV2WindowAttention"),
+                       ("swinv2_cr", "FlashSwinV2CrWindowMultiHeadAttention"),
+                       ("maxxvit", "FlashMaxxVitAttentionCl"), ("maxxvit_2d", "FlashMaxxVitAttention2d"),
+                       ("tiny_vit", "FlashTinyVitAttention"), ("davit", "FlashDaVitWindowAttention"),
+                       ("twins", "FlashTwinsLocallyGroupedAttn"), ("nest", "FlashNestAttention"),
+                       ("hiera", "FlashHieraMaskUnitAttention"), ("gcvit", "FlashGcVitWindowAttentionGlobal")):
+    PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
+
+
+register_fx_leaves(PATCHED_CLASSES.values())
+
+#: family -> the class the block holding a patched module takes (``adapter.block_type``)
+PATCHED_BLOCK_CLASSES: Dict[str, type] = {}
+for _family, _name in (("swin", "FlashSwinTransformerBlock"), ("swinv2", "FlashSwinTransformerV2Block"),
+                       ("swinv2_cr", "FlashSwinTransformerV2CrBlock"), ("maxxvit", "FlashMaxxVitPartitionAttentionCl")):
+    PATCHED_BLOCK_CLASSES[_family] = globals()[_name] = _patched_block_class(ADAPTERS[_family], _name)
+
+
+# --------------------------------------------------------------------------- helpers
+def _attention_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, Optional[WindowAttentionAdapter], str]]:
+    """(name, module, adapter or None, family) for every timm (or transformers')
+    window-attention module. Subclasses of their classes get no adapter: their forward
+    may differ. What is not a module (a model's name, a state_dict) is a TypeError saying
+    what is expected."""
+    if not isinstance(model, nn.Module):
+        hint = f"; build the model first, e.g. timm.create_model({model!r})" if isinstance(model, str) else ""
+        raise TypeError(f"timm_flashwin expects a torch.nn.Module, got {type(model).__name__}{hint}")
+    served = [(adapter, cls) for adapter in (*ADAPTERS.values(), *HF_ADAPTERS.values())
+              if (cls := adapter.module_type()) is not None]
+    for name, module in model.named_modules():
+        for adapter, cls in served:
+            if isinstance(module, cls):
+                own = type(module) is cls or type(module) is _patched_class_of(adapter.family)
+                yield name, module, (adapter if own else None), adapter.family
+                break
+
+
+#: the reason of the modules filter_fn opted out of: a choice, which strict does not count
+EXCLUDED_BY_FILTER = "excluded by filter_fn"
+
+
+def _patched_class_of(family: str) -> type:
+    """The class a patched module of ``family`` takes."""
+    return PATCHED_CLASSES[family] if family in PATCHED_CLASSES else patching_hf.patched_class(family)
+
+
+def _skip_reason(module: nn.Module, adapter: Optional[WindowAttentionAdapter], family: str, name: str,
+                 filter_fn: Optional[FilterFn]) -> Optional[str]:
+    """Why ``module`` keeps timm's forward, or None where it is patched."""
+    if filter_fn is not None and not filter_fn(module, name):
+        return EXCLUDED_BY_FILTER
+    if adapter is None:
+        owner = "transformers'" if family in HF_ADAPTERS else "timm's"
+        return f"{type(module).__name__} subclasses {owner} class; its forward may differ"
+    return adapter.unsupported(module)
+
+
+def _is_patched(module: nn.Module) -> bool:
+    return getattr(type(module), _FAMILY_ATTR, None) is not None
+
+
+def _clear(module: nn.Module) -> None:
+    if _is_patched(module):
+        module.__class__ = type(module).__mro__[1]  # timm's class
+    for attr in (_SKIP_ATTR, _CACHE_ATTR, RECOMPUTE_QKV_ATTR, KEPT_ATTR):
+        module.__dict__.pop(attr, None)
+
+
+def _blocks(model: nn.Module) -> Iterator[Tuple[nn.Module, str]]:
+    """(block, family) for every timm block of its family's exact class, or ours."""
+    for block in model.modules():
+        family = getattr(type(block), _BLOCK_FAMILY_ATTR, None)
+        if family is None:
+            family = next((f for f in PATCHED_BLOCK_CLASSES if type(block) is ADAPTERS[f].block_type()), None)
+        if family is not None:
+            yield block, family
+
+
+def _set_block_class(block: nn.Module, cls: type) -> None:
+    block.__class__ = cls
+    if getattr(cls, _BLOCK_FAMILY_ATTR, None) is None:
+        block.__dict__.pop(BLOCK_GRID_ATTR, None)
+
+
+def _sync_blocks(model: nn.Module, feature_map: bool) -> None:
+    """Give every timm block holding a window-attention module as ``.attn`` the patched
+    block class where that module is patched and ``feature_map`` is set, else timm's class
+    back."""
+    for block, family in _blocks(model):
+        served = feature_map and type(getattr(block, "attn", None)) is PATCHED_CLASSES[family]
+        _set_block_class(block, PATCHED_BLOCK_CLASSES[family] if served else ADAPTERS[family].block_type())
+
+
+def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapter], family: str) -> ModuleStatus:
+    if _is_patched(module):
+        return ModuleStatus(name, family, True)
+    reason = getattr(module, _SKIP_ATTR, None) or "not patched"
+    return ModuleStatus(name, family, False, reason=reason)
+
+
+# ------------------------------------------------------------------------ public API
+def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[FilterFn] = None,
+                recompute_qkv: RecomputeQkv = False, feature_map: bool = True) -> nn.Module:
+    """Route every timm (or transformers' Swin-family) window-attention module of ``model``
+    through the fused op, in place.
+
+    Works wherever the modules sit (timm models, features_only wrappers, a user's
+    nn.Module, DistributedDataParallel). Each module keeps its own parameters, read at
+    call time. Patching twice patches nothing more (``recompute_qkv`` is set anew on every
+    patched module). Modules the op cannot serve keep timm's forward;
+    ``patch_report(model)`` says which and why.
+
+    Args:
+        model: any nn.Module.
+        strict: raise ``PatchError`` (a ValueError) listing every module that cannot be
+            served, and patch nothing; raise ValueError if there is nothing to patch.
+            Modules ``filter_fn`` opts out of are not counted: they are left on purpose.
+        filter_fn: ``(module, qualified_name) -> bool``; False keeps that module on timm.
+        recompute_qkv: where gradients are recorded, do not keep the qkv projection's output
+            (B_, N, 3 C) for the backward but compute it again there from the module's
+            input (selective activation checkpointing; the op's own outputs are kept): less
+            memory for one more qkv matmul per module and training step. Gradients are the
+            same; eager mode and torch.compile alike. True: every patched module; or
+            ``(module, qualified_name) -> bool`` (as filter_fn) for some of them. What a
+            stage's recomputation costs differs: swin_tiny, batch 64 AMP training steps,
+            torch.compile with CUDA graphs, H200, peak memory and speed against the model
+            patched without it: True 0.81x memory, 0.94x speed; the first stage's modules
+            (names starting "layers.0.") 0.92x, 0.95x; the second's ("layers.1.") 0.96x,
+            1.00x; the third's 0.95x, 0.98x (benchmarks/RESULTS.md). In eager mode the
+            checkpointing's dispatch adds host work per step (a host-bound step slows).
+        feature_map: let the timm block around each patched module have the op read its
+            windows from the (B, H, W, C) map and write them back there (no roll,
+            partition, merge and roll-back copies; eager mode, maps that are a whole number
+            of windows, no hooks on the module: else timm's method runs). False keeps
+            timm's method in every block; the modules are patched all the same.
+
+    Returns:
+        ``model`` itself.
+    """
+    if not (isinstance(recompute_qkv, bool) or callable(recompute_qkv)):
+        raise TypeError(f"patch_model: recompute_qkv must be a bool or a callable (module, qualified_name) -> bool, "
+                        f"got {type(recompute_qkv).__name__}")
+    found = list(_attention_modules(model))
+    model_name = type(model).__name__
+    if not found:
+        message = f"timm_flashwin: {model_name} has no timm window-attention module to patch"
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=2)
+        return model
+    device = unserved_device(model)  # a GPU the kernels do not serve in the model's dtype
+    reasons = {name: why for name, module, adapter, family in found
+               if not _is_patched(module)
+               and (why := _skip_reason(module, adapter, family, name, filter_fn) or device) is not None}
+    if device is not None and not strict:
+        warnings.warn(f"timm_flashwin: {device}; {model_name} keeps its own attention", RuntimeWarning, stacklevel=2)
+    failures = {name: why for name, why in reasons.items() if why != EXCLUDED_BY_FILTER}
+    if strict and failures:
+        raise PatchError(model_name, failures)
+    for name, module, adapter, family in found:
+        if name in reasons:
+            module.__dict__[_SKIP_ATTR] = reasons[name]
+            continue
+        if not _is_patched(module):
+            module.__dict__.pop(_SKIP_ATTR, None)
+            module.__class__ = _patched_class_of(family)
+        if recompute_qkv is True or (callable(recompute_qkv) and recompute_qkv(module, name)):
+            module.__dict__[RECOMPUTE_QKV_ATTR] = True
+        else:
+            module.__dict__.pop(RECOMPUTE_QKV_ATTR, None)
+    _sync_blocks(model, feature_map)
+    report = patch_report(model)
+    level = logging.WARNING if report.skipped else logging.INFO
+    logger.log(level, "timm_flashwin: %s", report.summary())
+    for status in report.modules:
+        logger.debug("timm_flashwin: %s [%s] %s", status.name or "<model>", status.family,
+                     "patched" if status.patched else f"skipped: {status.reason}")
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Give every window-attention module of ``model`` timm's forward back (and their
+    blocks timm's window method), in place."""
+    for _, module, _, _ in _attention_modules(model):
+        _clear(module)
+    _sync_blocks(model, False)
+    return model
+
+
+def is_patched(module_or_model: nn.Module) -> bool:
+    """For a window-attention module: whether it is patched. For any other module:
+    whether any window-attention module inside it is."""
+    return any(_is_patched(m) for _, m, _, _ in _attention_modules(module_or_model))
+
+
+def patch_report(model: nn.Module) -> PatchReport:
+    """The current state of every window-attention module of ``model``."""
+    return PatchReport(type(model).__name__, [_status(*entry) for entry in _attention_modules(model)])
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, **kwargs) -> Iterator[nn.Module]:
+    """``with patched(model): ...``: patch_model on entry; on exit (also on an exception)
+    unpatch exactly the modules this call patched and give the blocks their classes back.
+    kwargs go to ``patch_model``."""
+    before = {id(m): m.__dict__.get(RECOMPUTE_QKV_ATTR) for _, m, _, _ in _attention_modules(model)
+              if _is_patched(m)}
+    block_classes = [(block, type(block)) for block, _ in _blocks(model)]
+    patch_model(model, **kwargs)
+    try:
+        yield model
+    finally:
+        for _, module, _, _ in _attention_modules(model):
+            if id(module) not in before:
+                _clear(module)
+            elif before[id(module)] is None:  # patched before: its recompute_qkv as it was
+                module.__dict__.pop(RECOMPUTE_QKV_ATTR, None)
+            else:
+                module.__dict__[RECOMPUTE_QKV_ATTR] = before[id(module)]
+        for block, cls in block_classes:
+            _set_block_class(block, cls)
