@@ -35,7 +35,7 @@ from timm_flashwin.kernels.window.bias_copy import float16_bias_copy_kernel  # n
 from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402
 from timm_flashwin.kernels.window.bias_mask import folds_mask  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options, launch_options  # noqa: E402
-from timm_flashwin.kernels.window.plan import reads_table  # noqa: E402
+from timm_flashwin.kernels.window.plan import call_plan  # noqa: E402
 from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
 
 #: the architecture the builds are for (``main``'s --arch), and its target
@@ -205,8 +205,8 @@ def main(selected: list) -> int:
         bwd = config.backward_config(n, head_dim, dtype, cosine, ARCH)
         streamed = n > fwd.block_n
         # the partitioned and the feature-map layout, and where the kernels of both passes read a
-        # position bias from its table (plan.reads_table), the latter with the table too
-        table = reads_table(n, head_dim, dtype, cosine, dropout, ARCH)
+        # position bias from its table (CallPlan.reads_table), the latter with the table too
+        table = call_plan(n, head_dim, dtype, cosine, dropout, ARCH).reads_table
         layouts = ((0, False), (1, False)) + (((1, True),) if table else ())
         if n in (49, 64) and head_dim == 32:  # MaxViT's windows: its grid windows too
             layouts += ((2, table),)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from timm_flashwin.kernels.arch import INTERPRETER
-from timm_flashwin.kernels.window.bias_mask import streams_key_blocks
+from timm_flashwin.kernels.window.plan import call_plan
 from timm_flashwin.kernels.config import CLAMP_GRADIENT_AT_BOUND, LOGIT_SCALE_MAX
 from timm_flashwin.ops.reference import window_attention_reference
 
@@ -108,7 +108,7 @@ def bias_as_read(case: Case) -> Case:
     if case.bias is None or case.qkv.dtype not in (torch.float16, torch.bfloat16):
         return case
     n, head_dim = case.qkv.shape[1], case.qkv.shape[2] // (3 * case.num_heads)
-    if not streams_key_blocks(n, head_dim, case.qkv.dtype, case.logit_scale is not None, INTERPRETER):
+    if not call_plan(n, head_dim, case.qkv.dtype, case.logit_scale is not None, False, INTERPRETER).streams:
         return case
     log2e = 1.0 / math.log(2.0)
     return replace(case, bias=(case.bias.float() * log2e).half().double() / log2e)

@@ -122,8 +122,8 @@ def test_smaller_gpus_take_fewer_stages_then_smaller_tiles(gpu_defaults):
     assert tuned.num_stages == 3 and config.backward_config(64, 32, torch.float32, True, sm86).num_stages == 2
     assert config.backward_config(64, 64, torch.float32, True, sm86).single_tile(64)
     assert not config.backward_config(64, 64, torch.float32, True, sm75).single_tile(64)
-    assert not plan.reads_table(64, 64, torch.float32, True, False, sm75)
-    assert plan.softmax_stats_shape(4, 2, 64, 64, torch.float32, True, True, sm75) == (4, 4, 2, 64)
+    call = plan.call_plan(64, 64, torch.float32, True, False, sm75)
+    assert not call.reads_table and call.stats_shape(4, 2, True) == (4, 4, 2, 64)
     assert config.backward_config(49, 256, torch.float32, True, sm80).block_n < 32
     assert local_launch.plan("dq", 128, torch.bfloat16, arch=sm86) != local_launch.plan("dq", 128, torch.bfloat16)
 

@@ -8,20 +8,22 @@ import torch
 from conftest import KERNEL_DEVICE
 from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from timm_flashwin import window_attention
-from timm_flashwin.ops.window import uses_kernels, window_attention_fwd
+from timm_flashwin.ops.dispatch import uses_kernels
+from timm_flashwin.ops.window_operators import window_attention_fwd
 
 
 def _record_stats_shapes(monkeypatch):
     """The shape of the softmax statistics of every forward the op launches."""
-    from timm_flashwin.ops import window as op_module
+    from timm_flashwin.ops import window, window_operators
     shapes = []
-    real = op_module.attention_forward
+    real = window.attention_forward
 
     def forward(*args, **kwargs):
         result = real(*args, **kwargs)
         shapes.append(tuple(result[1].shape))
         return result
-    monkeypatch.setattr(op_module, "attention_forward", forward)
+    for road in (window, window_operators):  # eager, and the registered operators
+        monkeypatch.setattr(road, "attention_forward", forward)
     return shapes
 
 

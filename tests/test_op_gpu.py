@@ -8,7 +8,7 @@ import torch
 from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
                      relative_error)
 from timm_flashwin import window_attention
-from timm_flashwin.ops.window import window_attention_fwd
+from timm_flashwin.ops.window_operators import window_attention_fwd
 from timm_flashwin.ops.reference import window_attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -96,8 +96,9 @@ def test_layouts_through_the_registered_operator(monkeypatch):
     qkv = channels_first_interleaved(case.qkv, 2)
     assert view_grad.stride() == qkv.stride()
     logit_scale = case.logit_scale.reshape(2)
-    fake_grad = op._backward_fake(case.grad_out, qkv, None, None, None, None, None, None, logit_scale, 2, 1.0,
-                                  True, False, True, 0.0, None)[0]
+    from timm_flashwin.ops.window_operators import _backward_fake
+    fake_grad = _backward_fake(case.grad_out, qkv, None, None, None, None, None, None, logit_scale, 2, 1.0,
+                               True, False, True, 0.0, None)[0]
     assert fake_grad.shape == qkv.shape and fake_grad.stride() == qkv.stride()
 
 

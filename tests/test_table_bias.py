@@ -184,7 +184,7 @@ def test_compiled_with_a_table_matches_eager():
 def test_operator_check_with_a_table():
     """Schema, fake tensors (the table's gradient of the table's shape and dtype), autograd
     registration and AOT dispatch of the forward operator given a table and its index."""
-    from timm_flashwin.ops.window import window_attention_fwd
+    from timm_flashwin.ops.window_operators import window_attention_fwd
     from timm_flashwin.ops.position_bias import operator_table_rows
     case, table, index = _table_case((4, 4), 2, cosine=True, dtype=torch.float32, windows=2)
     args = (case.qkv.requires_grad_(), 2, table.requires_grad_(), case.mask, case.logit_scale.reshape(2), 1.0,

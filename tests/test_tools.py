@@ -266,8 +266,8 @@ def test_compile_is_not_export(family):
     block's position-bias pairs, sorted by table row, and its window maps are constants
     of the graph, not computed in it at every step. Dynamo up to torch 2.11 answered True
     to ``torch.compiler.is_exporting()`` under torch.compile too (pytorch#176347), which
-    put 12 sorts and 24 aranges into a compiled SwinV2-tiny step (``tracing.exporting``)."""
-    from timm_flashwin.patching.tracing import exporting
+    put 12 sorts and 24 aranges into a compiled SwinV2-tiny step (``dispatch.exporting``)."""
+    from timm_flashwin.ops.dispatch import exporting
     flags = []
 
     def seen(x):

@@ -1,16 +1,16 @@
-"""The window-attention operator: torch.library registration, autograd, the roads a call takes.
+"""``window_attention``: one call, top to bottom.
 
-``window_attention`` is the one entry point (its argument checks: ``op_checks``). On CUDA
-tensors (and on CPU tensors when ``TRITON_INTERPRET=1``) it calls the
-``timm_flashwin::window_attention_fwd`` operator, whose autograd formula calls
-``timm_flashwin::window_attention_bwd``; both run the Triton kernels. In eager mode on
-plain tensors the same forward, backward and autograd formula run through a
-``torch.autograd.Function`` instead, without the operator dispatch
-(``_EagerWindowAttention``); on CUDA, from a signature's second call, as a host program
-replayed by C++ (``host_program``), which makes the same launches. Where nothing can take
-a gradient the forward launches without an autograd node (``_forward_without_grad``).
-Elsewhere (plain CPU, float64) it computes ``reference.py``'s math with PyTorch autograd,
-with the same semantics.
+1. ``window_checks.validate``: each bad argument raises, naming it.
+2. ``kernels.window.plan.call_plan``: the plan of the call's shape on its device (made once
+   per signature): whether the kernels take it, read the position bias from its table, map
+   the feature-map layout in the backward, what the forward saves.
+3. The road: where the kernels do not take the tensors (plain CPU, float64) or the device,
+   ``reference.py``'s math with PyTorch autograd; under torch.compile, fake tensors, tensor
+   subclasses or torch.func, the registered operators (``window_operators``); in plain eager
+   mode, the kernels launched here (``_EagerWindowAttention``, or ``_forward_without_grad``
+   where nothing takes a gradient), on CUDA from a signature's second call as a host program
+   replayed by C++ (``host_program``), which makes the same launches.
+4. ``kernels.window.launch``: the launches, as the forward's and backward's launch plans say.
 """
 from __future__ import annotations
 
@@ -19,329 +19,20 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import host_program
-from .dispatch import (call_operator, direct_launches, dispatch_free, register_autograd, register_op, served,
-                       uses_kernels)
 from ..kernels.arch import tensor_arch
-from ..kernels.config import fits
-from ..kernels.window.bias_mask import kept_mask_structure, kept_streamed_bias, mask_regions_shapes, mask_regions_used
+from ..kernels.window.bias_mask import kept_mask_structure, kept_streamed_bias
 from ..kernels.window.launch import attention_backward, attention_forward
-from ..kernels.window.plan import maps_windows, reads_table, softmax_stats_shape, windows_tokens_channels
-from ..kernels.position.launch import relative_bias_table_grad
-from .position_bias import TableBias, TableGather, operator_table_rows
-from .window_checks import keys_values_query, validate
+from ..kernels.window.plan import CallPlan, call_plan
+from . import host_program
+from .dispatch import call_operator, direct_launches, dispatch_free, served, uses_kernels
+from .position_bias import TableBias, TableGather
 from .reference import shared_query_qkv, window_attention_reference
+from .window_checks import keys_values_query, validate
 from .window_grid import WindowGrid
+from .window_operators import (backward_outputs, input_grads, operator_table_args, query_grads, setup_context,
+                               window_attention_fwd)
 
 
-# --------------------------------------------------------------------------- operators
-def _forward_impl(
-    qkv: torch.Tensor,
-    num_heads: int,
-    bias: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    logit_scale: Optional[torch.Tensor],
-    scale: float,
-    cosine: bool,
-    dropout_p: float,
-    seed: Optional[torch.Tensor],
-    save_stats: bool = True,
-    table_index: Optional[torch.Tensor] = None,
-    table_order: Optional[torch.Tensor] = None,
-    table_offsets: Optional[torch.Tensor] = None,
-    table_sigmoid: float = 0.0,
-    query: Optional[torch.Tensor] = None,
-    query_tiled: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """With ``table_index`` (N, N), ``bias`` is a position-bias table (T, H) that the kernels
-    read through it (``TableBias``, windows of one tile: ``plan.reads_table``); the pairs'
-    ``table_order`` and ``table_offsets`` (``position_bias.operator_table_rows``) are for the
-    backward, which sums the table's gradient. With ``query`` (B, N, H*D), qkv is
-    (B_, N, 2, H, D), keys and values, and the windows share their image's queries
-    (``launch.attention_forward``)."""
-    return attention_forward(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats,
-                             None, table_index, table_sigmoid, query, query_tiled)
-
-
-def _backward_impl(
-    grad_out: torch.Tensor,
-    qkv: torch.Tensor,
-    out: torch.Tensor,
-    stats: torch.Tensor,
-    regions: torch.Tensor,
-    mask_info: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    logit_scale: Optional[torch.Tensor],
-    num_heads: int,
-    scale: float,
-    cosine: bool,
-    bias_grad: bool,
-    scale_grad: bool,
-    dropout_p: float,
-    seed: Optional[torch.Tensor],
-    table_index: Optional[torch.Tensor] = None,
-    table_order: Optional[torch.Tensor] = None,
-    table_offsets: Optional[torch.Tensor] = None,
-    table_sigmoid: float = 0.0,
-    query: Optional[torch.Tensor] = None,
-    query_tiled: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dbias is the table's gradient (T, H) in its dtype where ``bias`` is a table
-    (``table_index``), else the dense bias's (H, N, N) in float32. With ``query``, dqkv is
-    (B_, N, 3, H, D): each window's dQ beside dK and dV (``_query_grads`` sums the former)."""
-    dqkv, dbias, dscale = attention_backward(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale,
-                                             num_heads, scale, cosine, bias_grad, scale_grad, dropout_p, seed,
-                                             None, table_index, table_sigmoid, query, query_tiled)
-    if table_index is not None and bias_grad:
-        dbias = relative_bias_table_grad(dbias, table_order, table_offsets, bias.shape[0], bias.dtype,
-                                         index=table_index, table=bias if table_sigmoid else None,
-                                         sigmoid_scale=table_sigmoid)
-    # the two are views of one sum (launch.attention_backward); an operator's outputs may not alias
-    return dqkv, dbias, dscale.clone() if bias_grad and scale_grad else dscale
-
-
-def _forward_fake(qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats=True,
-                  table_index=None, table_order=None, table_offsets=None, table_sigmoid=0.0, query=None,
-                  query_tiled=False):
-    num_windows, n, channels = windows_tokens_channels(qkv, None)
-    head_dim = channels // (3 * num_heads)
-    out = qkv.new_empty((num_windows, n, channels // 3))
-    arch = tensor_arch(qkv)
-    stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, qkv.dtype, cosine, save_stats, arch)
-    used = mask_regions_used(n, head_dim, qkv.dtype, cosine, mask, num_heads, arch)
-    regions_shape, info_shape = mask_regions_shapes(mask.shape[0] if mask is not None else 1, n, used)
-    return (out, qkv.new_empty(stats_shape, dtype=torch.float32), qkv.new_empty(regions_shape, dtype=torch.int32),
-            qkv.new_empty(info_shape, dtype=torch.float32))
-
-
-def _backward_fake(grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, num_heads, scale, cosine,
-                   bias_grad, scale_grad, dropout_p, seed, table_index=None, table_order=None, table_offsets=None,
-                   table_sigmoid=0.0, query=None, query_tiled=False):
-    n = qkv.shape[1]
-    if table_index is not None and bias_grad:
-        dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)
-    else:
-        dbias = qkv.new_empty((num_heads, n, n) if bias_grad else (0,), dtype=torch.float32)
-    dscale = qkv.new_empty((num_heads,) if scale_grad and cosine else (0,), dtype=torch.float32)
-    # the layout attention_backward gives
-    dqkv = torch.empty_like(qkv) if query is None else qkv.new_empty((*qkv.shape[:2], 3, *qkv.shape[3:]))
-    return dqkv, dbias, dscale
-
-
-window_attention_fwd = register_op("window_attention_fwd", _forward_impl, _forward_fake)
-window_attention_bwd = register_op("window_attention_bwd", _backward_impl, _backward_fake)
-
-
-def _setup_context(ctx, inputs, output, query, query_tiled, *also_saved):
-    """Saves (qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed, query,
-    *also_saved) and the call's numbers on ``ctx``."""
-    qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed = inputs[:9]
-    out, stats, regions, mask_info = output
-    ctx.mark_non_differentiable(stats, regions, mask_info)
-    # the backward takes no gradients of those three: not materialized, autograd launches
-    # no fill kernels of zeros for them (launch.attention_backward has the measurement)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed, query, *also_saved)
-    ctx.num_heads, ctx.scale, ctx.cosine, ctx.dropout_p = num_heads, scale, cosine, dropout_p
-    ctx.query_tiled = query_tiled
-
-
-def _backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
-    saved = ctx.saved_tensors
-    # the table's index and pairs (None where the bias is dense): _operator_setup_context
-    backward_op = partial(call_operator, window_attention_bwd)
-    dqkv, dbias, dscale = _backward_outputs(backward_op, ctx, saved, grad_out, *saved[10:13], ctx.table_sigmoid,
-                                            saved[9], ctx.query_tiled)
-    # a call without a query passes fewer than its sixteen inputs: needs_input_grad is shorter
-    dqkv, dquery = _query_grads(dqkv, saved[9], ctx.query_tiled, saved[9] is not None and ctx.needs_input_grad[14])
-    return _input_grads(ctx, dqkv, dbias.to(saved[5].dtype) if dbias is not None else None, dscale,
-                        extra_inputs=4) + (dquery, None)
-
-
-def _backward_outputs(backward_op, ctx, saved, grad_out, *layout):
-    """(dqkv, dbias or None, d(logit_scale) in its dtype or None) with ``backward_op`` (the
-    registered op, or its implementation in eager mode, which also takes the forward's
-    ``WindowGrid``, in ``layout``); dbias fp32, as the op gives it.
-    ``saved``: ``ctx.saved_tensors``, read once (activation checkpointing unpacks each
-    saved tensor once)."""
-    qkv, out, stats, regions, mask_info, bias, mask, logit_scale, seed = saved[:9]
-    bias_grad = bias is not None and ctx.needs_input_grad[2]
-    scale_grad = logit_scale is not None and ctx.needs_input_grad[4]
-    dqkv, dbias, dscale = backward_op(
-        grad_out, qkv, out, stats, regions, mask_info, bias, mask, logit_scale, ctx.num_heads, ctx.scale,
-        ctx.cosine, bias_grad, scale_grad, ctx.dropout_p, seed, *layout)
-    return dqkv, dbias if bias_grad else None, dscale.to(logit_scale.dtype) if scale_grad else None
-
-
-def _query_grads(dqkv: torch.Tensor, query: Optional[torch.Tensor], tiled: bool, query_grad: bool
-                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(qkv's gradient, the query's) from the backward's dqkv: as it is, None, without
-    ``query``; else dqkv is (B_, N, 3, H, D) and qkv (B_, N, 2, H, D) gets dK, dV, and the
-    query (B, N, H*D) each window's dQ summed over its image's windows (where ``query_grad``)."""
-    if query is None:
-        return dqkv, None
-    if not query_grad:
-        return dqkv[:, :, 1:], None
-    windows, n = dqkv.shape[:2]
-    images = query.shape[0]
-    dq = dqkv[:, :, 0].reshape(windows, n, -1)
-    dq = dq.view(windows // images, images, n, -1).sum(0) if tiled else dq.view(images, windows // images, n, -1).sum(1)
-    return dqkv[:, :, 1:], dq
-
-
-def _input_grads(ctx, dqkv, dbias, dscale, extra_inputs: int = 0):
-    """The gradients of the forward's inputs: the operator's ten and ``extra_inputs`` more
-    that take none."""
-    return (
-        dqkv,
-        None,
-        dbias,
-        None,  # the mask takes no gradient
-        dscale,
-        None,
-        None,
-        None,
-        None,  # nor the dropout seed
-        None,  # nor save_stats
-    ) + (None,) * extra_inputs
-
-
-def _operator_setup_context(ctx, inputs, output):
-    """The registered operator's: also keeps its table's index and sorted pairs and the query
-    (``_forward_impl``; ``inputs`` are all sixteen, defaults filled in)."""
-    table_index, table_order, table_offsets, table_sigmoid, query, query_tiled = inputs[10:]
-    _setup_context(ctx, inputs, output, query, query_tiled, table_index, table_order, table_offsets)
-    ctx.table_sigmoid = table_sigmoid
-
-
-register_autograd(window_attention_fwd, _backward, _operator_setup_context)
-
-
-class _EagerWindowAttention(torch.autograd.Function):
-    """The operator's forward and backward without the operator dispatch around them.
-
-    In eager mode the dispatch of a ``triton_op`` (custom-op dispatch, its autograd
-    wrapper, the redispatch and dynamo's disable guard, once per pass) costs host time,
-    and eager training steps of the tiny models are bound by host time
-    (benchmarks/RESULTS.md). benchmarks/bench_dispatch.py, kernels stubbed out, on a CPU:
-    forward + backward 440 -> 236 us per call. torch.compile, fake tensors and tensor
-    subclasses still get the registered operators (``dispatch.dispatch_free``).
-
-    Its inputs are the operator's, the ``WindowGrid`` of the feature-map layout (None for
-    the partitioned one), which only these eager launches take (``window_attention(...,
-    grid=)``), and a ``TableGather`` where the bias is a ``TableBias``: the bias input is
-    then its table, which the kernels read through the index where windows are one tile
-    (else it is gathered here), and the table's gradient is summed here from the bias
-    gradient: one autograd node, and in one-tile windows one kernel launch, fewer than a
-    gather of its own.
-    """
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        *inputs, grid, table_gather, query, query_tiled = inputs
-        table = inputs[2] if table_gather is not None else None
-        table_args = table_gather.kernel_args() if table is not None else ()
-        # the table is kept for the derivative of its sigmoid, where the bias saved is the gathered one
-        also_saved = (table,) if table is not None and not table_args and table_gather.sigmoid_scale else ()
-        with direct_launches():
-            if table is not None and not table_args:  # the kernels read the gathered bias
-                inputs[2] = table_gather.gather(table)
-            output = attention_forward(*inputs, grid, *table_args, query=query, query_tiled=query_tiled)
-            if host_program.noting_forward():
-                # the backward reads the bias copy the forward kept on the bias (kernels that
-                # stream key blocks): saved, its host program takes it from the forward's
-                bias_copy = kept_streamed_bias(inputs[2], inputs[3], inputs[0].dtype, inputs[1])
-                also_saved += (bias_copy,) if bias_copy is not None else ()
-        _setup_context(ctx, inputs, output, query, query_tiled, *also_saved)
-        ctx.grid, ctx.table_gather, ctx.table_args = grid, table_gather, table_args
-        ctx.table_dtype = table.dtype if table is not None else None
-        host_program.note_forward(ctx, ctx.to_save, _host_tensors(table_gather), output[0])
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
-        table_gather, saved = ctx.table_gather, ctx.saved_tensors
-        host_tensors = _host_tensors(table_gather)
-        with direct_launches(), host_program.backward_recording(ctx, (*saved, *host_tensors, grad_out)) as recorded:
-            query = saved[9]
-            backward = partial(attention_backward, query=query, query_tiled=ctx.query_tiled)
-            dqkv, dbias, dscale = _backward_outputs(backward, ctx, saved, grad_out, ctx.grid, *ctx.table_args)
-            dqkv, dquery = _query_grads(dqkv, query, ctx.query_tiled, ctx.needs_input_grad[12])
-            if dbias is not None and table_gather is None:
-                dbias = dbias.to(saved[5].dtype)
-            elif dbias is not None:
-                table = None if not table_gather.sigmoid_scale else saved[5] if ctx.table_args else saved[10]
-                dbias = table_gather.table_grad(dbias, ctx.table_dtype, table)
-            if recorded is not None:  # the gradients of the host program's inputs (``_eager_call``'s order)
-                recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None, dquery), saved[5:10])
-                                  if t is not None)))
-        return _input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2) + (dquery, None)
-
-
-def _host_tensors(table_gather: Optional[TableGather]) -> Tuple[torch.Tensor, ...]:
-    """The tensors of a ``TableGather`` that its launches read, which a host program takes as
-    inputs: the int32 index (read by the attention kernels or by the gather), the pairs'
-    order and offsets."""
-    if table_gather is None:
-        return ()
-    rows = table_gather.rows
-    return rows.index32, rows.order, rows.offsets
-
-
-def _eager_call(inputs: tuple, grid: Optional[WindowGrid], table_gather: Optional[TableGather],
-                query: Optional[torch.Tensor], query_tiled: bool) -> torch.Tensor:
-    """The eager forward: where a gradient follows (``save_stats``), ``_EagerWindowAttention``,
-    else ``_forward_without_grad``; on CUDA either one's host program replayed
-    (``host_program``: recorded on the signature's first call)."""
-    qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats = inputs
-    layout = (grid, table_gather, query, query_tiled)
-    if save_stats:
-        python_road = lambda: _EagerWindowAttention.apply(*inputs, *layout)[0]  # noqa: E731
-    else:
-        python_road = lambda: _forward_without_grad(*inputs, *layout)[0]  # noqa: E731
-    if not host_program.takes(qkv):
-        return python_road()
-    tensors = (qkv, bias, mask, logit_scale, seed, query)
-    extra = _host_tensors(table_gather) + _kept_mask_regions(qkv, num_heads, mask, cosine, grid)
-    key_of = host_program.tensor_key
-    key = (tuple(map(key_of, tensors)), tuple(map(key_of, extra)), num_heads, scale, cosine, dropout_p, grid,
-           table_gather.key() if table_gather is not None else None, query_tiled, host_program.settings_key())
-    return host_program.call(key, [t for t in tensors if t is not None] + list(extra), python_road, grad=save_stats)
-
-
-def _kept_mask_regions(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Tensor], cosine: bool,
-                       grid: Optional[WindowGrid]) -> Tuple[torch.Tensor, ...]:
-    """The mask's region ids and info (``kept_mask_structure``) where the kernels read them,
-    kept on the mask: a host program takes them as inputs, as the Python road takes them
-    from the mask, rather than computing them in every replay (a dozen small kernels, and a
-    list ``torch.cat`` that stopped the recording) or failing to record a second signature
-    of the same mask (values kept by an earlier call). Nothing for a mask made in inference
-    mode, which keeps nothing."""
-    if mask is None or mask.is_inference():
-        return ()
-    _, n, channels = windows_tokens_channels(qkv, grid)
-    if not mask_regions_used(n, channels // (3 * num_heads), qkv.dtype, cosine, mask, num_heads,
-                             tensor_arch(qkv)):
-        return ()
-    with direct_launches():
-        return kept_mask_structure(mask)
-
-
-def _forward_without_grad(*inputs):
-    """The forward where nothing takes a gradient (``save_stats`` False), launched directly,
-    with no autograd node (a torch.autograd.Function's apply costs host time, which small
-    eager inference calls are bound by); the inputs are ``_EagerWindowAttention``'s."""
-    *inputs, grid, table_gather, query, query_tiled = inputs
-    table_args = table_gather.kernel_args() if table_gather is not None else ()
-    with direct_launches():
-        if table_gather is not None and not table_args:
-            inputs[2] = table_gather.gather(inputs[2])
-        return attention_forward(*inputs, grid, *table_args, query=query, query_tiled=query_tiled)
-
-
-# --------------------------------------------------------------------------- public op
 def draw_dropout_seed(device: torch.device) -> torch.Tensor:
     """The seed of one call's attention dropout: a one-element int64 tensor drawn from
     torch's default generator of ``device``, so that ``torch.manual_seed`` reproduces a
@@ -410,28 +101,29 @@ def window_attention(
     Returns:
         (B_, N, H*D) in qkv's dtype; with ``grid``, (B, H*W, H*D).
     """
+    # 1. validate: each bad argument named (window_checks)
     _, n, head_dim = validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid, query, query_order)
     query_tiled = query_order == "tiled"
     if query is not None:
         qkv, query = keys_values_query(qkv, query, num_heads)
+    table_bias = isinstance(bias, TableBias)
     # Where nothing takes a gradient (inference), the forward saves no softmax statistics:
     # for cosine attention over more than 64 tokens that also skips summing the rows' mean
     # score, 3 to 6% of that forward (H200, 2026-11-23).
-    table_bias = isinstance(bias, TableBias)
     save_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (qkv, bias.table if table_bias else bias, logit_scale, query))
+    # 2. the plan of this shape on this device: every question about the call is answered there
     arch = tensor_arch(qkv)
-    cosine = logit_scale is not None
-    kernels = uses_kernels(qkv) and served(arch, qkv.dtype, lambda: None if fits(
-        n, head_dim, qkv.dtype, cosine, dropout_p > 0, arch) else f"windows of {n} tokens at head_dim {head_dim}")
-    # the eager path: the kernels launched here, without the registered operators' dispatch
+    plan = call_plan(n, head_dim, qkv.dtype, logit_scale is not None, dropout_p > 0, arch) if uses_kernels(qkv) else None
+    kernels = plan is not None and served(arch, qkv.dtype, lambda: plan.misfit)
+    # 3. the road: PyTorch's math, the registered operators, or the kernels launched here (eager)
     eager = kernels and dispatch_free(qkv) and (query is None or dispatch_free(query))
-    if grid is not None and not (eager and maps_windows(n, head_dim, qkv.dtype, cosine, save_stats, arch)):
+    if grid is not None and not (eager and plan.maps_windows(backward=save_stats)):
         windows = window_attention(grid.partition(qkv), num_heads, bias=bias, mask=mask, scale=scale,
                                    logit_scale=logit_scale, dropout_p=dropout_p)
         return grid.merge(windows)
     table_gather, operator_table = None, ()
-    in_kernels = table_bias and kernels and reads_table(n, head_dim, qkv.dtype, cosine, dropout_p > 0, arch)
+    in_kernels = table_bias and kernels and plan.reads_table
     if table_bias and eager and dispatch_free(bias.table):
         # read from its table by the kernels, or gathered, and its table's gradient summed, in the
         # eager path's own node
@@ -439,7 +131,7 @@ def window_attention(
     elif in_kernels and not eager:
         # the registered operators read the table too (no gather launched, no dense bias kept)
         # and sum its gradient; the index as it is now, its pairs sorted when traced
-        operator_table = _operator_table_args(bias, torch.is_grad_enabled() and bias.table.requires_grad)
+        operator_table = operator_table_args(bias, torch.is_grad_enabled() and bias.table.requires_grad)
         bias = bias.table
     elif table_bias:
         bias = bias.dense()
@@ -448,6 +140,7 @@ def window_attention(
             qkv = shared_query_qkv(qkv, query, query_tiled)
         return window_attention_reference(qkv, num_heads, bias=bias, mask=mask, scale=scale, logit_scale=logit_scale,
                                           dropout_p=dropout_p)
+    # 4. launch, with the inputs as the kernels read them
     if table_gather is None and bias is not None and bias.dim() == 4:
         bias = bias[0]
     if logit_scale is not None:  # the kernels clamp it at ln 100 and exponentiate it (tiles.head_scale)
@@ -460,14 +153,125 @@ def window_attention(
         if query is not None:  # the arguments past the table's
             operator_table = (*(operator_table or (None, None, None, 0.0)), query, query_tiled)
         return call_operator(window_attention_fwd, *inputs, *operator_table)[0]
-    return _eager_call(inputs, grid, table_gather, query, query_tiled)
+    return _eager_call(inputs, plan, grid, table_gather, query, query_tiled)
 
 
-def _operator_table_args(bias: TableBias, grad: bool) -> tuple:
-    """``window_attention_fwd``'s table arguments for a ``TableBias`` its kernels read: the
-    index (contiguous, any integer dtype: the kernels load it as it is), the pairs sorted by
-    table row where a gradient follows (``operator_table_rows``), the sigmoid scale."""
-    index = bias.index
-    order, offsets = operator_table_rows(index, bias.table, bias.constant_index) if grad else (None, None)
-    scale = float(bias.sigmoid_scale) if bias.sigmoid_scale is not None else 0.0
-    return index.contiguous(), order, offsets, scale
+# --------------------------------------------------------------------------- the eager road
+class _EagerWindowAttention(torch.autograd.Function):
+    """The operator's forward and backward without the operator dispatch around them.
+
+    In eager mode the dispatch of a ``triton_op`` (custom-op dispatch, its autograd
+    wrapper, the redispatch and dynamo's disable guard, once per pass) costs host time,
+    and eager training steps of the tiny models are bound by host time
+    (benchmarks/RESULTS.md). benchmarks/bench_dispatch.py, kernels stubbed out, on a CPU:
+    forward + backward 440 -> 236 us per call. torch.compile, fake tensors and tensor
+    subclasses still get the registered operators (``dispatch.dispatch_free``).
+
+    Its inputs are the operator's, the ``WindowGrid`` of the feature-map layout (None for
+    the partitioned one), which only these eager launches take (``window_attention(...,
+    grid=)``), and a ``TableGather`` where the bias is a ``TableBias``: the bias input is
+    then its table, which the kernels read through the index where windows are one tile
+    (else it is gathered here), and the table's gradient is summed here from the bias
+    gradient: one autograd node, and in one-tile windows one kernel launch, fewer than a
+    gather of its own.
+    """
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        *inputs, grid, table_gather, query, query_tiled = inputs
+        table = inputs[2] if table_gather is not None else None
+        table_args = table_gather.kernel_args() if table is not None else ()
+        # the table is kept for the derivative of its sigmoid, where the bias saved is the gathered one
+        also_saved = (table,) if table is not None and not table_args and table_gather.sigmoid_scale else ()
+        with direct_launches():
+            if table is not None and not table_args:  # the kernels read the gathered bias
+                inputs[2] = table_gather.gather(table)
+            output = attention_forward(*inputs, grid, *table_args, query=query, query_tiled=query_tiled)
+            if host_program.noting_forward():
+                # the backward reads the bias copy the forward kept on the bias (kernels that
+                # stream key blocks): saved, its host program takes it from the forward's
+                bias_copy = kept_streamed_bias(inputs[2], inputs[3], inputs[0].dtype, inputs[1])
+                also_saved += (bias_copy,) if bias_copy is not None else ()
+        setup_context(ctx, inputs, output, query, query_tiled, *also_saved)
+        ctx.grid, ctx.table_gather, ctx.table_args = grid, table_gather, table_args
+        ctx.table_dtype = table.dtype if table is not None else None
+        host_program.note_forward(ctx, ctx.to_save, _host_tensors(table_gather), output[0])
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_stats, _grad_regions, _grad_mask_info):
+        table_gather, saved = ctx.table_gather, ctx.saved_tensors
+        host_tensors = _host_tensors(table_gather)
+        with direct_launches(), host_program.backward_recording(ctx, (*saved, *host_tensors, grad_out)) as recorded:
+            query = saved[9]
+            backward = partial(attention_backward, query=query, query_tiled=ctx.query_tiled)
+            dqkv, dbias, dscale = backward_outputs(backward, ctx, saved, grad_out, ctx.grid, *ctx.table_args)
+            dqkv, dquery = query_grads(dqkv, query, ctx.query_tiled, ctx.needs_input_grad[12])
+            if dbias is not None and table_gather is None:
+                dbias = dbias.to(saved[5].dtype)
+            elif dbias is not None:
+                table = None if not table_gather.sigmoid_scale else saved[5] if ctx.table_args else saved[10]
+                dbias = table_gather.table_grad(dbias, ctx.table_dtype, table)
+            if recorded is not None:  # the gradients of the host program's inputs (``_eager_call``'s order)
+                recorded((dqkv, *(g for g, t in zip((dbias, None, dscale, None, dquery), saved[5:10])
+                                  if t is not None)))
+        return input_grads(ctx, dqkv, dbias, dscale, extra_inputs=2) + (dquery, None)
+
+
+def _host_tensors(table_gather: Optional[TableGather]) -> Tuple[torch.Tensor, ...]:
+    """The tensors of a ``TableGather`` that its launches read, which a host program takes as
+    inputs: the int32 index (read by the attention kernels or by the gather), the pairs'
+    order and offsets."""
+    if table_gather is None:
+        return ()
+    rows = table_gather.rows
+    return rows.index32, rows.order, rows.offsets
+
+
+def _eager_call(inputs: tuple, plan: CallPlan, grid: Optional[WindowGrid], table_gather: Optional[TableGather],
+                query: Optional[torch.Tensor], query_tiled: bool) -> torch.Tensor:
+    """The eager forward: where a gradient follows (``save_stats``), ``_EagerWindowAttention``,
+    else ``_forward_without_grad``; on CUDA either one's host program replayed
+    (``host_program``: recorded on the signature's first call)."""
+    qkv, num_heads, bias, mask, logit_scale, scale, cosine, dropout_p, seed, save_stats = inputs
+    layout = (grid, table_gather, query, query_tiled)
+    if save_stats:
+        python_road = lambda: _EagerWindowAttention.apply(*inputs, *layout)[0]  # noqa: E731
+    else:
+        python_road = lambda: _forward_without_grad(*inputs, *layout)[0]  # noqa: E731
+    if not host_program.takes(qkv):
+        return python_road()
+    tensors = (qkv, bias, mask, logit_scale, seed, query)
+    extra = _host_tensors(table_gather) + _kept_mask_regions(plan, num_heads, mask)
+    key_of = host_program.tensor_key
+    key = (tuple(map(key_of, tensors)), tuple(map(key_of, extra)), num_heads, scale, cosine, dropout_p, grid,
+           table_gather.key() if table_gather is not None else None, query_tiled, host_program.settings_key())
+    return host_program.call(key, [t for t in tensors if t is not None] + list(extra), python_road, grad=save_stats)
+
+
+def _kept_mask_regions(plan: CallPlan, num_heads: int, mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """The mask's region ids and info (``kept_mask_structure``) where the kernels read them
+    (``plan.regions_used``), kept on the mask: a host program takes them as inputs, as the
+    Python road takes them from the mask, rather than computing them in every replay (a dozen
+    small kernels, and a list ``torch.cat`` that stopped the recording) or failing to record a
+    second signature of the same mask (values kept by an earlier call). Nothing for a mask
+    made in inference mode, which keeps nothing."""
+    if mask is None or mask.is_inference() or not plan.regions_used(mask, num_heads):
+        return ()
+    with direct_launches():
+        return kept_mask_structure(mask)
+
+
+def _forward_without_grad(*inputs):
+    """The forward where nothing takes a gradient (``save_stats`` False), launched directly,
+    with no autograd node (a torch.autograd.Function's apply costs host time, which small
+    eager inference calls are bound by); the inputs are ``_EagerWindowAttention``'s."""
+    *inputs, grid, table_gather, query, query_tiled = inputs
+    table_args = table_gather.kernel_args() if table_gather is not None else ()
+    with direct_launches():
+        if table_gather is not None and not table_args:
+            inputs[2] = table_gather.gather(inputs[2])
+        return attention_forward(*inputs, grid, *table_args, query=query, query_tiled=query_tiled)
+
+

@@ -11,19 +11,15 @@ survives ``copy.deepcopy``,
 round trips, adds no parameter or buffer, shows in ``repr``, and unpatching (restoring
 timm's class) restores timm's forward exactly.
 
-Why not a wrapt wrapper on timm's ``forward`` (the first design, and what the design
-card asked for): torch.compile does not call it. When a module is called by its parent,
-as every attention module in a model is, dynamo calls the function a wrapt wrapper wraps
-(timm's forward), not the wrapper, and compiles timm's attention with no graph break and no
-error; eager mode runs the wrapper. Seen on torch 2.14.1 with wrapt 2.1.2 and on torch 2.11
-(the compiled "patched" model's graph held timm's softmax and no timm_flashwin op);
-``tests/test_patching_compile.py::test_why_not_wrapt`` checks it on whatever versions run the tests.
-A plain method on a subclass is what dynamo traces, and because dynamo guards on module
-types, a patched and an unpatched copy of one model never share a graph (with an instance
-attribute as the mark, they did).
+Why not a wrapt wrapper on timm's ``forward``: torch.compile does not call it. When a module
+is called by its parent, dynamo calls the function the wrapper wraps (timm's forward) and
+compiles timm's attention with no graph break and no error (torch 2.11 and 2.14.1, wrapt
+2.1.2; ``tests/test_patching_compile.py::test_why_not_wrapt`` checks it on the versions that run the
+tests). A method of a subclass is what dynamo traces, and as dynamo guards on module types, a
+patched and an unpatched copy of one model never share a graph.
 
 Hugging Face transformers' Swin-family attention classes are patched the same way, by
-subclasses made when first needed (``patching_hf``; their adapters in ``adapters/hf_*.py``).
+subclasses made when first needed (``hf``; their adapters in ``adapters/hf_*.py``).
 
 The timm block holding a patched Swin-family module as ``.attn`` gets a subclass the same way
 (``FlashSwinTransformerBlock``, ...), whose window method (timm's ``_attn`` or

@@ -22,7 +22,6 @@ from typing import Optional, Tuple
 import torch
 
 from .. import config, fast_launch
-from ..arch import Arch
 from .bias_copy import float16_bias_copy_kernel
 from ..launcher import compiler_options, launcher, traced_launch
 from ..tensor_cache import kept, kept_on
@@ -41,13 +40,6 @@ def reads_mask_apart(mask: Optional[torch.Tensor], dtype: torch.dtype, num_heads
     """Whether the kernels that stream key blocks read a mask of their own: there is one and
     it is not folded into their bias copy (``folds_mask``)."""
     return mask is not None and not folds_mask(dtype, num_heads, mask.shape[0], n)
-
-
-def streams_key_blocks(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, arch: Arch) -> bool:
-    """Whether a kernel of either pass streams key blocks, reading a tile of the bias
-    (and mask) for every (window, query block, key block) rather than once per program."""
-    return (n > config.forward_config(n, head_dim, dtype, cosine, arch=arch).block_n
-            or not config.backward_config(n, head_dim, dtype, cosine, arch).single_tile(n))
 
 
 @dataclass(frozen=True)
@@ -197,7 +189,7 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     where(same region, 0, value), reproduces every element (NaN never does). Checked on
     the device, with no host synchronization: the kernels read ``info`` and fall back to
     the dense mask where it says 0 (any other float mask, NaN, rows without a zero, ...).
-    The forward computes it once for both passes (``mask_regions_used``).
+    The forward computes it once for both passes (``plan.CallPlan.regions_used``).
     """
     regions = (mask == 0).to(torch.uint8).argmax(-1).to(torch.int32)
     value = mask.amin()
@@ -236,15 +228,6 @@ def kept_mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]
     return structure[0], structure[1]
 
 
-def mask_regions_used(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, mask: Optional[torch.Tensor],
-                      num_heads: int, arch: Arch) -> bool:
-    """Whether a kernel of either pass streams key blocks over a mask that it reads itself
-    (float32 inputs; 16-bit inputs read it folded into the bias, ``streamed_bias``), and so
-    uses its region ids (``mask_structure``), which the forward then computes for both passes."""
-    return (config.MASK_REGIONS and reads_mask_apart(mask, dtype, num_heads, n)
-            and streams_key_blocks(n, head_dim, dtype, cosine, arch))
-
-
 def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Shapes of the forward's region ids and mask info outputs: (nW, N) and (2 + nW,),
     or empty where no kernel uses them."""
@@ -253,7 +236,7 @@ def mask_regions_shapes(num_periods: int, n: int, used: bool) -> Tuple[Tuple[int
 
 def mask_kinds_to_launch(mask_regions: bool, mask: Optional[torch.Tensor]) -> Tuple[bool, ...]:
     """The FROM_REGIONS of each launch of a kernel that streams key or query blocks. With
-    region ids (``mask_regions_used``), each kernel is built once per kind of mask
+    region ids (``plan.CallPlan.regions_used``), each kernel is built once per kind of mask
     (``bias_mask_tiles.mask_kind_launch``): where the host knows the mask's kind (eager calls with a
     kept mask structure, ``kept_mask_structure``), one launch of that kind; else two, one
     per kind, the programs of the launch whose kind the mask is not returning at once (the

@@ -21,7 +21,8 @@ from .backward_dq_dbias import (window_attention_bwd_dbias_kernel, window_attent
 from .bias_mask import bias_mask_args, kept_mask_structure, mask_kinds_to_launch, streamed_bias
 from .forward import window_attention_fwd_kernel
 from ..launcher import launcher, traced_launch, unused_pointer
-from .plan import BackwardPlan, FeatureMap, ForwardPlan, backward_plan, forward_plan, global_query
+from .layout import FeatureMap, global_query
+from .plan import BackwardPlan, ForwardPlan, backward_plan, forward_plan
 
 
 def attention_forward(
@@ -47,7 +48,7 @@ def attention_forward(
     and mask (nW, N, N), window b taking mask window b % nW.
 
     Returns out (B_, N, H*D) in qkv's dtype, the softmax statistics (fp32,
-    ``plan.softmax_stats_shape``; empty without ``save_stats``, where no backward follows)
+    ``plan.CallPlan.stats_shape``; empty without ``save_stats``, where no backward follows)
     and the mask's region ids and info (``bias_mask.mask_structure``; empty where unused),
     which the backward takes back. ``logit_scale``: the cosine logit scale as the module holds
     it, (H,) (the kernels clamp and exponentiate it), None for V1. ``seed``: a

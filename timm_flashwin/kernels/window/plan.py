@@ -1,53 +1,38 @@
-"""Launch plans: everything the launchers decide about a call, decided once per signature.
+"""Plans: everything the op and the launchers decide about a call, decided once per signature.
 
-A call's launches depend on its shapes, dtypes, device, which inputs there are and a
-few flags (cosine attention, dropout, whether statistics are saved, the layout, the
-deterministic mode): the tile configuration, the split of the windows into programs, the
-grid, the kernels' constexprs and compile options. ``forward_plan`` and
-``backward_plan`` compute those into one object per such signature and keep it: later
-calls with the same signature look the plan up (a dict lookup on a tuple of plain
-values) instead of consulting ``config`` and a dozen predicates again, several times per
-call as before. Eager training steps of the tiny models are bound by the host's time
+``call_plan`` answers what the op asks of a call's shape on its device before anything is
+launched: whether the kernels take it (their configurations fit the device's shared
+memory), whether they read a position bias from its table, whether the backward maps the
+feature-map layout, what the forward saves for the backward. ``forward_plan`` and
+``backward_plan`` decide the launches: the tile configuration, the split of the windows
+into programs, the grid, the kernels' constexprs and compile options. Each is computed
+once per signature and kept: later calls look it up (a dict lookup on a tuple of plain
+values). Eager training steps of the tiny models are bound by the host's time
 (benchmarks/RESULTS.md); this is host time saved in every call.
 
 What varies from call to call stays per call in ``launch.py`` and ``bias_mask.py``: the
 tensors (their addresses and strides are launch arguments, never part of a plan), the
 bias copy that kernels streaming key blocks read (kept on the bias tensor), the mask's
-region ids and kind (kept on the mask tensor). The predicates that decide a plan from
-shapes alone are here too (``softmax_stats_shape``, ``reads_table``, ``maps_windows``,
-...): the op asks them before it calls the kernels, to lay out its outputs.
+region ids and kind (kept on the mask tensor).
 
-Plans are not kept while a launch is traced for torch.compile (its shapes may be
-symbolic; inductor keeps its own decisions in the graph) nor while ``config.OVERRIDES``
-holds a configuration (benchmarks/tune_op.py and tests change it between calls); the
-other settings of ``config`` that decisions read are part of the signature.
+Launch plans are not kept while a launch is traced for torch.compile (its shapes may be
+symbolic; inductor keeps its own decisions in the graph), and no plan is kept while
+``config.OVERRIDES`` holds a configuration (tests change it between calls); the other
+settings of ``config`` that decisions read are part of the signature.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Protocol, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .. import config
 from ..arch import Arch, tensor_arch
-from .bias_mask import StreamedFlags, mask_regions_used, reads_mask_apart, streamed_flags
+from .bias_mask import StreamedFlags, reads_mask_apart, streamed_flags
+from .layout import OWN_QUERY, FeatureMap, grid_args, layout_flags, windows_tokens_channels
 from ..launcher import compiler_options, launch_options
-
-
-class FeatureMap(Protocol):
-    """What the kernels read of a feature-map layout (``ops.window_grid.WindowGrid`` is one):
-    its windows per image and tokens per window, whether they are strided grid windows, the
-    window's (height, width), and the run-time arguments ``tiles.window_rows`` takes. Hashable:
-    part of a plan's signature."""
-
-    num_windows: int
-    tokens: int
-    strided: bool
-    window: Tuple[int, int]
-
-    def kernel_args(self) -> Tuple[int, ...]: ...
 
 
 #: signature -> plan; a handful of entries per model (one per layer shape and pass)
@@ -71,46 +56,66 @@ def _cached(key: Tuple, make):
     return plan
 
 
-def device_index(t: torch.Tensor) -> int:
-    """The CUDA device index of ``t``, -1 on the CPU (an int: no torch.device built)."""
-    return t.get_device()
+# ------------------------------------------------------------- the plans
+@dataclass(frozen=True)
+class CallPlan:
+    """What the kernels do with calls of one shape (N tokens, head_dim, dtype, cosine or V1,
+    dropout) on one architecture (``call_plan``)."""
+
+    n: int
+    dtype: torch.dtype
+    cosine: bool
+    #: why the kernels do not take this shape here (the shape in words: its configurations need
+    #: more shared memory than the architecture has), None where they do
+    misfit: Optional[str]
+    #: a whole window is one tile of the backward: it renormalizes the rows itself (the forward
+    #: saves no statistics) and reads and writes the feature-map layout
+    single_tile_backward: bool
+    #: a whole window is one tile of both passes: the kernels read a position bias from its table
+    reads_table: bool
+    #: a kernel of either pass streams key blocks, reading bias and mask tiles per key block
+    streams: bool
+
+    def maps_windows(self, backward: bool) -> bool:
+        """Whether the kernels read and write the feature-map layout (``grid``): the forward
+        always, the backward where a window is one tile (the kernels that stream blocks
+        address windows by their partitioned rows)."""
+        return not backward or self.single_tile_backward
+
+    def stats_shape(self, num_windows: int, num_heads: int, save: bool) -> Tuple[int, ...]:
+        """What the forward saves for the backward: (2, B_, H, N) row max and 1 / row sum where
+        the backward streams key blocks, plus the rows' mean score and inverse norms for cosine
+        attention (4, B_, H, N); nothing where a window is one backward tile, nor where no
+        backward will run (``save`` False)."""
+        if not save or self.single_tile_backward:
+            return (0,)
+        return (4 if self.cosine else 2, num_windows, num_heads, self.n)
+
+    def regions_used(self, mask: Optional[torch.Tensor], num_heads: int) -> bool:
+        """Whether a kernel streams key blocks over a mask that it reads itself (float32
+        inputs; 16-bit inputs read it folded into the bias copy, ``bias_mask.streamed_bias``)
+        and so uses its region ids (``bias_mask.mask_structure``), which the forward then
+        computes for both passes."""
+        return config.MASK_REGIONS and self.streams and reads_mask_apart(mask, self.dtype, num_heads, self.n)
 
 
-# ------------------------------------------------------------- decided from shapes
-def windows_tokens_channels(qkv: torch.Tensor, grid: Optional[FeatureMap]) -> Tuple[int, int, int]:
-    """(B_, N, 3*H*D) of qkv in the partitioned layout ((B_, N, 3*H*D) or (B_, N, 3, H, D), or
-    (B_, N, 2, H, D): keys and values, the queries a tensor of their own, ``global_query``),
-    or in the feature-map layout (B, H*W, 3*H*D) of ``grid``: B_ = B * nW."""
-    if grid is None:
-        return qkv.shape[0], qkv.shape[1], qkv.shape[2] if qkv.dim() == 3 else 3 * qkv.shape[3] * qkv.shape[4]
-    return qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
+def call_plan(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool, arch: Arch) -> CallPlan:
+    """The ``CallPlan`` of this shape on ``arch`` (``arch.tensor_arch(qkv)``), kept per signature
+    (not while dynamo traces: N, and dropout_p > 0, may be symbolic there)."""
+    if config.OVERRIDES or torch.compiler.is_compiling() or type(n) is not int or type(dropout) is not bool:
+        return _call_plan(n, head_dim, dtype, cosine, dropout, arch)
+    key = ("call", n, head_dim, dtype, cosine, dropout, arch, config.MASK_REGIONS)
+    return _cached(key, lambda: _call_plan(n, head_dim, dtype, cosine, dropout, arch))
 
 
-def softmax_stats_shape(num_windows: int, num_heads: int, n: int, head_dim: int, dtype: torch.dtype,
-                        cosine: bool, save: bool, arch: Arch) -> Tuple[int, ...]:
-    """Shape of what the forward saves for the backward: (2, B_, H, N) row max and
-    1 / row sum where the backward streams key blocks, plus the rows' mean score and their
-    inverse norms for cosine attention (4, B_, H, N); nothing where a whole window fits one
-    backward tile (it renormalizes the rows itself), nor where no backward will run
-    (``save`` False)."""
-    if not save or config.backward_config(n, head_dim, dtype, cosine, arch).single_tile(n):
-        return (0,)
-    return (4 if cosine else 2, num_windows, num_heads, n)
-
-
-def reads_table(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool, arch: Arch) -> bool:
-    """Whether the kernels of both passes read a position bias from its table for this
-    shape (``table_index``): where a whole window is one tile of the forward and of the
-    backward (the kernels that stream key blocks read the dense bias, or a copy of it)."""
-    return (n <= config.forward_config(n, head_dim, dtype, cosine, dropout, arch=arch).block_n
-            and config.backward_config(n, head_dim, dtype, cosine, arch).single_tile(n))
-
-
-def maps_windows(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, backward: bool, arch: Arch) -> bool:
-    """Whether the kernels read and write the feature-map layout (``grid``) for this
-    shape: the forward always, the backward where a whole window fits its one-tile kernel
-    (the kernels that stream blocks address windows by their partitioned rows)."""
-    return not backward or config.backward_config(n, head_dim, dtype, cosine, arch).single_tile(n)
+def _call_plan(n, head_dim, dtype, cosine, dropout, arch) -> CallPlan:
+    forward = config.forward_config(n, head_dim, dtype, cosine, dropout, arch=arch)
+    backward = config.backward_config(n, head_dim, dtype, cosine, arch)
+    if not config.fits(n, head_dim, dtype, cosine, dropout, arch):
+        return CallPlan(n, dtype, cosine, f"windows of {n} tokens at head_dim {head_dim}", False, False, False)
+    single = backward.single_tile(n)
+    return CallPlan(n, dtype, cosine, None, single, single and n <= forward.block_n,
+                    n > forward.block_n or not single)
 
 
 def dq_by_atomic_adds(tiles: config.LaunchConfig) -> bool:
@@ -138,31 +143,6 @@ def dbias_sum_by_atomic_adds() -> bool:
     return not torch.are_deterministic_algorithms_enabled()
 
 
-#: ``global_query``'s answers, the kernels' GLOBAL_QUERY (``tiles.query_base``): the queries in
-#: qkv; a tensor of one query per image, window b taking image b // (B_ / B) or b % B
-OWN_QUERY, IMAGE_MAJOR_QUERY, TILED_QUERY = 0, 1, 2
-
-
-def global_query(query: Optional[torch.Tensor], tiled: bool) -> int:
-    """The kernels' GLOBAL_QUERY for a call with ``query`` (None: the queries are qkv's)."""
-    return OWN_QUERY if query is None else TILED_QUERY if tiled else IMAGE_MAJOR_QUERY
-
-
-# ------------------------------------------------------------- layout and dtype arguments
-def _grid_args(grid: Optional[FeatureMap]) -> Tuple[int, ...]:
-    """The layout's run-time arguments (``tiles.window_rows``): the feature-map geometry,
-    placeholders for the partitioned layout."""
-    return grid.kernel_args() if grid is not None else (1, 1, 1, 1, 0, 0)
-
-
-def _layout_flags(grid: Optional[FeatureMap]) -> dict:
-    """The constexprs of the layout (``tiles.window_rows``): MAPPED, 0 partitioned, 1 the
-    feature map's block windows, 2 its strided grid windows; the window's width."""
-    if grid is None:
-        return dict(MAPPED=0, WINDOW_W=1)
-    return dict(MAPPED=2 if grid.strided else 1, WINDOW_W=grid.window[1])
-
-
 def _fp32_dot(dtype: torch.dtype) -> bool:
     """The kernels' FP32_DOT: float32 inputs get exact fp32 products (no tf32). Triton's
     interpreter (3.6 to 3.9) holds bf16 as uint16 and its tl.dot multiplies those bit
@@ -170,7 +150,6 @@ def _fp32_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or config.INTERPRET
 
 
-# ------------------------------------------------------------- the plans
 @dataclass
 class ForwardPlan:
     """The forward kernel's launch for one signature (``forward_plan``)."""
@@ -185,7 +164,7 @@ class ForwardPlan:
     programs: Tuple[int]
     out_shape: Tuple[int, ...]
     stats_shape: Tuple[int, ...]
-    #: the forward computes the mask's region ids for both passes (``bias_mask.mask_regions_used``)
+    #: the forward computes the mask's region ids for both passes (``CallPlan.regions_used``)
     regions_used: bool
     #: this kernel streams key blocks over them
     mask_regions: bool
@@ -210,7 +189,7 @@ def forward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Option
                              query_mode, periods)
     if traced or config.OVERRIDES:
         return make()
-    key = ("fwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), tensor_arch(qkv), num_heads, has_bias, mask is not None, periods,
+    key = ("fwd", tuple(qkv.shape), qkv.dtype, qkv.get_device(), tensor_arch(qkv), num_heads, has_bias, mask is not None, periods,
            cosine, dropout, save_stats, grid, table, table_sigmoid, query_mode, _settings())
     return _cached(key, make)
 
@@ -224,25 +203,25 @@ def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, g
     tiles = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask_apart(mask, dtype, num_heads, n), arch)
     if table and n > tiles.block_n:
         raise ValueError(f"window_attention: the bias is read from its table in windows of one tile, N = {n} is "
-                         f"more (reads_table)")
-    used = mask_regions_used(n, head_dim, dtype, cosine, mask, num_heads, arch)
+                         f"more (CallPlan.reads_table)")
+    used = call_plan(n, head_dim, dtype, cosine, dropout, arch).regions_used(mask, num_heads)
     per_period = num_windows // periods
     m_blocks = -(-n // tiles.block_m)
     chunks, per_chunk = config.split_windows(
         per_period, m_blocks * num_heads * periods, config.target_programs(arch, tiles.programs_per_sm))
     streams = n > tiles.block_n
     flags = streamed_flags(has_bias, mask is not None, streams, dtype, num_heads, periods, n)
-    stats_shape = softmax_stats_shape(num_windows, num_heads, n, head_dim, dtype, cosine, save_stats, arch)
+    stats_shape = call_plan(n, head_dim, dtype, cosine, dropout, arch).stats_shape(num_windows, num_heads, save_stats)
     plan = ForwardPlan(tiles, num_windows, n, head_dim, periods, per_period, per_chunk,
                        (m_blocks * num_heads * periods * chunks,), (*qkv.shape[:2], num_heads * head_dim), stats_shape,
-                       used, used and streams, streams, table, flags, _grid_args(grid))
+                       used, used and streams, streams, table, flags, grid_args(grid))
     for from_regions in (False, True):
         plan.kwargs[from_regions] = dict(
             H=num_heads, N=n, D=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
             HAS_BIAS=flags.has_bias, HAS_MASK=flags.has_mask, COSINE=cosine, FP32_DOT=_fp32_dot(dtype),
             STORE_STATS=math.prod(stats_shape) > 0, HAS_DROPOUT=dropout,
             MASK_REGIONS=plan.mask_regions, FROM_REGIONS=from_regions, BIAS_LOG2E=flags.log2e,
-            ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, **_layout_flags(grid),
+            ONE_REGION_LOOP=tiles.one_region_loop, FLAT_LOOP=tiles.flat_loop, **layout_flags(grid),
             BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid), GLOBAL_QUERY=query_mode,
             **launch_options(tiles, dropout))
     return plan
@@ -294,7 +273,7 @@ def backward_plan(qkv: torch.Tensor, num_heads: int, has_bias: bool, mask: Optio
                               table_sigmoid, query_mode, periods)
     if traced or config.OVERRIDES:
         return make()
-    key = ("bwd", tuple(qkv.shape), qkv.dtype, device_index(qkv), tensor_arch(qkv), num_heads, has_bias, mask is not None, periods,
+    key = ("bwd", tuple(qkv.shape), qkv.dtype, qkv.get_device(), tensor_arch(qkv), num_heads, has_bias, mask is not None, periods,
            cosine, bias_grad, scale_grad, dropout, grid, table, table_sigmoid, query_mode,
            torch.are_deterministic_algorithms_enabled(), _settings())
     return _cached(key, make)
@@ -310,16 +289,16 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
     single = tiles.single_tile(n)
     if grid is not None and not single:
         raise ValueError(f"window_attention backward: the feature-map layout needs windows of one tile, N = {n} "
-                         f"is more (maps_windows)")
+                         f"is more (CallPlan.maps_windows)")
     if table and not single:
         raise ValueError(f"window_attention backward: the bias is read from its table in windows of one tile, "
-                         f"N = {n} is more (reads_table)")
-    mask_regions = mask_regions_used(n, head_dim, dtype, cosine, mask, num_heads, arch) and not single
+                         f"N = {n} is more (CallPlan.reads_table)")
+    mask_regions = call_plan(n, head_dim, dtype, cosine, dropout, arch).regions_used(mask, num_heads) and not single
     per_period = num_windows // periods
     flags = streamed_flags(has_bias, mask is not None, not single, dtype, num_heads, periods, n)
     scale_grad = scale_grad and cosine
     plan = BackwardPlan(tiles, single, num_windows, n, head_dim, periods, per_period, mask_regions, flags, scale_grad,
-                        _grid_args(grid))
+                        grid_args(grid))
     common = dict(H=num_heads, N=n, D=head_dim, HAS_BIAS=flags.has_bias, HAS_MASK=flags.has_mask, COSINE=cosine,
                   FP32_DOT=_fp32_dot(dtype), HAS_DROPOUT=dropout, GLOBAL_QUERY=query_mode)
     programs = config.target_programs(arch, tiles.programs_per_sm)
@@ -333,7 +312,7 @@ def _backward_plan(qkv, num_heads, has_bias, mask, cosine, bias_grad, scale_grad
         plan.partials_shape = (groups, plan.bias_size + (num_heads if scale_grad else 0))
         plan.launches[("fused", False)] = ((groups * num_heads,), dict(
             BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BIAS_GRAD=bias_grad, SCALE_GRAD=scale_grad,
-            **_layout_flags(grid), BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid),
+            **layout_flags(grid), BIAS_TABLE=table, BIAS_SIGMOID=float(table_sigmoid),
             **launch_options(tiles, dropout), **common))
         return plan
 
