@@ -1,7 +1,7 @@
 """Compile the local-attention kernels for a GPU architecture (sm_90 by default) without one.
 
 What the interpreter cannot check: constexpr branches, loop-carried types, and whether a
-launch plan (kernels/local_launch.py, fitted to the architecture: kernels/budget.py) fits:
+launch plan (kernels/local/launch.py, fitted to the architecture: kernels/budget.py) fits:
 registers, spills (the stack frame), shared memory (227 KiB per program on an H100, 99 KiB
 on an RTX 4090). Builds each kernel for the head dims and dtypes of the plans, with and
 without sink and dropout, as a launch on contiguous tensors specializes it, prints each

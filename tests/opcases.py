@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from timm_flashwin.kernels.arch import INTERPRETER
 from timm_flashwin.kernels.window.plan import call_plan
-from timm_flashwin.kernels.config import CLAMP_GRADIENT_AT_BOUND, LOGIT_SCALE_MAX
+from timm_flashwin.kernels.window.tiles import CLAMP_GRADIENT_AT_BOUND_VALUE as CLAMP_GRADIENT_AT_BOUND
+from timm_flashwin.kernels.window.tiles import LOGIT_SCALE_MAX_VALUE as LOGIT_SCALE_MAX
 from timm_flashwin.ops.reference import window_attention_reference
 
 #: Relative error bound (||x - ref|| / ||ref||) against the float64 reference, for the

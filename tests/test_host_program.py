@@ -1,4 +1,4 @@
-"""Host programs (timm_flashwin/host_program.py): the recorder, on the CPU (the op's calls
+"""Host programs (timm_flashwin/ops/host_program.py): the recorder, on the CPU (the op's calls
 recorded as a GPU's would be) and on a GPU (its ATen calls replayed in C++), and the
 signatures' keys. Replays against the Python road: test_host_program_replay.py."""
 import pytest

@@ -1,4 +1,4 @@
-"""Launch plans (kernels/plan.py): decided once per signature, looked up afterwards, and
+"""Launch plans (kernels/window/plan.py): decided once per signature, looked up afterwards, and
 deciding what the launchers' tensors say they read."""
 import pytest
 import torch

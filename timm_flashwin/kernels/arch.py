@@ -1,6 +1,6 @@
 """What a GPU allows the kernels: its architecture and limits, read once per device.
 
-The launch plans (``config``, ``plan``, ``local_launch``) are made per signature *and*
+The launch plans (``config``, ``plan``, ``local.launch``) are made per signature *and*
 architecture: an H100's plans ask for up to 227 KB of shared memory per program, an RTX 4090
 has 99 KB, an A100 163 KB, and a plan that does not fit fails at launch (Triton's
 OutOfResources) in the user's step. ``device_arch`` answers, for a tensor's device, the

@@ -1,6 +1,6 @@
 """Shared-memory budgets: the launch configurations fitted to what one program may take.
 
-The tuned configurations (``config``, ``local_launch``) were chosen on H100/H200, which
+The tuned configurations (``config``, ``local.launch``) were chosen on H100/H200, which
 give a program 227 KB of shared memory. An A100 gives 163 KB; an RTX 3090/4090, A10, L4
 and RTX 5090 99 KB; a T4 64 KB. Triton allocates shared memory for the tiles a product
 takes (tl.dot's operands pass through it) and, per extra pipeline stage, for the tiles the
@@ -112,7 +112,7 @@ def local_shared_bytes(kernel: str, block_m: int, block_n: int, block_d: int, st
     """Estimated shared memory of a local-attention kernel ("fwd", "dq", "dkdv"): no bias or
     mask tiles (the pattern is arithmetic on positions), but their 16-bit product tiles do
     take staging buffers per stage (0.77x at most on the sm_86 builds, fitted as 0.8x)."""
-    # float32 products are three TF32 ones (``local_tiles.product``): each operand is split into
+    # float32 products are three TF32 ones (``local.tiles.product``): each operand is split into
     # a high and a low part, staged apart (sm_86 build of the dq kernel at head_dim 128, 64 x 32
     # tiles, 8 warps: 144 KB where 16-bit inputs take 48 KB)
     split = 1.5 if elem == 4 else 1
@@ -130,7 +130,7 @@ def local_shared_bytes(kernel: str, block_m: int, block_n: int, block_d: int, st
 
 
 def local_fit(kernel: str, tiles, block_d: int, elem: int, arch: Optional[Arch]):
-    """A local-attention ``tiles`` (``local_launch.Plan``) fitted to ``arch``: fewer stages,
+    """A local-attention ``tiles`` (``local.launch.Plan``) fitted to ``arch``: fewer stages,
     then halved blocks (the wider first), at most 4 warps once a block is 64 rows or fewer
     (every tile size computes the same: the pattern is per position). None where 16 x 16
     tiles do not fit either."""

@@ -7,7 +7,6 @@ never recompiles a kernel (the window split is a run-time argument).
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
@@ -22,25 +21,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 MAX_TOKENS = 1024
 MAX_HEAD_DIM = 256
-
-#: timm clamps the cosine-attention logit scale at ln(1 / 0.01) before ``exp``.
-LOGIT_SCALE_MAX = math.log(1.0 / 0.01)
-
-
-def _clamp_passes_gradient_at_its_bound() -> bool:
-    """Whether torch.clamp(x, max=m) gives x a gradient where x == m: torch up to 2.11 does
-    (subgradient 1), later ones do not (pytorch#191142, the minimum-norm subgradient). The
-    kernels, which clamp the logit scale themselves, follow the torch they run with, as
-    timm's own logit-scale gradient does. A rule of autograd's derivative formulas, the
-    same on every device: probed once, on the CPU."""
-    with torch.enable_grad():
-        x = torch.ones(1, requires_grad=True)
-        torch.clamp(x, max=1.0).backward()
-    return bool(x.grad[0] != 0)
-
-
-#: torch.clamp's gradient at its bound on this torch (``_clamp_passes_gradient_at_its_bound``).
-CLAMP_GRADIENT_AT_BOUND = _clamp_passes_gradient_at_its_bound()
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ signature made, in the same order, on this call's tensors:
    calls go there. A signature whose first call's graph was dropped unused has its backward
    recorded by a later call.
 
-Both operators take it (``op.window_attention``, ``local_attention``), and calls where
+Both operators take it (``ops.window.window_attention``, ``ops.local``), and calls where
 nothing takes a gradient too (``call(..., grad=False)``: the forward alone, no autograd node).
 
 What cannot be recorded keeps the Python road for that signature, for good: a tensor that is

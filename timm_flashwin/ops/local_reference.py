@@ -113,7 +113,7 @@ def local_attention_reference(
         scale: default D ** -0.5.
         dropout_p: ``F.dropout`` on the probabilities, when no ``dropout_factor`` is given.
         dropout_factor: (B, H, S_q, S_k) keep / (1 - p) to multiply the probabilities by (the
-            kernels' own mask, ``kernels.local_launch.dropout_factors``).
+            kernels' own mask, ``kernels.local.launch.dropout_factors``).
         chunk: compute this many query rows at a time, each over the keys its rows can see
             only (memory O(S * (window + sink)) rather than O(S^2): long sequences on a GPU).
 

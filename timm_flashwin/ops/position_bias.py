@@ -7,7 +7,7 @@ backward, where PyTorch sums the bias gradient into the table with a sort of the
 in every call (index_put with accumulation, about ten small kernels: 27 us of GPU time
 per layer on an H100, ``benchmarks/profile_op.py``), sums each table row's pairs, sorted
 once per index tensor (``TableRows``), in one deterministic kernel
-(kernels/position_bias.py). Without a gradient, in eager mode, the same gather kernel
+(kernels/position/bias.py). Without a gradient, in eager mode, the same gather kernel
 writes the bias. Under torch.compile the same kernels run as registered operators
 (inductor's own scatter of that gradient, atomic adds into the small table, took 219 of
 the 284 ms of GPU time of a compiled swinv2_base_window12to24 training step on an H100,
@@ -287,7 +287,7 @@ class TableGather:
 
     def gather(self, table: torch.Tensor) -> torch.Tensor:
         """The dense bias (H, N, N) in the table's dtype (read through ``rows.index32``, which
-        a host program takes as an input: ``op._host_tensors``)."""
+        a host program takes as an input: ``window._host_tensors``)."""
         return relative_bias_gather(table, self.rows.index32, self.sigmoid_scale)
 
     def table_grad(self, bias_grad: torch.Tensor, dtype: torch.dtype, table: Optional[torch.Tensor]) -> torch.Tensor:

@@ -6,7 +6,7 @@ ReLU -> Linear(K, H, bias=False), on the (T, 2) log-spaced coordinates, in every
 step; SwinV2-CR's compute their whole (H, N, N) bias with timm's Mlp, Linear(2, K) -> ReLU
 -> Dropout(0.125) -> Linear(K, H), on the (N^2, 2) log-spaced offsets of a window's token
 pairs. ``position_mlp_table`` computes either with one kernel forward and one backward
-(kernels/position_mlp.py) where PyTorch launches three to five and seven to nine (more
+(kernels/position/mlp.py) where PyTorch launches three to five and seven to nine (more
 under autocast: each linear layer casts its weights), each with its autograd node (eager
 training steps of the tiny models are bound by such host work, benchmarks/RESULTS.md). In
 eager mode on plain tensors the kernels run through a ``torch.autograd.Function`` (no

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..kernels.config import LOGIT_SCALE_MAX
+from ..kernels.window.tiles import LOGIT_SCALE_MAX_VALUE as LOGIT_SCALE_MAX
 
 
 

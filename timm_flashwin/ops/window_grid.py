@@ -5,7 +5,7 @@ windows of wh * ww tokens (row-major, windows and tokens alike), attend within e
 merge the windows back and roll by +shift: four copies forward and four backward around
 the attention, each of the whole map. ``WindowGrid`` describes that cut: the kernels
 compute each window token's row of the map from it (``kernel_args``,
-``kernels.tiles.window_rows``) and read qkv and write their output and gradients there
+``kernels.window.tiles.window_rows``) and read qkv and write their output and gradients there
 (``window_attention(..., grid=)``), so that the copies are not made; ``token_map`` says the
 same as a table (window w's token t is row token_map[w, t] of the image's H * W rows), with
 which ``partition`` and ``merge`` make the copies where the kernels cannot.
@@ -83,7 +83,7 @@ class WindowGrid:
 
     def kernel_args(self) -> Tuple[int, int, int, int, int, int]:
         """(nW, windows per map row, H, W, shift_h, shift_w): the kernels' arguments for this
-        grid (``kernels.tiles.window_rows``)."""
+        grid (``kernels.window.tiles.window_rows``)."""
         return (self.num_windows, self.width // self.window[1], self.height, self.width, *self.shift)
 
     def partition(self, x: torch.Tensor) -> torch.Tensor:

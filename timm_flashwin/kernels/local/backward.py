@@ -1,7 +1,7 @@
 """Backward kernels of the local-attention operators (FlashAttention-2's split).
 
 * ``local_attention_bwd_dq_kernel`` runs first: one program per block of BLOCK_M queries,
-  over the key blocks the forward visited (``local_tiles.key_schedule``); it computes its
+  over the key blocks the forward visited (``local.tiles.key_schedule``); it computes its
   rows' delta_i = sum_d dO_id O_id (fp32) from the dO tile it loads anyway, stores it for
   the dkdv kernel, and writes dQ once, no atomics: deterministic. (FlashAttention-2 has a
   kernel of its own for delta: one launch more per backward, and short calls are bound by
@@ -9,7 +9,7 @@
 * ``local_attention_bwd_dkdv_kernel``: one program per block of BLOCK_N keys of one
   (batch, key/value head); it loops over the query heads of its group (grouped-query
   attention: their dK and dV summed in registers, nothing per query head in memory) and,
-  per head, over the query blocks that see its keys (``local_tiles.query_schedule``), and
+  per head, over the query blocks that see its keys (``local.tiles.query_schedule``), and
   writes dK and dV once, reading the delta the dq kernel stored.
 
 P is recomputed from the forward's log2-sum-exp: P = exp2(scale * log2(e) * q.k - lse),

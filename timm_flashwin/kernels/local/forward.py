@@ -2,7 +2,7 @@
 visible pairs) V, flash style (online softmax over key blocks, nothing of size S x S).
 
 One program owns one block of BLOCK_M queries of one (batch, head) and visits the key
-blocks ``local_tiles.key_schedule`` gives it: those wholly visible to every one of its
+blocks ``local.tiles.key_schedule`` gives it: those wholly visible to every one of its
 queries without any mask arithmetic, the others (the window's edges, a partial last block,
 the sink's last block) with it; no other key block is read. The key/value head of query
 head h is h // group (grouped-query attention). With attention dropout the normalizer sums
@@ -27,7 +27,7 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed,
                  HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                  FOLD_SCALE: tl.constexpr):
     """The online softmax over the key block [n0, n0 + BLOCK_N) for the query rows at
-    ``positions`` (``local_tiles``): (acc, m_i, l_i) updated. Without MASKED every key is
+    ``positions`` (``local.tiles``): (acc, m_i, l_i) updated. Without MASKED every key is
     < S_k and visible to every query row. FOLD_SCALE (only where
     qk_scale > 0): the scale applied in the exponent's FMA, not to the logits first."""
     offs = tl.arange(0, BLOCK_N)
@@ -37,7 +37,7 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed,
     if FOLD_SCALE:
         # the row maximum of the unscaled scores, scaled (a positive scale keeps their order),
         # and P = exp2(score * qk_scale - max): one FMA per logit where scaling first, then
-        # subtracting, took two FP32 instructions (``local_launch.fold_scale``)
+        # subtracting, took two FP32 instructions (``local.launch.fold_scale``)
         s = scores(q, k, positions[:, None], cols[None, :], S_k, period, before, after, sink, MASKED, HAS_SINK,
                    PRECISION)
         scale32 = tl.cast(qk_scale, tl.float32)  # inductor passes Python floats as fp64
@@ -72,7 +72,7 @@ def local_attention_fwd_kernel(
     """Grid: (cdiv(S_q, BLOCK_M) * B * H,). q (B, H, S_q, D), k and v (B, H / group, S_k, D),
     out like q, any strides; lse (B, H, S_q) fp32, contiguous: each row's log2-sum-exp of its
     log2-domain logits (qk_scale = scale * log2(e)), +inf for a row that sees no key (its
-    output is 0). ``before`` / ``after``: -1 for unlimited (``local_tiles``)."""
+    output is 0). ``before`` / ``after``: -1 for unlimited (``local.tiles``)."""
     (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
      partial, shift) = query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC, BLOCK_M,
                                            BLOCK_N, COUNT_TILES)

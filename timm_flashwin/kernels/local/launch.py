@@ -209,7 +209,7 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype, rows: str) -> Plan:
 
 
 def precision(dtype: torch.dtype) -> int:
-    """How the kernels multiply (``local_tiles.product``): exact fp32 under the interpreter
+    """How the kernels multiply (``local.tiles.product``): exact fp32 under the interpreter
     (its bf16 dot is wrong), 3xTF32 for float32 inputs on the GPU, else the inputs' dtype."""
     if config.INTERPRET:
         return IEEE
@@ -246,7 +246,7 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
                   counts: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out (B, H, S_q, D) in q's dtype and layout (``torch.empty_like``), and lse (B, H, S_q)
     fp32, from validated q (B, H, S_q, D), k and v (B, H_kv, S_k, D) (query i at key position
-    i + S_k - S_q, ``local_tiles``). ``seed``: a one-element
+    i + S_k - S_q, ``local.tiles``). ``seed``: a one-element
     int64 tensor, with dropout_p > 0. ``counts``: tests only, an int32 (2,) tensor to which
     the tiles visited without and with a mask are added."""
     B, H, S, D = q.shape

@@ -1,4 +1,4 @@
-"""Triton building blocks of the local-attention kernels (``local_forward``, ``local_backward``).
+"""Triton building blocks of the local-attention kernels (``local.forward``, ``local.backward``).
 
 The pattern (``local_reference.LocalPattern``) over S_q queries and S_k keys: query i sits
 at position p(i) = i + S_k - S_q (FlashAttention-2's bottom-right alignment: the last query
@@ -220,7 +220,7 @@ def logits(a, b, positions, cols, qk_scale, S_k, period, before, after, sink, MA
            HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b^T times qk_scale (log2-domain logits, fp32), -inf where hidden
     (``hide_invisible``): the forward's logits where its scale is not folded into the
-    exponent (``local_launch.fold_scale``: head_dim above 64, or a scale that is not
+    exponent (``local.launch.fold_scale``: head_dim above 64, or a scale that is not
     positive, whose sign would turn a masked -inf score into +inf)."""
     # tl.cast: inductor passes Python floats as fp64, which would make the tiles fp64
     s = product(a, tl.trans(b), None, PRECISION) * tl.cast(qk_scale, tl.float32)

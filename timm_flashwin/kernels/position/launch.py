@@ -1,6 +1,6 @@
 """Host side of the position-bias kernels: the bias gathered from its table and the table's
-gradient (kernels/position_bias.py), and the position MLP's table and weight gradients
-(kernels/position_mlp.py). Launched as ``launch.py``'s attention kernels are
+gradient (kernels/position/bias.py), and the position MLP's table and weight gradients
+(kernels/position/mlp.py). Launched as ``launch.py``'s attention kernels are
 (``launcher.launcher``), traceable by torch.compile."""
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def load_table_bias_mask(table_ptr, index_ptr, mask_ptr, h, w, rows, cols, strid
     """``load_bias_mask``'s tile (dense mask) with the bias read from its table: B[h, i, j] =
     table[index[i, j], h], or SIGMOID_SCALE * sigmoid(table[index[i, j], h]) in fp32 rounded
     to the table's dtype (SIGMOID_SCALE a float, 0 for none): the values
-    ``position_launch.relative_bias_gather`` writes, scaled and masked in the same operations, so
+    ``position.launch.relative_bias_gather`` writes, scaled and masked in the same operations, so
     the tile is bit for bit the one read from the gathered bias. table (T, H) with strides
     (stride_table_t, stride_table_h); index (N, N) int32, contiguous.
 

@@ -22,11 +22,30 @@ Conventions used by every kernel:
   backward kernel regenerate the same keep mask from the same two numbers, whatever
   their tiling.
 """
+import math
+
+import torch
 import triton
 import triton.language as tl
 
-from ..config import CLAMP_GRADIENT_AT_BOUND as CLAMP_GRADIENT_AT_BOUND_VALUE
-from ..config import LOGIT_SCALE_MAX as LOGIT_SCALE_MAX_VALUE
+#: timm clamps the cosine-attention logit scale at ln(1 / 0.01) before ``exp``.
+LOGIT_SCALE_MAX_VALUE = math.log(1.0 / 0.01)
+
+
+def _clamp_passes_gradient_at_its_bound() -> bool:
+    """Whether torch.clamp(x, max=m) gives x a gradient where x == m: torch up to 2.11 does
+    (subgradient 1), later ones do not (pytorch#191142, the minimum-norm subgradient). The
+    kernels, which clamp the logit scale themselves, follow the torch they run with, as
+    timm's own logit-scale gradient does. A rule of autograd's derivative formulas, the
+    same on every device: probed once, on the CPU."""
+    with torch.enable_grad():
+        x = torch.ones(1, requires_grad=True)
+        torch.clamp(x, max=1.0).backward()
+    return bool(x.grad[0] != 0)
+
+
+#: torch.clamp's gradient at its bound on this torch (``_clamp_passes_gradient_at_its_bound``).
+CLAMP_GRADIENT_AT_BOUND_VALUE = _clamp_passes_gradient_at_its_bound()
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log logits -> log2 logits
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's eps

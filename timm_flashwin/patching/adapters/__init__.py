@@ -22,7 +22,7 @@ ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
     SwinAdapter(), SwinV2Adapter(), SwinV2CRAdapter(), MaxxVitAdapter(), MaxxVit2dAdapter(), TinyVitAdapter(),
     DaVitAdapter(), TwinsAdapter(), NestAdapter(), HieraAdapter(), GcVitAdapter())}
 
-#: family name -> adapter of a Hugging Face transformers class (``patching_hf``); its
+#: family name -> adapter of a Hugging Face transformers class (``patching.hf``); its
 #: ``module_type()`` is None until transformers' modeling module is imported
 HF_ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
     HfSwinAdapter(), HfSwinv2Adapter(), HfDonutSwinAdapter(), HfMaskFormerSwinAdapter(), HfSwin2SRAdapter())}
