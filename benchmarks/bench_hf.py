@@ -1,8 +1,8 @@
 """transformers' Swin models, patched against transformers' own default attention: training
 and inference steps, eager and torch.compile, the host's and the GPU's time per step.
 
-    python benchmarks/bench_hf.py --out-dir benchmarks/results/hf_h200          # the GPU
-    python benchmarks/bench_hf.py --smoke --out-dir /tmp/bench_hf               # CPU, tiny
+    python benchmarks/bench_hf.py --models swin-tiny --tasks train            # the GPU
+    python benchmarks/bench_hf.py --smoke --out /tmp/bench_hf.json            # CPU, tiny
 
 Models (random weights from their configs: timing does not depend on the values):
 
@@ -19,10 +19,11 @@ backward, AdamW; ``timm_flashwin.tools.bench``'s step) and ``infer`` (bfloat16 w
 inference_mode). Modes: ``eager`` and ``compile`` (torch.compile's default mode).
 
 Per (model, task, mode) the variants are warmed up, then timed in alternating rounds
-(``profile_step.alternating_rounds``): ``wall_ms`` per step back to back, ``host_ms`` to
+(``common.alternating_rounds``): ``wall_ms`` per step back to back, ``host_ms`` to
 enqueue one step with the GPU idle, ``gpu_ms`` and ``launches`` per step under
 torch.profiler, ``peak_mib``, and ``speedup_rounds`` (transformers / flashwin wall time
-within each round). Writes OUT_DIR/bench_hf.json after every group.
+within each round). Writes --out (default benchmarks/results/hf_<gpu>_<commit>.json) after
+every group.
 
 ``--smoke`` runs the same code on the CPU with tiny configurations, one round of one step,
 in eager mode, without warm-up or profile: torch.cuda.synchronize is then a no-op (nothing
@@ -41,9 +42,8 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import code_version, peak_mib, write_json  # noqa: E402
-from profile_step import _profile, alternating_rounds, warm_up  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's library
+from common import alternating_rounds, default_out, environment, header, peak_mib, profile, warm_up, write_json  # noqa
 from timm_flashwin import patch_model, patch_report  # noqa: E402
 from timm_flashwin.tools.bench import _step_fn  # noqa: E402
 from timm_flashwin.tools.hf_models import HfImageModel  # noqa: E402
@@ -96,13 +96,13 @@ def run_group(name: str, task: str, mode: str, args) -> List[dict]:
     rows = []
     for variant, step in steps.items():
         wall, host = (statistics.median(t) for t in timings[variant])
-        launches, gpu_ms, _, gpu_kernels = (0, 0.0, [], []) if args.smoke else _profile(step, 2, 10)
+        launches, gpu_ms, _, gpu_kernels = (0, 0.0, [], []) if args.smoke else profile(step, 2, 10)
         rows.append(dict(model=name, task=task, mode=mode, variant=variant, batch=batch,
                          image_size=list(images.shape[-2:]), wall_ms=wall, host_ms=host, gpu_ms=gpu_ms,
                          launches=launches, peak_mib=0.0 if args.smoke else peak_mib(models[variant], step, train),
                          patched_modules=len(patch_report(models[variant]).patched), wall_ms_rounds=timings[variant][0],
-                         gpu_kernels=gpu_kernels, device=torch.cuda.get_device_name() if not args.smoke else "cpu",
-                         torch=torch.__version__, transformers=_transformers_version(), code=code_version()))
+                         gpu_kernels=gpu_kernels,
+                         **dict(environment(), **(dict(device="cpu") if args.smoke else {}))))
     ratios = [t / p for t, p in zip(timings["transformers"][0], timings["flashwin"][0])]
     rows[1].update(speedup_rounds=ratios, speedup_round_median=statistics.median(ratios))
     torch._dynamo.reset()
@@ -111,14 +111,9 @@ def run_group(name: str, task: str, mode: str, args) -> List[dict]:
     return rows
 
 
-def _transformers_version() -> str:
-    import transformers
-    return transformers.__version__
-
-
 def main(argv=None) -> List[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", required=True, help="where bench_hf.json is written")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/hf_<gpu>_<commit>.json")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--tasks", nargs="*", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
@@ -132,7 +127,8 @@ def main(argv=None) -> List[dict]:
         args.rounds, args.repeats, args.warmup, args.modes = 1, 1, 0, ["eager"]
     elif not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --smoke)")
-    out = os.path.join(args.out_dir, "bench_hf.json")
+    out = args.out or default_out("hf")
+    print(header(), flush=True)
     rows: List[dict] = []
     # --smoke: the CPU runs each step synchronously; the timing helpers' CUDA synchronizations have nothing to wait for
     no_gpu = mock.patch("torch.cuda.synchronize", lambda *a, **k: None) if args.smoke else contextlib.nullcontext()

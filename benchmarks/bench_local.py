@@ -1,8 +1,9 @@
 """Local attention side by side: sliding windows and block sliding windows.
 
-    python benchmarks/bench_local.py --quick --out results/local_quick.json   # < 3 min on an H100
-    python benchmarks/bench_local.py --out results/local.json                  # < 8 min
-    python benchmarks/bench_local.py --tune frames_w16:16384 --out results/tune.json
+    python benchmarks/bench_local.py --quick                  # < 3 min on an H100
+    python benchmarks/bench_local.py                          # < 8 min
+    python benchmarks/bench_local.py --cases frames_w4 frames_w16 --impls ours ours_python_road flex
+    python benchmarks/bench_local.py --tune frames_w16:16384  # launch plans of our kernels
 
 For each case (a pattern, B, H, H_kv, D) and sequence length S, bf16, it times:
 
@@ -13,6 +14,7 @@ For each case (a pattern, B, H, H_kv, D) and sequence length S, bf16, it times:
                where that mask is at most --max-mask-mib
 * sdpa_causal  F.scaled_dot_product_attention(is_causal=True): PyTorch's dense causal
                (flash) kernel, a reference point of what a tuned dense kernel does with S
+* ours_python_road  ours with host programs off (not in the default --impls)
 
 The cases: the published block sliding-window kernel's (B=1, H=12, D=64, frames of 256 tokens, windows of 16 and 4
 frames, S = 4096 ... 65536), the published sliding-window kernel's (a sliding window of 500 tokens, and causal),
@@ -28,9 +30,8 @@ host time (ms to enqueue one call with the GPU idle: near the timed ms, the call
 by the host, not by its kernels). Before timing,
 each implementation's output on the case is compared with ours (relative error): they
 compute the same thing. With matplotlib installed, PNG plots of time against S, one per
-case, next to --out. ``--tune CASE:S`` times launch plans of our kernels
-(``kernels.local_launch.OVERRIDES``) instead and prints the fastest of each; ``--profile
-CASE:S`` profiles one forward + backward of each --impls (host ops, kernels, Python).
+case, next to --out (``plot.py local`` redraws them). ``--tune CASE:S`` times launch plans of
+our kernels (``kernels.local.launch.OVERRIDES``) instead and prints the fastest of each.
 """
 from __future__ import annotations
 
@@ -45,11 +46,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import code_version, enqueue_us, python_profile, write_json  # noqa: E402
-from plot_local import plot  # noqa: E402
-from profile_step import _profile  # noqa: E402
-from timm_flashwin import block_sliding_window_attention, sliding_window_attention
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's library
+from common import default_out, enqueue_us, environment, header, write_json  # noqa: E402
+from plot import plot_local  # noqa: E402
+from timm_flashwin import block_sliding_window_attention, sliding_window_attention  # noqa: E402
 from timm_flashwin.ops import host_program  # noqa: E402
 from timm_flashwin.ops.local_reference import LocalPattern  # noqa: E402
 
@@ -293,38 +293,6 @@ def _time_pass(fn: Callable, inputs, forward_only: bool, rep: int) -> float:
     return _time_ms(lambda: fn(q, k, v).backward(do), [q, k, v], rep=rep)
 
 
-def profile(spec: str, impls: List[str], calls: int = 20, top: int = 12) -> List[Dict]:
-    """Where one forward + backward of each implementation spends its host and GPU time on
-    case ``CASE:S``: torch.profiler's host ops by self time and the kernels, per call, and
-    cProfile's Python functions (ours)."""
-    name, seq_len = spec.split(":")
-    case, seq_len = CASES[name], int(seq_len)
-    q, k, v, do = make_inputs(case, seq_len)
-    rows = []
-    for impl in impls:
-        fn = implementation(impl, case.pattern, seq_len, q.device, 256.0)
-        if fn is None:
-            continue
-
-        def call():
-            fn(q, k, v).backward(do)
-        for _ in range(3):  # compiled (Flex) and warm
-            call()
-        launches, gpu_ms, host_ops, kernels = _profile(call, calls, top)
-        row = dict(case=name, S=seq_len, impl=impl, launches=launches, gpu_ms=gpu_ms, host_ops=host_ops,
-                   kernels=kernels, host_ms=enqueue_us(call, 20) / 1e3, python=python_profile(call, calls, top))
-        rows.append(row)
-        print(f"## {name} S={seq_len} {impl}: host {row['host_ms']:.3f} ms, GPU {gpu_ms:.3f} ms, "
-              f"{launches:.1f} launches per call")
-        for op in host_ops:
-            print(f"   {op['self_cpu_us_per_step']:8.1f} us {op['calls_per_step']:5.1f}x  {op['name'][:90]}")
-        for kernel in kernels[:6]:
-            print(f"   GPU {kernel['us_per_step']:8.1f} us {kernel['calls_per_step']:4.1f}x  {kernel['name'][:80]}")
-        if impl == "ours":
-            print(row["python"])
-    return rows
-
-
 def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     """Time launch plans of our kernels ``kinds`` on one case (forward plans by the forward,
     backward ones by forward+backward), the others at their defaults. The case's length
@@ -337,8 +305,8 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     rows_class = local_launch.row_class(astuple(case.pattern), seq_len, seq_len, case.batch * case.heads, arch)
     inputs = make_inputs(case, seq_len)
     fn = ours(case.pattern)
-    # (4, 2): the fastest of forward_ceiling.py's minimal forwards at head_dim 128 on an H100
-    # (128 x 64 tiles; RESULTS.md, "Other patterns, and the long calls' forward")
+    # (4, 2): the fastest of a minimal global forward's plans at head_dim 128 on an H100
+    # (128 x 64 tiles; docs/design.md, "What the removed probes found")
     warps_stages = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
     tile_pairs = {"fwd": ((64, 32), (64, 64), (64, 128), (128, 64), (128, 128)),
              "dq": ((32, 64), (64, 32), (64, 64), (128, 32), (128, 64)),
@@ -377,41 +345,33 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="time launch plans of our kernels on these cases instead")
     parser.add_argument("--tune-kinds", nargs="+", default=["fwd", "dq", "dkdv"], choices=["fwd", "dq", "dkdv"],
                         help="the kernels --tune times")
-    parser.add_argument("--profile", metavar="CASE:S", nargs="+", default=None,
-                        help="profile one forward + backward of each --impls on these cases instead")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of each length's timings, the implementations alternated; medians reported")
-    parser.add_argument("--out", default=None, help="write the results as JSON here (and the plots next to it)")
+    parser.add_argument("--out", default=None, help="the JSON, the plots next to it; default: "
+                        "benchmarks/results/local[_tune]_<gpu>_<commit>.json")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
     rep = 30 if args.quick else 100
     # FlexAttention compiles once per length and pattern: more than dynamo's default of 8
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 256)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"), code=code_version(),
-                quick=args.quick, rounds=args.rounds)
-    print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['code']}", flush=True)
-    if args.profile:
-        rows = [row for spec in args.profile for row in profile(spec, args.impls)]
-        if args.out:
-            write_json(args.out, dict(meta=meta, profile=rows))
-        return
+    meta = dict(environment(), quick=args.quick, rounds=args.rounds)
+    print(header(), flush=True)
+    out = args.out or default_out("local_tune" if args.tune else "local")
     if args.tune:
         rows = [row for spec in args.tune for row in tune(spec, rep, args.tune_kinds)]
-        if args.out:
-            write_json(args.out, dict(meta=meta, tune=rows))
+        write_json(out, dict(meta=meta, tune=rows))
         return
     rows: List[Dict] = []
-    save = (lambda: write_json(args.out, dict(meta=meta, rows=rows, summary=summary(rows)))) if args.out else \
-        (lambda: None)
+    save = lambda: write_json(out, dict(meta=meta, rows=rows, summary=summary(rows)))  # noqa: E731
     for name in args.cases:
         case = CASES[name]
         lengths = case.quick if args.quick else case.lengths
         run_case(name, case, lengths, args.impls, rep, args.max_mask_mib, rows, save, args.rounds)
     print("\n" + "\n".join(summary(rows)))
-    if args.out:
-        plot(rows, args.out)
+    plot_local(rows, out)
 
 
 if __name__ == "__main__":

@@ -1,44 +1,43 @@
-"""Window attention alone, from the qkv linear output to the proj input, side by side.
+"""The window-attention op alone, from the qkv linear's output to the proj's input.
 
-    python benchmarks/bench_op.py --out results/op.json
+    python benchmarks/bench_op.py                          # every implementation, CUDA-graph replays
+    python benchmarks/bench_op.py --impls eager sdpa compile ours fwa fwa2 --accuracy --published DIR
+    python benchmarks/bench_op.py --loop --host-programs both   # ours in a plain loop against its replay
 
-For each shape (B_, H, N, D) and attention kind (V1, cosine), with timm's shift mask
-(nW windows per image) and the relative-position bias, in bf16 (autocast: bias and
-logit scale stay float32 parameters), it times:
+For each shape (B_, H, N, D, nW) and kind (V1; cosine: SwinV2's scaled cosine attention),
+timm's shift mask (nW windows per image; none where nW is 0) and the relative-position
+bias gathered from its ((2W-1)^2, H) table every call (the gradient reaches the table), bf16
+under autocast (bias and logit scale float32 parameters):
 
-* eager    timm's own math, as its modules run it under autocast
-* sdpa     timm's SDPA path: bias + mask materialized as a (B_, H, N, N) attn_mask
-* compile  torch.compile of the eager math (inductor rewrites it into SDPA itself)
-* flex     FlexAttention (compiled) with a score_mod adding bias and mask
-* ours     timm_flashwin.window_attention
-* fwa      Flash Window Attention (Swin V1 windows; ``flash_swin_attn``), V1 cases only,
-           without the mask: it takes none (``--no-mask`` compares all of them so)
-* fwa2     Flash Window Attention V2 (SwinV2's scaled cosine attention;
-           ``flash_win_attn_v2``), cosine cases only
+* eager    timm's own math, as its modules run it
+* sdpa     timm's SDPA path: bias + mask as a dense (B_, H, N, N) attn_mask
+* compile  torch.compile of the eager math
+* flex     FlexAttention (compiled), a score_mod adding bias and mask
+* ours     timm_flashwin.window_attention, the bias gathered as the adapters gather it
+* fwa      Flash Window Attention (``flash_swin_attn``, V1 only, no mask: it takes none)
+* fwa2     Flash Window Attention V2 (``flash_win_attn_v2``, cosine only)
 
-The last two are the published Triton kernels, not part of this repository: ``--published
-DIR`` names the folder that holds their packages (or install them); an implementation that
-cannot be imported or cannot run a case is reported as an error row.
+fwa and fwa2 are the published Triton kernels, not in this repository: ``--published DIR``
+names a folder holding their packages; one that cannot run a case is an error row.
+Forward (no_grad) and forward + backward: medians of CUDA-graph replays (host launches count
+for none; CUDA events around plain calls where capture fails), the forward + backward's
+peak memory above the inputs, ``--accuracy``: relative errors against timm's math in
+float64 for the output and every gradient. The byte floor: q, k, v read and o written once
+(forward; the backward adds q, k, v, dO read and dq, dk, dv written) at the copy bandwidth
+measured in the run.
 
-The bias comes, as in timm's V1 and SwinV2 modules, from a relative-position table
-((2W-1)^2, H) that every call gathers by timm's relative_position_index (part of each
-implementation's time, and the gradient reaches the table): the eager, SDPA and compiled
-math and ours (as timm_flashwin's adapters do) gather a dense (H, N, N) bias as timm
-does, and FlexAttention's score_mod indexes the table itself.
-
-forward, forward+backward (median of CUDA-graph replays, so that host launch overhead
-counts for no implementation; gradients to qkv, bias and logit scale) and the peak memory
-of forward+backward above the inputs; with ``--accuracy``, each implementation's relative
-errors ||x - ref|| / ||ref|| against timm's math in float64 on the same rounded inputs, for
-the output and every gradient. The byte floor is q, k, v read once and o written once
-(forward; backward adds reading q, k, v, dO and writing dq, dk, dv) at the copy bandwidth
-measured in the same run.
+``--loop``: ours alone, forward + backward (``--no-grad``: the forward), three numbers a
+call: ``graph us`` (CUDA-graph replay: the GPU's time), ``loop us`` (calls back to back in a
+Python loop: what a step bound by the host pays), ``host us`` (one call enqueued with the
+GPU idle); ``--host-programs both`` alternates host programs off and on, ``--compile``
+compiles the call. GPU only.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -46,9 +45,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import code_version, write_json  # noqa: E402
-from timm_flashwin import window_attention  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's library
+from common import default_out, enqueue_us, environment, header, host_us_per_call, python_profile, write_json  # noqa
+from timm_flashwin import TableBias, window_attention  # noqa: E402
+from timm_flashwin.ops import host_program  # noqa: E402
 from timm_flashwin.ops.position_bias import gather_position_bias  # noqa: E402
 from timm_flashwin.ops.reference import LOGIT_SCALE_MAX  # noqa: E402
 
@@ -205,13 +205,11 @@ def ours(qkv, table, mask, logit_scale, heads, scale):
 
 
 def fwa_math(qkv, table, mask, logit_scale, heads, scale):
-    """Flash Window Attention (``flash_swin_attn_func(q, k, v, bias, scale_qk)``), as its
-    README and benchmarks call it: contiguous (B_, H, N, D) q, k, v (its kernel assumes
-    that layout), the (H, N, N) bias, and q scaled beforehand with scale_qk = 1 (its
-    backward does not multiply dq by scale_qk). It takes no mask. Its backward also reads
-    the output's gradient as if contiguous, which the gradient of timm's transpose and
-    reshape is not: handed on as it comes, every gradient came out wrong (H100: relative
-    errors of 1.3 to 1.6), so a hook makes it contiguous first (a copy, in its time)."""
+    """Flash Window Attention (``flash_swin_attn_func(q, k, v, bias, scale_qk)``) as its README
+    calls it: contiguous (B_, H, N, D) q, k, v, the (H, N, N) bias, q scaled beforehand with
+    scale_qk = 1 (its backward does not scale dq); no mask. Its backward reads the output's
+    gradient as if contiguous, which timm's transpose hands back not: a hook makes it so
+    (a copy, in its time; without it every gradient was wrong, relative errors 1.3 to 1.6)."""
     if mask is not None:
         raise ValueError("flash_swin_attn takes no mask: run its cases without one")
     from flash_swin_attn import flash_swin_attn_func
@@ -225,9 +223,8 @@ def fwa_math(qkv, table, mask, logit_scale, heads, scale):
 
 def fwa2_math(qkv, table, mask, logit_scale, heads, scale):
     """Flash Window Attention V2 (``flash_win_attn_v2(q, k, v, logit_scale, bias, mask)``):
-    (B_, H, N, D) views of qkv (it needs only unit strides in D), the log logit scale as
-    (H, 1, 1) and the (H, N, N) bias, both in the inputs' dtype (it asserts that), and the
-    (nW, N, N) mask."""
+    (B_, H, N, D) views of qkv, the log logit scale (H, 1, 1) and the (H, N, N) bias in the
+    inputs' dtype (it asserts that), the (nW, N, N) mask."""
     from flash_win_attn_v2 import flash_win_attn_v2
     windows, n, _ = qkv.shape
     q, k, v = _split(qkv, heads)
@@ -240,23 +237,10 @@ _compiled: Dict[str, Callable] = {}
 
 
 def implementation(name: str) -> Callable:
-    if name == "eager":
-        return eager_math
-    if name == "sdpa":
-        return sdpa_math
-    if name == "flex":
-        return flex_math
-    if name == "ours":
-        return ours
-    if name == "fwa":
-        return fwa_math
-    if name == "fwa2":
-        return fwa2_math
-    if name == "compile":
-        if "compile" not in _compiled:
-            _compiled["compile"] = torch.compile(eager_math, dynamic=False)
-        return _compiled["compile"]
-    raise ValueError(name)
+    if name == "compile" and "compile" not in _compiled:
+        _compiled["compile"] = torch.compile(eager_math, dynamic=False)
+    return dict(eager=eager_math, sdpa=sdpa_math, flex=flex_math, ours=ours, fwa=fwa_math, fwa2=fwa2_math,
+                **_compiled)[name]
 
 
 def copy_bandwidth() -> float:
@@ -360,7 +344,89 @@ def bench_one(impl: str, shape, cosine: bool, passes: List[str], masked: bool = 
     return result
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def loop_call(shape, kind: str, grad: bool = True, compiled: bool = False) -> Callable:
+    """One call of ours for ``--loop``: forward + backward (``torch.autograd.grad`` to qkv, the
+    table and the logit scale), or without ``grad`` the forward under no_grad; the bias a
+    ``TableBias`` (V1: timm's table; cosine: SwinV2's sigmoid table, 16.0)."""
+    windows, heads, n, head_dim, periods = shape
+    qkv = torch.randn(windows, n, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    table = torch.randn((2 * math.isqrt(n) - 1) ** 2, heads, device="cuda", requires_grad=True)
+    index = relative_position_index(n, "cuda")
+    mask = timm_mask(periods, n, "cuda") if periods else None
+    grad_out = torch.randn(windows, n, heads * head_dim, device="cuda", dtype=torch.bfloat16)
+    if kind == "v1":
+        bias, score, leaves = TableBias(table, index, constant_index=True), dict(scale=head_dim ** -0.5), (qkv, table)
+    else:
+        logit_scale = torch.full((heads, 1, 1), 2.0, device="cuda", requires_grad=True)
+        bias = TableBias(table, index, 16.0, constant_index=True)
+        score, leaves = dict(logit_scale=logit_scale), (qkv, table, logit_scale)
+    attention = torch.compile(window_attention, fullgraph=True) if compiled else window_attention
+
+    def call():
+        if not grad:
+            with torch.no_grad():
+                return attention(qkv, heads, bias=bias, mask=mask, **score)
+        torch.autograd.grad(attention(qkv, heads, bias=bias, mask=mask, **score), leaves, grad_out)
+    return call
+
+
+def graph_us(call: Callable, replays: int = 50) -> float:
+    """us per CUDA-graph replay of ``call``, replays back to back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / replays * 1e6
+
+
+def run_loop(args) -> List[Dict]:
+    """``--loop``: each case's graph, loop and host us in alternating rounds (with ``--host-programs
+    both``, off and on alternating within each round), medians."""
+    rows = []
+    settings = {"on": [True], "off": [False], "both": [False, True]}[args.host_programs]
+    print(f"{'shape':12s} {'kind':7s} {'programs':8s} {'graph us':>9s} {'loop us':>9s} {'host us':>9s} "
+          f"{'loop/graph':>10s}", flush=True)
+    for name in args.shapes:
+        for kind in args.kinds:
+            call = loop_call(SHAPES[name], kind, grad=not args.no_grad, compiled=args.compile)
+            measured = {on: {"graph": [], "loop": [], "host": []} for on in settings}
+            for on in settings:  # the first calls record the host program
+                host_program.ENABLED = on
+                for _ in range(5):
+                    call()
+            for _ in range(args.rounds):
+                for on in settings:
+                    host_program.ENABLED = on
+                    measured[on]["graph"].append(graph_us(call))
+                    measured[on]["loop"].append(host_us_per_call(call, 100, warmup=0))
+                    measured[on]["host"].append(enqueue_us(call, 20))
+            host_program.ENABLED = True
+            for on in settings:
+                row = dict(shape=name, kind=kind, host_programs=on, grad=not args.no_grad, compiled=args.compile,
+                           **{f"{k}_us": statistics.median(v) for k, v in measured[on].items()},
+                           rounds=measured[on], **environment())
+                row["loop_over_graph"] = row["loop_us"] / row["graph_us"]
+                rows.append(row)
+                print(f"{name:12s} {kind:7s} {str(on):8s} {row['graph_us']:9.1f} {row['loop_us']:9.1f} "
+                      f"{row['host_us']:9.1f} {row['loop_over_graph']:10.2f}", flush=True)
+            if args.cprofile:
+                print(python_profile(call, 200, args.cprofile))
+            write_json(args.out, rows)
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> List[Dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=[name for name, shape in SHAPES.items() if shape[4]],
                         choices=list(SHAPES), help="default: the Swin shapes (those with a shift mask)")
@@ -373,17 +439,28 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-mask", action="store_true", help="every case without the shift mask")
     parser.add_argument("--published", default=os.path.join(os.path.dirname(__file__), "published"),
                         help="a folder holding the published kernels' packages (flash_swin_attn, flash_win_attn_v2)")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    loop = parser.add_argument_group("--loop: ours in a plain loop against its CUDA-graph replay")
+    loop.add_argument("--loop", action="store_true")
+    loop.add_argument("--host-programs", choices=["on", "off", "both"], default="on",
+                      help="replay recorded host programs (both: off and on in alternating rounds, two rows)")
+    loop.add_argument("--no-grad", action="store_true", help="the forward alone, under torch.no_grad")
+    loop.add_argument("--compile", action="store_true", help="the call compiled (default mode, fullgraph)")
+    loop.add_argument("--rounds", type=int, default=3, help="alternating rounds, medians reported")
+    loop.add_argument("--cprofile", type=int, default=0, metavar="N",
+                      help="print the N Python functions with the most own time over 200 calls of each case")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/op[_loop]_<gpu>_<commit>.json")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    args.out = args.out or default_out("op_loop" if args.loop else "op")
+    print(header(), flush=True)
+    if args.loop:
+        return run_loop(args)
     if os.path.isdir(args.published):
         sys.path.insert(0, os.path.abspath(args.published))
-
     bandwidth = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  copy {bandwidth / 1e12:.2f} TB/s",
-          flush=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, copy_bandwidth_Bps=bandwidth,
-                date=time.strftime("%Y-%m-%d"), masked=not args.no_mask, code=code_version())
+    print(f"# copy {bandwidth / 1e12:.2f} TB/s", flush=True)
+    meta = dict(environment(), copy_bandwidth_Bps=bandwidth, masked=not args.no_mask)
     rows = []
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
@@ -404,34 +481,18 @@ def main(argv: Optional[List[str]] = None) -> None:
                 text = "  ".join(f"{k}={v:.2e}" if k.startswith("err_") else f"{k}={v:.1f}" if isinstance(v, float)
                                  else f"{k}={v}" for k, v in res.items())
                 print(f"{shape_name:11s} {kind:6s} {impl:8s} {text}", flush=True)
-                if args.out:
-                    write_json(args.out, dict(meta=meta, rows=rows))
+                write_json(args.out, dict(meta=meta, rows=rows))
     print_table(rows)
+    print(f"wrote {args.out}")
+    return rows
 
 
 def print_table(rows: List[Dict]) -> None:
-    by_case: Dict = {}
-    for r in rows:
-        by_case.setdefault((r["shape"], r["kind"]), {})[r["impl"]] = r
-    names = [i for i in IMPLS + list(PUBLISHED) if any(i in impls for impls in by_case.values())]
-    print(f"\n{'case':20s} {'floor':>7s} " + " ".join(f"{i:>15s}" for i in names) + "   (fwd us / fwd+bwd us)")
-    for (shape, kind), impls in by_case.items():
-        first = next(iter(impls.values()))
-        cells = []
-        for i in names:
-            r = impls.get(i)
-            if r is None or "error" in r:
-                cells.append(f"{'-' if r is None else 'err':>15s}")
-            else:
-                cells.append(f"{r.get('fwd_us', float('nan')):7.0f}/{r.get('fwdbwd_us', float('nan')):<7.0f}")
-        print(f"{shape + ' ' + kind:20s} {first['floor_fwd_us']:7.0f} " + " ".join(cells))
-    accurate = [r for r in rows if "err_out" in r]
-    if accurate:
-        print(f"\n{'case':20s} {'impl':8s} {'mask':5s} " + " ".join(f"{n:>12s}" for n in ("out",) + GRADIENT_NAMES)
-              + "   (||x - ref|| / ||ref||, float64 reference)")
-        for r in accurate:
-            errs = " ".join(f"{r.get('err_' + n, float('nan')):12.2e}" for n in ("out",) + GRADIENT_NAMES)
-            print(f"{r['shape'] + ' ' + r['kind']:20s} {r['impl']:8s} {'yes' if r['masked'] else 'no':5s} {errs}")
+    """The accuracy rows (``--accuracy``): each implementation's errors against float64."""
+    names = ("out",) + GRADIENT_NAMES
+    for r in (r for r in rows if "err_out" in r):
+        errs = " ".join(f"{n} {r.get('err_' + n, float('nan')):.2e}" for n in names)
+        print(f"{r['shape'] + ' ' + r['kind']:20s} {r['impl']:8s} mask {'yes' if r['masked'] else 'no ':3s} {errs}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,22 @@
-"""What the benchmark scripts share."""
+"""What the benchmark scripts share: the environment header, raw JSON files under
+benchmarks/results/, and the timing of steps (host time, GPU time, alternating rounds)."""
 import functools
 import json
 import os
+import re
+import statistics
 import subprocess
 import time
 from collections import defaultdict
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 @functools.lru_cache(maxsize=None)
 def code_version() -> str:
     """The commit whose code a benchmark ran, "+changes" appended where tracked files differ
-    from it, so that every result file says what it measured; "unknown" outside a git
-    checkout. Asked once per process (the scripts call it per row): the code a run imported
-    at its start is the code it measured."""
+    from it; "unknown" outside a git checkout. Asked once per process: the code a run
+    imported at its start is the code it measured."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args: str) -> str:
@@ -25,6 +29,39 @@ def code_version() -> str:
     return commit + ("+changes" if changed else "")
 
 
+@functools.lru_cache(maxsize=None)
+def environment() -> dict:
+    """Device, driver, versions, date and code of this run: every result row carries it."""
+    import torch
+    env = dict(device="cpu", driver="-", torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+               code=code_version())
+    for name in ("triton", "timm", "transformers"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True).stdout.split("\n")[0].strip() or "-"
+        except OSError:
+            pass
+    return env
+
+
+def header() -> str:
+    """One line: what RESULTS.md states above each table."""
+    env = environment()
+    return "# " + "  ".join(f"{k} {v}" for k, v in env.items())
+
+
+def default_out(prefix: str) -> str:
+    """benchmarks/results/<prefix>_<gpu>_<commit>.json, e.g. train_h100_3fe5554.json."""
+    gpu = re.search(r"[A-Z]\d{2,4}", environment()["device"])
+    return os.path.join(RESULTS, f"{prefix}_{gpu.group(0).lower() if gpu else 'cpu'}_{code_version()}.json")
+
+
 def write_json(path, data) -> None:
     """Write ``data`` to ``path`` (creating its folder); scripts call it after every
     measurement, so that a run cut short keeps what it measured."""
@@ -34,10 +71,9 @@ def write_json(path, data) -> None:
 
 
 def cuda_kernel_times(prof) -> dict:
-    """{kernel name: [launches, GPU us]} summed over the CUDA events of a finished
-    torch.profiler run, without the ranges that annotations put on the GPU's timeline
-    (``Optimizer.step#AdamW.step`` spans the optimizer's kernels and the gaps between
-    them: counted as a kernel, it made a host-bound step's GPU time look longer)."""
+    """{kernel name: [launches, GPU us]} over the CUDA events of a finished torch.profiler
+    run, without the ranges annotations put on the GPU's timeline (``Optimizer.step#AdamW.step``
+    spans the optimizer's kernels and the gaps between them)."""
     import torch
     kernels = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
@@ -47,10 +83,30 @@ def cuda_kernel_times(prof) -> dict:
     return dict(kernels)
 
 
+def profile(step, steps: int, top: int):
+    """(launches per step, GPU kernel ms per step, the ``top`` host ops by self time, the
+    ``top`` kernels by GPU time) of ``steps`` steps under torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = cuda_kernel_times(prof)
+    launches = sum(c for c, _ in kernels.values()) / steps
+    gpu_ms = sum(t for _, t in kernels.values()) / steps / 1e3
+    by_gpu = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    host_ops = [dict(name=e.key, calls_per_step=e.count / steps, self_cpu_us_per_step=e.self_cpu_time_total / steps)
+                for e in ops]
+    gpu_kernels = [dict(name=name[:120], calls_per_step=c / steps, us_per_step=t / steps) for name, (c, t) in by_gpu]
+    return launches, gpu_ms, host_ops, gpu_kernels
+
+
 def host_us_per_call(fn, calls: int, warmup: int = 5) -> float:
-    """Wall us per call of ``fn`` over ``calls`` back-to-back calls with one synchronization
-    at the end: host time where the GPU finishes each call's kernels before the host
-    enqueues the next."""
+    """Wall us per call over ``calls`` back-to-back calls, one synchronization at the end:
+    what a plain loop pays per call where the host is the bound."""
     import torch
     for _ in range(warmup):
         fn()
@@ -62,116 +118,53 @@ def host_us_per_call(fn, calls: int, warmup: int = 5) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def gpu_ms_per_call(fn, calls: int) -> float:
-    """GPU ms per call of ``fn`` over ``calls`` back-to-back calls, between two CUDA events."""
-    import torch
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
-
-
-def timm_meta_mlp(step):
-    """``step`` with the SwinV2-CR adapter computing its bias with timm's meta_mlp layers
-    (``module._relative_positional_encodings()``), as before ``position_mlp_table`` took
-    it: the variant ``flashwin-timm-meta-mlp`` of profile_step.py."""
-    from timm_flashwin.patching.adapters import swinv2_cr
-
-    def run():
-        fusable = swinv2_cr.fusable_meta_mlp
-        swinv2_cr.fusable_meta_mlp = lambda mlp: False
-        try:
-            step()
-        finally:
-            swinv2_cr.fusable_meta_mlp = fusable
-    return run
-
-
-def broadcast_query(step):
-    """``step`` with GCViT's global blocks handing the op one tensor of queries, keys and
-    values, the queries repeated over each image's windows and concatenated beside the
-    keys and values (``reference.shared_query_qkv``), as before the kernels read the global
-    query from its own tensor: the variant ``flashwin-broadcast-query`` of profile_step.py."""
-    from timm_flashwin import window_attention
-    from timm_flashwin.patching.adapters import gcvit
-    from timm_flashwin.ops.reference import shared_query_qkv
-
-    def attention(self, module, x, bias, q_global, dropout_p, grid=None):
-        if q_global is None:
-            return shared(self, module, x, bias, q_global, dropout_p, grid)
-        kv = module.qkv(x)
-        query = q_global.reshape(q_global.shape[0], -1, x.shape[-1]).to(kv.dtype)
-        qkv = shared_query_qkv(kv.unflatten(2, (2, module.num_heads, -1)), query, gcvit.query_order() == gcvit.TILED)
-        return window_attention(qkv, module.num_heads, bias=bias, dropout_p=dropout_p, **self.score_scale(module))
-
-    shared = gcvit.GcVitAdapter._attention
-
-    def run():
-        gcvit.GcVitAdapter._attention = attention
-        try:
-            step()
-        finally:
-            gcvit.GcVitAdapter._attention = shared
-    return run
-
-
-def gathered_bias(step):
-    """``step`` with the V1 and SwinV2 adapters handing the op their bias gathered
-    beforehand (``TableBias.dense()``: a gather of its own, autograd node and kernel launch,
-    the attention kernels reading the dense bias), as before the op took a ``TableBias``:
-    the variant ``flashwin-gathered-bias`` of profile_step.py and bench_feature_map.py."""
-    from timm_flashwin import TableBias
-    from timm_flashwin.patching.adapters.swin import SwinAdapter
-    from timm_flashwin.patching.adapters.swinv2 import SwinV2Adapter
-
-    def dense(position_bias):
-        def gathered(self, module):
-            bias = position_bias(self, module)
-            return bias.dense() if isinstance(bias, TableBias) else bias
-        return gathered
-
-    def run():
-        originals = {cls: cls.position_bias for cls in (SwinAdapter, SwinV2Adapter)}
-        for cls, position_bias in originals.items():
-            cls.position_bias = dense(position_bias)
-        try:
-            step()
-        finally:
-            for cls, position_bias in originals.items():
-                cls.position_bias = position_bias
-    return run
-
-
-def call_times_us(fn, calls: int, idle: bool) -> list:
-    """Host us of each of ``calls`` calls of ``fn``: back to back, or (``idle``) each started
-    with the GPU idle (a synchronization and a short sleep before it)."""
+def enqueue_us(fn, calls: int) -> float:
+    """Median host us of one call of ``fn`` started with the GPU idle (a synchronization and
+    a short sleep before it): the host's own time per call."""
     import torch
     times = []
     for _ in range(calls):
-        if idle:
-            torch.cuda.synchronize()
-            time.sleep(0.002)
+        torch.cuda.synchronize()
+        time.sleep(0.002)
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
-    return times
+    return statistics.median(times)
 
 
-def enqueue_us(fn, calls: int) -> float:
-    """Median host us to enqueue one call of ``fn`` with the GPU idle when it starts: the
-    host's own time per call."""
-    import statistics
-    return statistics.median(call_times_us(fn, calls, idle=True))
+def warm_up(step, steps: int, label: str) -> None:
+    """``steps`` steps (the first compiles), then a line saying how long they took: a run
+    cut short by a time limit still says how far it got."""
+    import torch
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    print(f"{label}: warmed up in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def alternating_rounds(steps: dict, rounds: int, repeats: int) -> dict:
+    """{variant: (wall ms per round, enqueue ms per round)}: in each round every variant's
+    ``repeats`` steps back to back (wall: synchronized at the end) and its median enqueue
+    time, so that a ratio within a round shares the host's state of the moment, which
+    drifts between rounds (H200: one variant read 22 to 34 ms across 5 rounds of one run)."""
+    import torch
+    timings = {variant: ([], []) for variant in steps}
+    for _ in range(rounds):
+        for variant, step in steps.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                step()
+            torch.cuda.synchronize()
+            timings[variant][0].append((time.perf_counter() - t0) / repeats * 1e3)
+            timings[variant][1].append(enqueue_us(step, repeats) / 1e3)
+    return timings
 
 
 def python_profile(fn, calls: int, top: int) -> str:
-    """The ``top`` Python functions by own time over ``calls`` back-to-back calls of ``fn``
-    (cProfile), as text."""
+    """The ``top`` Python functions by own time over ``calls`` calls of ``fn`` (cProfile)."""
     import cProfile
     import io
     import pstats

@@ -13,8 +13,8 @@ import bench_hf  # noqa: E402
 
 
 def test_smoke_writes_both_variants_of_each_group(tmp_path):
-    rows = bench_hf.main(["--smoke", "--out-dir", str(tmp_path), "--models", "donut-encoder"])
-    assert json.loads((tmp_path / "bench_hf.json").read_text()) == rows
+    rows = bench_hf.main(["--smoke", "--out", str(tmp_path / "hf.json"), "--models", "donut-encoder"])
+    assert json.loads((tmp_path / "hf.json").read_text()) == rows
     assert [(r["task"], r["variant"], r["patched_modules"]) for r in rows] == [
         ("train", "transformers", 0), ("train", "flashwin", 2), ("infer", "transformers", 0), ("infer", "flashwin", 2)]
     assert all(r["wall_ms"] > 0 and r["image_size"] == [16, 16] for r in rows)

@@ -1,10 +1,6 @@
-"""The bound variants of benchmarks/profile_step.py compute what their docstrings say: every
-attention module (``attention-free``) or every block's window path (``window-free``)
-reduced to proj(qkv(x)[..., :C]), and only that. The bounds measured with them are as good as these.
-The ``flashwin-gathered-bias`` variant computes the patched model's values with the bias
-gathered apart, ``flashwin-broadcast-query`` GCViT's with its global queries concatenated
-beside the keys and values."""
-import copy
+"""The bound variant of benchmarks/bench_train.py computes what its docstring says: every
+attention module (``attention-free``) reduced to proj(qkv(x)[..., :C]), and only that. The
+bounds measured with it are as good as these."""
 import os
 import sys
 
@@ -13,12 +9,8 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from common import broadcast_query, gathered_bias  # noqa: E402
-from profile_step import WINDOW_METHODS, _attention_free_forward, attention_free, window_free  # noqa: E402
+from bench_train import _attention_free_forward, attention_free  # noqa: E402
 
-from conftest import KERNEL_DEVICE  # noqa: E402
-from model_cases import autograd_nodes  # noqa: E402
-from timm_flashwin import patch_model  # noqa: E402
 from timm_flashwin.patching.adapters import adapter_for  # noqa: E402
 
 # small members of each family: two stages, shifted and unshifted blocks
@@ -30,31 +22,10 @@ MODELS = {
     "swinv2_cr": lambda: timm.create_model("swinv2_cr_tiny_224", img_size=(56, 56), window_size=7, depths=(2, 2),
                                            num_heads=(2, 4), embed_dim=32, num_classes=5),
 }
-SIZES = {"swin": 56, "swinv2": 64, "swinv2_cr": 56}
 
 
 def _projections(attn, x):
     return attn.proj(attn.qkv(x)[..., :attn.proj.in_features])
-
-
-@pytest.mark.parametrize("family", list(MODELS))
-def test_window_free_blocks_project_the_feature_map(family):
-    torch.manual_seed(0)
-    model = MODELS[family]().eval()
-    free = window_free(copy.deepcopy(model))
-    blocks = [m for m in free.modules() if isinstance(getattr(m, "attn", None), torch.nn.Module)
-              and adapter_for(m.attn) is not None]
-    assert len(blocks) == 4
-    for block in blocks:
-        # a subclass of timm's block, so that torch.compile guards tell the two apart
-        assert type(block) is not type(block).__mro__[1] and type(block).__mro__[1].__module__.startswith("timm")
-        x = torch.randn(2, 8, 8, block.attn.proj.in_features)
-        method = next(name for name in WINDOW_METHODS if hasattr(block, name))
-        torch.testing.assert_close(getattr(block, method)(x), _projections(block.attn, x), rtol=0, atol=0)
-    # the model's other modules are untouched
-    assert [n for n, _ in free.named_parameters()] == [n for n, _ in model.named_parameters()]
-    size = SIZES[family]
-    assert free(torch.randn(1, 3, size, size)).shape == (1, 5)
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -66,27 +37,6 @@ def test_attention_free_modules_project_the_windows(family):
     for attn in attns:
         x = torch.randn(3, 5, attn.proj.in_features)
         torch.testing.assert_close(attn(x), _projections(attn, x), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("family", ["swin", "swinv2"])
-def test_gathered_bias_variant_gathers_apart_with_the_same_values(family):
-    torch.manual_seed(0)
-    model = patch_model(MODELS[family]()).to(KERNEL_DEVICE).train()
-    x = torch.randn(1, 3, SIZES[family], SIZES[family], device=KERNEL_DEVICE)
-    results = {}
-
-    def step(name):
-        def run():
-            torch.manual_seed(0)  # the same drop-path draws on both sides
-            out = model(x)
-            results[name] = out.detach(), set(autograd_nodes(out))
-        return run
-
-    step("within")()
-    gathered_bias(step("apart"))()
-    torch.testing.assert_close(results["apart"][0], results["within"][0], rtol=0, atol=0)
-    assert "_GatherFromTableBackward" in results["apart"][1]
-    assert "_GatherFromTableBackward" not in results["within"][1]
 
 
 def test_attention_free_gcvit_keeps_the_global_query_networks_backward():
@@ -137,22 +87,3 @@ def test_attention_free_tiny_vit_normalizes_as_the_module_does():
         expected = attn.proj(attn.qkv(attn.norm(x))[..., :attn.proj.in_features])
         torch.testing.assert_close(attn(x), expected, rtol=0, atol=0)
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 5)
-
-
-def test_broadcast_query_variant_computes_the_patched_values():
-    """GCViT's global module: the same output and gradients through the concatenation."""
-    from timm.models.gcvit import WindowAttentionGlobal
-    torch.manual_seed(0)
-    module = patch_model(WindowAttentionGlobal(32, 2, (3, 4), use_global=True)).to(KERNEL_DEVICE)
-    x = torch.randn(6, 12, 32, device=KERNEL_DEVICE, requires_grad=True)
-    q_global = torch.randn(2, 3, 4, 32, device=KERNEL_DEVICE, requires_grad=True)
-    results = []
-
-    def step():
-        out = module(x, q_global)
-        results.append((out, *torch.autograd.grad(out.square().sum(), [x, q_global, module.qkv.weight])))
-    step()
-    broadcast_query(step)()
-    assert not any("Cat" in name for name in autograd_nodes(module(x, q_global)))  # the op's own road reads the query in place
-    for ours, concatenated in zip(*results):
-        torch.testing.assert_close(ours, concatenated, rtol=1e-4, atol=1e-5)
