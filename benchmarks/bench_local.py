@@ -16,22 +16,17 @@ For each case (a pattern, B, H, H_kv, D) and sequence length S, bf16, it times:
                (flash) kernel, a reference point of what a tuned dense kernel does with S
 * ours_python_road  ours with host programs off (not in the default --impls)
 
-The cases: the published block sliding-window kernel's (B=1, H=12, D=64, frames of 256 tokens, windows of 16 and 4
-frames, S = 4096 ... 65536), the published sliding-window kernel's (a sliding window of 500 tokens, and causal),
-head_dim 128 (a window of 512 either side, and global attention: the TFLOP/s of the one
-against the other), grouped-query attention.
-
-Forward and forward+backward (median of CUDA-event timings, triton.testing.do_bench; per length
-``--rounds`` rounds, the implementations in a rotated order, the median of the rounds), in
-TFLOP/s counted on the visible (query, key) pairs of the pattern only (4 D flops per pair
-forward, 2.5x that backward, FlashAttention's convention; sdpa_causal counts the causal
-pairs it computes), the forward+backward's peak memory above the inputs, and each pass's
-host time (ms to enqueue one call with the GPU idle: near the timed ms, the call is bound
-by the host, not by its kernels). Before timing,
-each implementation's output on the case is compared with ours (relative error): they
-compute the same thing. With matplotlib installed, PNG plots of time against S, one per
-case, next to --out (``plot.py local`` redraws them). ``--tune CASE:S`` times launch plans of
-our kernels (``kernels.local.launch.OVERRIDES``) instead and prints the fastest of each.
+The cases (``CASES``): frames of 256 tokens in windows of 16 and 4 frames (B 1, H 12, D 64,
+S 4096 to 65536), a sliding window of 500 and causal (B 2, H 16, D 64), a window of 512
+either side and global attention at head_dim 128, grouped-query attention. Forward and
+forward + backward: medians of ``--rounds`` rounds of triton's do_bench (CUDA events), the
+implementations in a rotated order; TFLOP/s on the visible (query, key) pairs only (4 D
+flops a pair forward, 2.5x that backward; sdpa_causal counts the causal pairs), the forward
++ backward's peak memory above the inputs, each pass's host ms (one call enqueued with the
+GPU idle: near the timed ms, the call is bound by the host), and each output's relative
+error against ours. PNG plots of ms against S per case next to --out (matplotlib; ``plot.py
+local`` redraws them). ``--tune CASE:S`` times launch plans of our kernels
+(``kernels.local.launch.OVERRIDES``) instead and prints the fastest of each.
 """
 from __future__ import annotations
 

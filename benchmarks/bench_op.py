@@ -52,8 +52,7 @@ from timm_flashwin.ops import host_program  # noqa: E402
 from timm_flashwin.ops.position_bias import gather_position_bias  # noqa: E402
 from timm_flashwin.ops.reference import LOGIT_SCALE_MAX  # noqa: E402
 
-# (B_, H, N, D, nW): the issue's shapes. nW is the number of windows per image at the
-# model's native resolution (stage 1 of swin_tiny at 224: 8x8 windows of 7x7, batch 64).
+# (B_, H, N, D, nW): nW windows per image at the model's native resolution (0: no shift mask)
 SHAPES = {
     "v1_s1_b64": (4096, 3, 49, 32, 64),
     "v1_s3_b64": (256, 12, 49, 32, 4),
@@ -61,9 +60,7 @@ SHAPES = {
     "w12_s1_b32": (512, 4, 144, 32, 16),  # not in the issue's list: window 12 (SwinV2 *_window12_*)
     "w16_s1_b32": (512, 3, 256, 32, 16),
     "w24_s1_b16": (256, 4, 576, 32, 16),
-    # the other families at 224 and batch 64, no shift mask (nW 0): MaxViT-tiny's stage-1
-    # blocks and grids (and GCViT-tiny's, DaViT-tiny's 3-head ones), TinyViT-21m's stage 2,
-    # whole 14x14 maps (CoAtNet-0's stage 3; GCViT's and TinyViT's have 8 and 12 heads)
+    # the other families at 224, batch 64: MaxViT-tiny's stage 1, TinyViT-21m's stage 2, CoAtNet-0's stage 3
     "maxvit_s1_b64": (4096, 2, 49, 32, 0),
     "tinyvit_s2_b64": (1024, 6, 49, 32, 0),
     "coatnet_s3_b64": (64, 12, 196, 32, 0),
