@@ -62,12 +62,12 @@ class LaunchConfig:
 
 #: (pass, N, head_dim, dtype, cosine) -> LaunchConfig, consulted before the defaults; pass is
 #: "fwd", "bwd" or "dbias" (the multi-block backward's dbias kernel, ``dbias_config``).
-#: benchmarks/tune_op.py fills it to compare configurations.
+#: Tests fill it to run a configuration (the measurements below filled it with tune_op.py, a
+#: tuning script removed from the tree at fc2fe00: ``git show fc2fe00^:tune_op.py (removed at fc2fe00, in git)``).
 OVERRIDES: Dict[Tuple[str, int, int, torch.dtype, bool], LaunchConfig] = {}
 
 #: Whether the kernels that stream key blocks compute a region-structured mask from
-#: region ids (bias_mask.mask_structure) rather than read it; benchmarks/tune_op.py turns it
-#: off to measure what that saves.
+#: region ids (bias_mask.mask_structure) rather than read it; off, it measures what that saves.
 MASK_REGIONS = True
 
 #: The largest float16 copy of bias + mask, (nW, H, N, N), into which the launcher folds a
@@ -101,7 +101,7 @@ def _streamed_maxnreg(block_d: int, dtype: torch.dtype) -> Optional[int]:
     Left to itself the compiler takes 222 to 255 registers per thread: two programs per
     SM. Capped at 168, three fit (the region-mask forward's 62 to 70 KB of shared memory
     too), for 12 to 70 bytes of spilled registers per thread. H100, bf16, D = 32, cap
-    against none in one run (benchmarks/tune_op.py --only-default --maxnreg -1 0,
+    against none in one run (tune_op.py (removed at fc2fe00, in git) --only-default --maxnreg -1 0,
     2026-11-23), forward / backward us: window 24 V1 618 -> 546 / 1361 -> 1300, cosine
     844 -> 712 / 2210 -> 1947; window 16 V1 218 -> 205 / 467 -> 449, cosine 279 -> 259 /
     745 -> 658; window 12 V1 196 -> 188 / 394 -> 376, cosine 242 -> 242 / 627 -> 552.
@@ -158,7 +158,7 @@ def _default_forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: b
                             reads_mask: bool) -> LaunchConfig:
     block_d = tile_side(head_dim)
     # Tiles shrink as head_dim grows, to stay within registers and shared memory.
-    # Measured on an H200 (benchmarks/tune_op.py, 2026-11-22): 4 warps and 3 stages beat
+    # Measured on an H200 (tune_op.py (removed at fc2fe00, in git), 2026-11-22): 4 warps and 3 stages beat
     # 8 warps or fewer stages on every N <= 64 shape, by 1.1x to 2x.
     max_block = 64 if block_d <= 64 else 32
     stages = 3 if block_d <= 64 else 1
@@ -362,7 +362,7 @@ def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of ints. Not ``triton.cdiv``: from Triton 3.8 it (and
     ``triton.next_power_of_2``) is a ``ConstexprFunction`` whose every call on the host costs
     microseconds, about 10 us on a CPU of CI's kind (local attention: its 10 such calls per
-    forward + backward were about 100 us of host time, ``benchmarks/host_floor.py``'s
+    forward + backward were about 100 us of host time, ``host_floor.py (removed at fc2fe00, in git)``'s
     method). Written as symbolic sizes (torch.compile's dynamic shapes) have traced through
     ``split_windows``."""
     return (a + b - 1) // b

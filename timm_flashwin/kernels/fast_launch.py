@@ -4,7 +4,7 @@ Eager training steps of the tiny models and of the window-24 base are bound by t
 launches (benchmarks/RESULTS.md), and every launch through ``kernel[grid](...)`` binds
 and specializes its arguments anew: on an H200's host, 29 to 54 us for the forward kernel's
 47 arguments (three machine starts), of which calling the compiled kernel takes 10 to 18,
-and through here 19 to 31 (benchmarks/bench_launch.py).
+and through here 19 to 31 (bench_launch.py (removed at fc2fe00, in git)).
 Here the compiled kernel is kept under a key that holds everything Triton's own cache
 key is computed from (each tensor's dtype and 16-byte alignment, each integer's value,
 the constexprs and compile options, the device, Triton's debug and instrumentation

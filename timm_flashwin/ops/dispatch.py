@@ -29,7 +29,7 @@ NAMESPACE = "timm_flashwin"
 #: Tensor types that dispatch as plain tensors: nn.Parameter disables __torch_function__
 #: (a Swin V1 bias table is one; taking it for a subclass sent every eager call of the
 #: bias gather through the operator dispatch: 0.75 ms of host time per layer and training
-#: step of swin_tiny on an H100, benchmarks/bench_host.py --profile).
+#: step of swin_tiny on an H100, bench_host.py (removed at fc2fe00, in git) --profile).
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
@@ -111,7 +111,7 @@ def call_operator(op, *inputs):
 def direct_launches():
     """Launch the kernels as they are, not through wrap_triton's higher-order op, which
     only tracing needs (a triton_op's eager call does the same). Measured on an H100
-    (benchmarks/bench_host.py): left on, a patched swin_tiny attention module's forward
+    (bench_host.py (removed at fc2fe00, in git)): left on, a patched swin_tiny attention module's forward
     took 780 to 920 us of host time, against 270 to 360 us through the operator."""
     return _set_wrap_triton_enabled(False) if _set_wrap_triton_enabled is not None else contextlib.nullcontext()
 

@@ -5,13 +5,13 @@
 In eager mode where the table takes a gradient, one kernel writes the bias, and the
 backward, where PyTorch sums the bias gradient into the table with a sort of the index
 in every call (index_put with accumulation, about ten small kernels: 27 us of GPU time
-per layer on an H100, ``benchmarks/profile_op.py``), sums each table row's pairs, sorted
+per layer on an H100, ``profile_op.py (removed at fc2fe00, in git)``), sums each table row's pairs, sorted
 once per index tensor (``TableRows``), in one deterministic kernel
 (kernels/position/bias.py). Without a gradient, in eager mode, the same gather kernel
 writes the bias. Under torch.compile the same kernels run as registered operators
 (inductor's own scatter of that gradient, atomic adds into the small table, took 219 of
 the 284 ms of GPU time of a compiled swinv2_base_window12to24 training step on an H100,
-benchmarks/profile_step.py), the pairs of a module's index sorted once, when the graph is
+profile_step.py (removed at fc2fe00, in git)), the pairs of a module's index sorted once, when the graph is
 traced (``constant_index``), other indices' pairs sorted in the graph at every step;
 without a gradient there, and on plain CPU tensors, it is the PyTorch expression itself.
 SwinV2's 16 * sigmoid(table[index]) runs in the same kernels (``sigmoid_scale``).
@@ -208,7 +208,7 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
                                  *operator_table_rows(index, table, constant_index), scale)
         if dispatch_free(table):
             # Without a gradient too: PyTorch's indexing took 201 us for a window of 24x24
-            # (its vectorized_gather_kernel, H200, benchmarks/profile_op.py --forward), the
+            # (its vectorized_gather_kernel, H200, profile_op.py (removed at fc2fe00, in git) --forward), the
             # kernel 4 us. TableRows.of checks the index's range, once per index tensor.
             TableRows.of(index, table.shape[0])
             with direct_launches():

@@ -163,7 +163,7 @@ class _EagerWindowAttention(torch.autograd.Function):
     In eager mode the dispatch of a ``triton_op`` (custom-op dispatch, its autograd
     wrapper, the redispatch and dynamo's disable guard, once per pass) costs host time,
     and eager training steps of the tiny models are bound by host time
-    (benchmarks/RESULTS.md). benchmarks/bench_dispatch.py, kernels stubbed out, on a CPU:
+    (benchmarks/RESULTS.md). bench_dispatch.py (removed at fc2fe00, in git), kernels stubbed out, on a CPU:
     forward + backward 440 -> 236 us per call. torch.compile, fake tensors and tensor
     subclasses still get the registered operators (``dispatch.dispatch_free``).
 

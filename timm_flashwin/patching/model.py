@@ -27,8 +27,8 @@ The timm block holding a patched Swin-family module as ``.attn`` gets a subclass
 the windows from the feature map instead (``WindowAttentionAdapter.block_attention``),
 in eager mode, where the map is a whole number of windows and no hook on the module
 would be skipped; elsewhere it is timm's method, which calls the patched module. Under
-torch.compile inductor fuses the copies into their neighbours already (benchmarks/
-RESULTS.md: no gain), and the compiled graphs stay what they were.
+torch.compile inductor fuses the copies into their neighbours already (bench_feature_map.py,
+removed at fc2fe00: no gain), and the compiled graphs stay what they were.
 """
 from __future__ import annotations
 
@@ -304,7 +304,7 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
             torch.compile with CUDA graphs, H200, peak memory and speed against the model
             patched without it: True 0.81x memory, 0.94x speed; the first stage's modules
             (names starting "layers.0.") 0.92x, 0.95x; the second's ("layers.1.") 0.96x,
-            1.00x; the third's 0.95x, 0.98x (benchmarks/RESULTS.md). In eager mode the
+            1.00x; the third's 0.95x, 0.98x (47adaeb, 0447d84: benchmarks/results/). In eager mode the
             checkpointing's dispatch adds host work per step (a host-bound step slows).
         feature_map: let the timm block around each patched module have the op read its
             windows from the (B, H, W, C) map and write them back there (no roll,

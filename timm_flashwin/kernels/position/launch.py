@@ -69,7 +69,7 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
 
 
 #: (rows, hidden units, warps) of the position-MLP kernels' programs. H100, best of 27 per
-#: kernel on windows 8 and 24 with 3 and 32 heads (benchmarks/bench_position_mlp.py --sweep,
+#: kernel on windows 8 and 24 with 3 and 32 heads (bench_position_mlp.py (removed at fc2fe00, in git) --sweep,
 #: GPU us): the forward within 1.05x of the best but on window 24 with 3 heads (1.49x,
 #: 22 us), 12 us on window 8 (21 us at (32, 64, 4)); the backward within 1.14x, 14 us on
 #: window 8 (23 to 35 us at (32, 64, 4)). The interpreter: fewer, larger programs (it runs
