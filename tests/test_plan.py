@@ -56,6 +56,23 @@ def test_overrides_and_traced_launches_are_decided_every_call(monkeypatch):
     assert traced() is not traced()
 
 
+class _UnhashableSize(int):
+    """An int that cannot be hashed, as a SymInt under an operator's dynamic-shape dispatch."""
+
+    def __hash__(self):
+        raise TypeError("unhashable type: non-nested SymInt")
+
+
+def test_call_plans_are_kept_for_plain_sizes_only():
+    """A call's plan is kept per signature of plain ints and bools; a symbolic size (any
+    other type: a SymInt, which cannot be hashed) gets the same answers, not kept."""
+    from timm_flashwin.kernels.arch import INTERPRETER
+    kept = plan.call_plan(64, 32, torch.float32, True, False, INTERPRETER)
+    assert kept is plan.call_plan(64, 32, torch.float32, True, False, INTERPRETER)
+    for n, head_dim in ((_UnhashableSize(64), 32), (64, _UnhashableSize(32))):
+        assert plan.call_plan(n, head_dim, torch.float32, True, False, INTERPRETER) == kept
+
+
 def test_settings_are_part_of_the_signature(monkeypatch):
     case = make_case(4, 2, 2, 144, 16, cosine=False, masked=True, dtype=torch.bfloat16, device=KERNEL_DEVICE)
     folded = _forward(case)

@@ -101,8 +101,10 @@ class CallPlan:
 
 def call_plan(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool, arch: Arch) -> CallPlan:
     """The ``CallPlan`` of this shape on ``arch`` (``arch.tensor_arch(qkv)``), kept per signature
-    (not while dynamo traces: N, and dropout_p > 0, may be symbolic there)."""
-    if config.OVERRIDES or torch.compiler.is_compiling() or type(n) is not int or type(dropout) is not bool:
+    (not where a size or the dropout flag is symbolic: dynamo's tracing, an operator's
+    dynamic-shape dispatch; a SymInt cannot be hashed)."""
+    if (config.OVERRIDES or torch.compiler.is_compiling() or type(n) is not int or type(head_dim) is not int
+            or type(dropout) is not bool):
         return _call_plan(n, head_dim, dtype, cosine, dropout, arch)
     key = ("call", n, head_dim, dtype, cosine, dropout, arch, config.MASK_REGIONS)
     return _cached(key, lambda: _call_plan(n, head_dim, dtype, cosine, dropout, arch))
