@@ -111,7 +111,7 @@ def _streamed_maxnreg(block_d: int, dtype: torch.dtype) -> Optional[int]:
 
 
 def _cached(function):
-    """``functools.lru_cache`` for eager calls; while dynamo traces (``plan.reads_table``,
+    """``functools.lru_cache`` for eager calls; while dynamo traces (``plan.call_plan``,
     which ``window_attention`` asks under torch.compile too) the function itself: dynamo
     traces through a cache regardless and warns of each one it meets."""
     cached = functools.lru_cache(maxsize=None)(function)

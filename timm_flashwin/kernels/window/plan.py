@@ -106,7 +106,8 @@ def call_plan(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: 
     if (config.OVERRIDES or torch.compiler.is_compiling() or type(n) is not int or type(head_dim) is not int
             or type(dropout) is not bool):
         return _call_plan(n, head_dim, dtype, cosine, dropout, arch)
-    key = ("call", n, head_dim, dtype, cosine, dropout, arch, config.MASK_REGIONS)
+    # config.MASK_REGIONS is no part of it: ``regions_used`` reads that setting at each call
+    key = ("call", n, head_dim, dtype, cosine, dropout, arch)
     return _cached(key, lambda: _call_plan(n, head_dim, dtype, cosine, dropout, arch))
 
 
@@ -206,14 +207,15 @@ def _forward_plan(qkv, num_heads, has_bias, mask, cosine, dropout, save_stats, g
     if table and n > tiles.block_n:
         raise ValueError(f"window_attention: the bias is read from its table in windows of one tile, N = {n} is "
                          f"more (CallPlan.reads_table)")
-    used = call_plan(n, head_dim, dtype, cosine, dropout, arch).regions_used(mask, num_heads)
+    call = call_plan(n, head_dim, dtype, cosine, dropout, arch)
+    used = call.regions_used(mask, num_heads)
     per_period = num_windows // periods
     m_blocks = -(-n // tiles.block_m)
     chunks, per_chunk = config.split_windows(
         per_period, m_blocks * num_heads * periods, config.target_programs(arch, tiles.programs_per_sm))
     streams = n > tiles.block_n
     flags = streamed_flags(has_bias, mask is not None, streams, dtype, num_heads, periods, n)
-    stats_shape = call_plan(n, head_dim, dtype, cosine, dropout, arch).stats_shape(num_windows, num_heads, save_stats)
+    stats_shape = call.stats_shape(num_windows, num_heads, save_stats)
     plan = ForwardPlan(tiles, num_windows, n, head_dim, periods, per_period, per_chunk,
                        (m_blocks * num_heads * periods * chunks,), (*qkv.shape[:2], num_heads * head_dim), stats_shape,
                        used, used and streams, streams, table, flags, grid_args(grid))
