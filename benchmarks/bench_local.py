@@ -291,13 +291,13 @@ def _time_pass(fn: Callable, inputs, forward_only: bool, rep: int) -> float:
 def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     """Time launch plans of our kernels ``kinds`` on one case (forward plans by the forward,
     backward ones by forward+backward), the others at their defaults. The case's length
-    decides which plans it tunes: those of its class of rows (``local_launch.row_class``)."""
-    from timm_flashwin.kernels.local import launch as local_launch
+    decides which plans it tunes: those of its class of rows (``local_plan.row_class``)."""
+    from timm_flashwin.kernels.local import plan as local_plan
     from timm_flashwin.kernels.arch import device_arch
     name, seq_len = spec.split(":")
     case, seq_len = CASES[name], int(seq_len)
     arch = device_arch(torch.device("cuda"))
-    rows_class = local_launch.row_class(astuple(case.pattern), seq_len, seq_len, case.batch * case.heads, arch)
+    rows_class = local_plan.row_class(astuple(case.pattern), seq_len, seq_len, case.batch * case.heads, arch)
     inputs = make_inputs(case, seq_len)
     fn = ours(case.pattern)
     # (4, 2): the fastest of a minimal global forward's plans at head_dim 128 on an H100
@@ -312,9 +312,9 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
     for kind in kinds:
         plans = candidates[kind]
         key = (kind, case.head_dim, torch.bfloat16, rows_class)
-        default = local_launch.plan(kind, case.head_dim, torch.bfloat16, rows_class, arch=arch)
-        for tiles in [default] + [local_launch.Plan(*p) for p in plans]:
-            local_launch.OVERRIDES[key] = tiles
+        default = local_plan.plan(kind, case.head_dim, torch.bfloat16, rows_class, arch=arch)
+        for tiles in [default] + [local_plan.Plan(*p) for p in plans]:
+            local_plan.OVERRIDES[key] = tiles
             try:
                 ms, result = _time_pass(fn, inputs, forward_only=kind == "fwd", rep=rep), {}
             except Exception as exc:  # a plan that does not fit (shared memory) is reported
@@ -322,7 +322,7 @@ def tune(spec: str, rep: int, kinds=("fwd", "dq", "dkdv")) -> List[Dict]:
             rows.append(dict(case=name, S=seq_len, kind=kind, rows=rows_class, plan=tiles.__dict__, ms=ms, default=tiles == default,
                              **{k: v for k, v in result.items() if k == "error"}))
             print(f"{kind:5s} {tiles} {ms:8.3f} ms{' (default)' if tiles == default else ''}", flush=True)
-        local_launch.OVERRIDES.pop(key)
+        local_plan.OVERRIDES.pop(key)
         timed = [r for r in rows if r["kind"] == kind and r["ms"] == r["ms"]]
         best = min(timed, key=lambda r: r["ms"])
         print(f"fastest {kind}: {best['plan']} {best['ms']:.3f} ms", flush=True)

@@ -37,7 +37,7 @@ import local_arch_build  # noqa: E402
 from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
 from timm_flashwin.kernels.window import backward, backward_dkdv, backward_dq_dbias
 from timm_flashwin.kernels import budget, config
-from timm_flashwin.kernels.local import launch as local_launch  # noqa: E402,E501
+from timm_flashwin.kernels.local import plan as local_plan  # noqa: E402,E501
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
 from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options, launch_options  # noqa: E402
@@ -114,15 +114,17 @@ def _window_builds(n: int, head_dim: int, cosine: bool, dtype: torch.dtype, drop
 
 def _local_builds(head_dim: int, dtype: torch.dtype, arch: Arch) -> List[Build]:
     flags = dict(D=head_dim, BLOCK_D=config.tile_side(head_dim), PERIODIC=True, HAS_SINK=True, HAS_DROPOUT=True,
-                 PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
+                 PRECISION=local_plan.precision(dtype), COUNT_TILES=False, BIAS=0, ROW_TILE=False)
     builds = []
     for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
                          ("dq", local_attention_bwd_dq_kernel)):
-        plans = [local_launch.plan(kind, head_dim, dtype, rows, arch=arch)
-                 for rows in (local_launch.SHORT, local_launch.LONG, local_launch.TALL)]
-        plans += [local_launch.plan(kind, head_dim, dtype, local_launch.SHORT, *lengths, arch=arch)
+        plans = [local_plan.plan(kind, head_dim, dtype, rows, arch=arch)
+                 for rows in (local_plan.SHORT, local_plan.LONG, local_plan.TALL)]
+        plans += [local_plan.plan(kind, head_dim, dtype, local_plan.SHORT, *lengths, arch=arch)
                   for lengths in ((4, 16), (16, 64))]
-        extra = dict(FOLD_SCALE=local_launch.fold_scale(1.0, head_dim)) if kind == "fwd" else {}
+        extra = dict(FOLD_SCALE=local_plan.fold_scale(1.0, head_dim)) if kind == "fwd" else {}
+        if kind == "dq":
+            extra = dict(KEY_H_PAD=16, KEY_W_PAD=16)
         for tiles in dict.fromkeys(plans):
             builds.append((kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **extra),
                            dict(compiler_options(tiles.num_warps), num_stages=tiles.num_stages)))

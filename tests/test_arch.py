@@ -11,7 +11,7 @@ from opcases import assert_matches_reference, forward_backward, make_case, refer
 from plan_fits import LOCAL_HEAD_DIMS, window_shapes
 from timm_flashwin import window_attention
 from timm_flashwin.kernels import arch, budget, config
-from timm_flashwin.kernels.local import launch as local_launch
+from timm_flashwin.kernels.local import plan as local_plan
 from timm_flashwin.kernels.window import plan
 
 FITTED = [a for a in arch.KNOWN.values() if not budget.keeps_tuned(a)]
@@ -27,14 +27,14 @@ def fresh_plans():
 
 def _clear_configurations() -> None:
     for cached in (config._default_forward_config, config._default_backward_config, config._fitted_forward,
-                   config._fitted_backward, local_launch._default_plan, local_launch._fitted_plan):
+                   config._fitted_backward, local_plan._default_plan, local_plan._fitted_plan):
         cached.cache_clear()
 
 
 @pytest.fixture
 def gpu_defaults(monkeypatch):
     """The configurations a GPU gets (the interpreter's tiles aside: ``config._streamed_block``,
-    ``local_launch._default_plan``)."""
+    ``local_plan._default_plan``)."""
     monkeypatch.setattr(config, "INTERPRET", False)
     _clear_configurations()
     yield
@@ -88,9 +88,9 @@ def test_every_plan_fits_the_estimate_of_its_architecture(target, gpu_defaults):
     for head_dim in LOCAL_HEAD_DIMS:
         for dtype in (torch.float32, torch.bfloat16):
             for kind in ("fwd", "dq", "dkdv"):
-                for rows in (local_launch.SHORT, local_launch.LONG, local_launch.TALL):
-                    tiles = local_launch.plan(kind, head_dim, dtype, rows, arch=target)
-                    if not local_launch.fits(head_dim, dtype, target):
+                for rows in (local_plan.SHORT, local_plan.LONG, local_plan.TALL):
+                    tiles = local_plan.plan(kind, head_dim, dtype, rows, arch=target)
+                    if not local_plan.fits(head_dim, dtype, target):
                         assert target.shared_memory < 99 * 1024 and dtype == torch.float32, (kind, head_dim)
                         continue
                     need = budget.local_shared_bytes(kind, tiles.block_m, tiles.block_n, config.tile_side(head_dim),
@@ -125,7 +125,7 @@ def test_smaller_gpus_take_fewer_stages_then_smaller_tiles(gpu_defaults):
     call = plan.call_plan(64, 64, torch.float32, True, False, sm75)
     assert not call.reads_table and call.stats_shape(4, 2, True) == (4, 4, 2, 64)
     assert config.backward_config(49, 256, torch.float32, True, sm80).block_n < 32
-    assert local_launch.plan("dq", 128, torch.bfloat16, arch=sm86) != local_launch.plan("dq", 128, torch.bfloat16)
+    assert local_plan.plan("dq", 128, torch.bfloat16, arch=sm86) != local_plan.plan("dq", 128, torch.bfloat16)
 
 
 def test_a_plan_fitted_to_another_road_computes_the_same(monkeypatch):
@@ -177,7 +177,7 @@ def test_patch_model_on_an_unserved_device_keeps_timm_and_says_so(monkeypatch):
 def test_local_attention_on_an_unserved_dtype_computes_with_pytorch(monkeypatch):
     from timm_flashwin import sliding_window_attention
     monkeypatch.setenv(arch.ASSUME_ENV, "sm_70")
-    monkeypatch.setattr("timm_flashwin.ops.local.local_forward", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr("timm_flashwin.ops.local_operators.local_forward", lambda *a, **k: pytest.fail("launched"))
     q, k, v = (torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
                for i in range(3))
     with pytest.warns(RuntimeWarning, match="sm_70 has no bfloat16 tensor cores"):

@@ -8,6 +8,7 @@ from conftest import HAS_CUDA, KERNEL_DEVICE
 from host_program_cases import CASES, case_call, shift_mask
 from test_position_bias import relative_position_index
 from timm_flashwin import TableBias, window_attention
+from timm_flashwin.kernels.local.launch import LocalInputs
 from timm_flashwin.ops import host_program, native
 from timm_flashwin.ops.host_recorder import Recorder
 from timm_flashwin.ops.position_bias import TableGather
@@ -96,7 +97,7 @@ def test_recorder_notes_launches_by_the_compiled_signature():
     assert hp.fast_launch.RECORD is None  # switched off on leaving
 
 
-@pytest.mark.parametrize("op", ["window", "window_gathered_table", "local"])
+@pytest.mark.parametrize("op", ["window", "window_gathered_table", "local", "local_decomposed_bias"])
 def test_op_calls_are_recorded_up_to_their_launches(op):
     """An eager call's forward and backward record to the end: every tensor they touch is an
     input, a saved tensor or made in the call; so does a call without a gradient (its forward
@@ -107,8 +108,9 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
     program takes as an input (it read the module's own index, which stopped every such
     recording), and the backward's launches read the float16 bias copy that the forward
     made and saved (kept on the gathered bias only, the backward's recording did not know
-    it)."""
-    from timm_flashwin.ops import local as local_attention, window as window_op
+    it). ``local_decomposed_bias``: the local operator with a decomposed relative-position
+    bias, whose terms are inputs that take gradients."""
+    from timm_flashwin.ops import local_operators, window as window_op
     if HAS_CUDA and native.module() is None:
         pytest.skip("the host-program extension cannot be built here")
     generator = torch.Generator().manual_seed(0)
@@ -131,10 +133,12 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
             *inputs[:-1], False, None, table_gather, None, False)[0]
     else:
         q, k, v = (randn(1, 2, 20, 16) for _ in range(3))
-        tensors = [q, k, v]
-        inputs = (q, k, v, 1, 8, 1, 0, 0.25, 0.0, None)
-        road = lambda: local_attention._EagerLocalAttention.apply(*inputs)[0]  # noqa: E731
-        forward_alone = lambda: local_attention._forward_without_grad(*inputs)  # noqa: E731
+        bias = (randn(1, 2, 20, 4), randn(1, 2, 20, 5)) if op == "local_decomposed_bias" else (None, None)
+        inputs = LocalInputs(q, k, v, None, *bias)
+        args = local_operators.LocalArgs((1, 8, 1, 0), 0.25, 0.0, 5 if bias[0] is not None else 0)
+        tensors = local_operators.host_inputs(inputs)
+        road = lambda: local_operators.EagerLocalAttention.apply(q, k, v, *bias, None, args)[0]  # noqa: E731
+        forward_alone = lambda: local_operators.forward_without_grad(inputs, args)  # noqa: E731
     key = ("test_op_calls_are_recorded_up_to_their_launches", op)
     out = host_program.call(key, tensors, road)
     signature = host_program._SIGNATURES.pop((key, True))

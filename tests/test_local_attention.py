@@ -12,12 +12,26 @@ import torch
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import TOLERANCE, assert_matches_reference
 from timm_flashwin import block_sliding_window_attention, sliding_window_attention
-from timm_flashwin.kernels.local import launch as local_launch
-from timm_flashwin.ops.local import local_attention_bwd, local_attention_fwd
+from timm_flashwin.kernels.local import launch as local_launch, plan as local_plan
+from timm_flashwin.ops.local_operators import local_attention_bwd, local_attention_fwd
 from timm_flashwin.ops.local_reference import (LocalPattern, block_window_visible, local_attention_reference,
                                                sliding_window_visible)
 
 NAMES = ("out", "dq", "dk", "dv")
+
+
+def launch_forward(q, k, v, pattern, scale, dropout_p=0.0, seed=None, counts=None):
+    """The forward's launch (``local_launch.local_forward``) for q, k, v and a pattern's numbers."""
+    inputs = local_launch.LocalInputs(q, k, v, seed)
+    call = local_launch.local_call(inputs, pattern, scale, dropout_p)
+    return local_launch.local_forward(call, inputs, scale, dropout_p, counts)
+
+
+def launch_backward(do, q, k, v, out, lse, pattern, scale, dropout_p=0.0, seed=None, counts=None):
+    """The backward's launches: (dq, dk, dv)."""
+    inputs = local_launch.LocalInputs(q, k, v, seed)
+    call = local_launch.local_call(inputs, pattern, scale, dropout_p)
+    return local_launch.local_backward(call, inputs, out, lse, do, scale, dropout_p, counts)[:3]
 
 
 def lengths(S):
@@ -131,11 +145,11 @@ def test_scale_and_the_total_window_width_convention():
 
 @pytest.mark.parametrize("scale", [-0.7, 0.0])
 def test_scales_that_are_not_positive(scale):
-    """The forward folds a positive scale into the exponent's FMA (``local_launch.fold_scale``:
+    """The forward folds a positive scale into the exponent's FMA (``local_plan.fold_scale``:
     the row maximum of the unscaled scores); a negative or zero scale takes the logits scaled
     first, where a masked score stays -inf (times a negative scale it would be +inf, times 0
     NaN). Window edges, a sink and a partial last block, so that masked tiles are visited."""
-    assert local_launch.fold_scale(0.3, 16) and not local_launch.fold_scale(scale, 16)
+    assert local_plan.fold_scale(0.3, 16) and not local_plan.fold_scale(scale, 16)
     q, k, v, do = make_inputs(1, 2, 1, 45, 16, seed=3)
     results = forward_backward(blocks(8, 2, 3, scale=scale), q, k, v, do)
     assert_matches_reference(results, reference(block_window_visible(8, 2, 3), q, k, v, do, scale=scale), 1e-4,
@@ -176,12 +190,12 @@ def test_kernels_visit_only_tiles_with_visible_pairs(pattern, visible, keys):
     q, k, v, do = make_inputs(1, 1, 1, (S, S_k), 16)
     counts = torch.zeros(4, dtype=torch.int32, device=KERNEL_DEVICE)
     numbers = (pattern.period, pattern.before, pattern.after, pattern.sink)
-    out, lse = local_launch.local_forward(q, k, v, numbers, 0.25, counts=counts[:2])
+    out, lse = launch_forward(q, k, v, numbers, 0.25, counts=counts[:2])
     forward = counts[:2].tolist()
     counts.zero_()
-    local_launch.local_backward(do, q, k, v, out, lse, numbers, 0.25, counts=counts)
+    launch_backward(do, q, k, v, out, lse, numbers, 0.25, counts=counts)
     dkdv, dq = counts[:2].tolist(), counts[2:].tolist()
-    fwd_tiles, dq_tiles, dkdv_tiles = (local_launch.plan(kind, 16, q.dtype) for kind in ("fwd", "dq", "dkdv"))
+    fwd_tiles, dq_tiles, dkdv_tiles = (local_plan.plan(kind, 16, q.dtype) for kind in ("fwd", "dq", "dkdv"))
     by_query = expected_tiles(visible, S, S_k, fwd_tiles.block_m, fwd_tiles.block_n)
     by_query_dq = expected_tiles(visible, S, S_k, dq_tiles.block_m, dq_tiles.block_n)
     by_key = expected_tiles(visible, S, S_k, dkdv_tiles.block_n, dkdv_tiles.block_m, transposed=True)
@@ -197,8 +211,8 @@ def test_rows_without_keys_give_zero_not_nan():
     output 0, log-sum-exp +inf, every gradient 0, nothing NaN."""
     q, k, v, do = make_inputs(1, 2, 1, 20, 16)
     empty = (1, 0, 0, 0)  # keys max(0, i) <= j < i: none
-    out, lse = local_launch.local_forward(q, k, v, empty, 0.25)
-    grads = local_launch.local_backward(do, q, k, v, out, lse, empty, 0.25)
+    out, lse = launch_forward(q, k, v, empty, 0.25)
+    grads = launch_backward(do, q, k, v, out, lse, empty, 0.25)
     assert torch.isinf(lse).all() and (lse > 0).all()
     for t in (out, *grads):
         assert not t.isnan().any() and t.eq(0).all()
@@ -351,8 +365,8 @@ def test_no_launch_passes_a_tensor_it_writes_twice(dropout_p, monkeypatch):
     monkeypatch.setattr(local_launch, "launcher", Recording)
     seed = torch.tensor([1234], dtype=torch.int64, device=KERNEL_DEVICE) if dropout_p else None
     pattern = (4, 3, 4, 2)
-    out, lse = local_launch.local_forward(q, k, v, pattern, 0.25, dropout_p, seed)
-    local_launch.local_backward(do, q, k, v, out, lse, pattern, 0.25, dropout_p, seed)
+    out, lse = launch_forward(q, k, v, pattern, 0.25, dropout_p, seed)
+    launch_backward(do, q, k, v, out, lse, pattern, 0.25, dropout_p, seed)
     assert len(launches) == 3  # forward, dq (with delta), dkdv
     for kernel, tensors in launches:
         inputs = [t for t in (q, k, v, do, seed) if t is not None]

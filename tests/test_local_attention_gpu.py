@@ -10,8 +10,8 @@ import torch
 from opcases import TOLERANCE, assert_matches_reference, relative_error
 from test_local_attention import NAMES, blocks, forward_backward, make_inputs, reference, sliding
 from timm_flashwin import block_sliding_window_attention, sliding_window_attention
-from timm_flashwin.kernels.local import launch as local_launch
-from timm_flashwin.ops.local import local_attention_fwd
+from timm_flashwin.kernels.local import launch as local_launch, plan as local_plan
+from timm_flashwin.ops.local_operators import local_attention_fwd
 from timm_flashwin.ops.local_reference import block_window_visible, sliding_window_visible
 
 
@@ -33,7 +33,7 @@ def _compare_on_gpu(fn, visible, shape, dtype, chunk=None, scale=None):
                  id="frames-256-4-sink64-S32k"),
     pytest.param(blocks(1560, 2), block_window_visible(1560, 2), (1, 4, 1, 12000, 128), id="frames-1560-mqa"),
     pytest.param(sliding((1024, 0)), sliding_window_visible(1024, 0), (1, 1, 1, 131072, 64), id="causal-1024-S128k"),
-    # 4096 programs of 128 query rows: the forward's tall tiles on an H100 (local_launch.tall_tiles)
+    # 4096 programs of 128 query rows: the forward's tall tiles on an H100 (local_plan.tall_tiles)
     pytest.param(sliding((512, 511)), sliding_window_visible(512, 511), (4, 16, 4, 8192, 64), id="window-1024-tall"),
     pytest.param(sliding((None, None), True), sliding_window_visible(None, 0), (8, 16, 16, 4096, 64),
                  id="causal-B8-tall"),

@@ -1,4 +1,4 @@
-"""Which launch plans the local-attention kernels take (``kernels.local_launch.row_class``:
+"""Which launch plans the local-attention kernels take (``kernels.local_plan.row_class``:
 short, long and tall rows), and every plan built for sm_90, what the interpreter cannot
 check (constexpr branches, loop-carried types, shared memory)."""
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 import triton
 
-from timm_flashwin.kernels.local import launch as local_launch
+from timm_flashwin.kernels.local import plan as local_plan
 from timm_flashwin.kernels.arch import INTERPRETER
 from timm_flashwin.ops.local_reference import LocalPattern
 
-LONG = local_launch.LONG_ROW_KEYS
+LONG = local_plan.LONG_ROW_KEYS
 
 
 @pytest.mark.parametrize("pattern,seq_len,long", [
@@ -34,7 +34,7 @@ def test_long_row_plans_follow_the_widest_row(pattern, seq_len, long):
     """Which plans a pattern takes (long rows: taller query tiles on the GPU) depends on the
     most keys one of its rows may see, sink included, never more than S."""
     numbers = (pattern.period, pattern.before, pattern.after, pattern.sink)
-    assert local_launch.long_rows(numbers, seq_len) is long
+    assert local_plan.long_rows(numbers, seq_len) is long
 
 
 H100_SMS = 132
@@ -57,27 +57,27 @@ H100_SMS = 132
     (LocalPattern.sliding(None, 0), 1000, 1 << 12, False),  # rows of fewer than 1024 keys
 ])
 def test_tall_forward_tiles_take_wide_rows_in_large_grids(pattern, seq_len, batch_heads, tall):
-    """The forward's 128-row tiles (``local_launch.tall_tiles``): rows of at least 1024 keys,
+    """The forward's 128-row tiles (``local_plan.tall_tiles``): rows of at least 1024 keys,
     frames that are whole tiles, and at least 16 tall programs per multiprocessor."""
     numbers = (pattern.period, pattern.before, pattern.after, pattern.sink)
-    assert local_launch.tall_tiles(numbers, seq_len, seq_len, batch_heads, H100_SMS) is tall
+    assert local_plan.tall_tiles(numbers, seq_len, seq_len, batch_heads, H100_SMS) is tall
 
 
 def test_row_class_plans():
     """Long rows take precedence; under the interpreter (no GPU to count SMs) rows are never
     tall; a TALL class changes the forward's plan at head_dim 64 only (on the GPU's tables)."""
     causal = (1, -1, 1, 0)
-    assert local_launch.row_class(causal, LONG, LONG, 1 << 12, INTERPRETER) == local_launch.LONG
-    assert local_launch.row_class(causal, 4096, 4096, 1 << 12, INTERPRETER) == local_launch.SHORT
-    default_plan = local_launch._default_plan.__wrapped__
+    assert local_plan.row_class(causal, LONG, LONG, 1 << 12, INTERPRETER) == local_plan.LONG
+    assert local_plan.row_class(causal, 4096, 4096, 1 << 12, INTERPRETER) == local_plan.SHORT
+    default_plan = local_plan._default_plan.__wrapped__
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(local_launch.config, "INTERPRET", False)
-        tall = default_plan("fwd", 64, torch.bfloat16, local_launch.TALL)
-        assert (tall.block_m, tall.block_n) == (local_launch.TALL_BLOCK_M, 64)
+        patch.setattr(local_plan.config, "INTERPRET", False)
+        tall = default_plan("fwd", 64, torch.bfloat16, local_plan.TALL)
+        assert (tall.block_m, tall.block_n) == (local_plan.TALL_BLOCK_M, 64)
         for kind, width, dtype in (("dq", 64, torch.bfloat16), ("dkdv", 64, torch.bfloat16),
                                    ("fwd", 128, torch.bfloat16), ("fwd", 64, torch.float32)):
-            assert (default_plan(kind, width, dtype, local_launch.TALL)
-                    == default_plan(kind, width, dtype, local_launch.SHORT))
+            assert (default_plan(kind, width, dtype, local_plan.TALL)
+                    == default_plan(kind, width, dtype, local_plan.SHORT))
 
 
 # ----------------------------------------------------------------------- the sm_90 build
@@ -98,20 +98,20 @@ def test_kernels_compile_for_sm90():
 
 
 def test_short_sequences_take_tiles_fitted_to_them():
-    """``local_launch.fitted``: tiles no taller than the queries nor wider than the keys
+    """``local_plan.fitted``: tiles no taller than the queries nor wider than the keys
     (powers of two, at least 16), at most 4 warps where fitted; long sequences keep the
     class's plan (on the GPU's tables). Hiera's pooling blocks: 4 or 16 queries, 16 or 64 keys."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(local_launch.config, "INTERPRET", False)
-        local_launch._default_plan.cache_clear()
+        patch.setattr(local_plan.config, "INTERPRET", False)
+        local_plan._default_plan.cache_clear()
         try:
             for kind in ("fwd", "dq", "dkdv"):
-                full = local_launch.plan(kind, 96, torch.bfloat16)
-                assert local_launch.plan(kind, 96, torch.bfloat16, local_launch.SHORT, 16384, 16384) == full
-                tiles = local_launch.plan(kind, 96, torch.bfloat16, local_launch.SHORT, 4, 16)
+                full = local_plan.plan(kind, 96, torch.bfloat16)
+                assert local_plan.plan(kind, 96, torch.bfloat16, local_plan.SHORT, 16384, 16384) == full
+                tiles = local_plan.plan(kind, 96, torch.bfloat16, local_plan.SHORT, 4, 16)
                 assert (tiles.block_m, tiles.block_n, tiles.num_stages) == (16, 16, full.num_stages)
                 assert tiles.num_warps == min(full.num_warps, 4)
-                tiles = local_launch.plan(kind, 96, torch.bfloat16, local_launch.SHORT, 49, 196)
+                tiles = local_plan.plan(kind, 96, torch.bfloat16, local_plan.SHORT, 49, 196)
                 assert (tiles.block_m, tiles.block_n) == (min(full.block_m, 64), min(full.block_n, 256))
         finally:
-            local_launch._default_plan.cache_clear()
+            local_plan._default_plan.cache_clear()

@@ -38,7 +38,7 @@ import torch
 from . import native
 from .host_recorder import NotRecordable, Recorder
 from ..kernels import config, fast_launch
-from ..kernels.local import launch as local_launch
+from ..kernels.local import plan as local_plan
 from ..kernels.arch import IS_HIP, assumed
 
 _log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def switched_off():
 def available() -> bool:
     """Whether host programs are used in this process: switched on, the extension built, and
     no launch plan overridden (the tuning scripts' ``OVERRIDES``, which no key holds)."""
-    return ENABLED and not (config.OVERRIDES or local_launch.OVERRIDES) and native.module() is not None
+    return ENABLED and not (config.OVERRIDES or local_plan.OVERRIDES) and native.module() is not None
 
 
 def takes(tensor: torch.Tensor) -> bool:

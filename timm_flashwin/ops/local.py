@@ -3,25 +3,28 @@ global) and ``block_sliding_window_attention`` (blocks of tokens, a window of bl
 attention sinks), with PyTorch's scaled_dot_product_attention conventions.
 
 Both are one pattern to the kernels (``local_reference.LocalPattern``) and one pair of
-registered operators, ``timm_flashwin::local_attention_fwd`` / ``local_attention_bwd``,
-whose autograd formula torch.compile traces. In eager mode on plain tensors the same
-kernels launch without the operator dispatch (``dispatch.dispatch_free``), as
-``window_attention`` does; where no kernel runs (plain CPU tensors, float64) PyTorch
-computes ``local_reference``'s math, with the same semantics.
+registered operators (``local_operators``), ``timm_flashwin::local_attention_fwd`` /
+``local_attention_bwd``, whose autograd formula torch.compile traces. In eager mode on plain
+tensors the same kernels launch without the operator dispatch (``dispatch.dispatch_free``),
+as ``window_attention`` does; where no kernel runs (plain CPU tensors, float64) PyTorch
+computes ``local_reference``'s math, with the same semantics. ``attend`` is the road all of
+them take, also the decomposed relative-position attention (``rel_pos``), a bias of the
+same kernels.
 """
 from __future__ import annotations
 
-from functools import partial
 from numbers import Real
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import host_program
-from .dispatch import (KERNEL_DTYPES, call_operator, direct_launches, dispatch_free, register_autograd, register_op,
-                       served, uses_kernels)
+from .dispatch import KERNEL_DTYPES, call_operator, dispatch_free, served, uses_kernels
 from ..kernels.arch import tensor_arch
-from ..kernels.local.launch import fits, local_backward, local_forward
+from ..kernels.local.launch import LocalInputs
+from ..kernels.local.plan import bias_fits, fits
+from .local_operators import (EagerLocalAttention, LocalArgs, forward_without_grad, host_inputs,
+                              local_attention_fwd, operator_inputs)
 from .local_reference import (LocalPattern, Visible, block_window_visible, local_attention_reference,
                               sliding_window_visible)
 from .window import draw_dropout_seed
@@ -36,123 +39,76 @@ _UNLIMITED = 1 << 30
 REFERENCE_CHUNK = 1024
 
 
-# --------------------------------------------------------------------------- operators
-def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, period: int, before: int, after: int,
-                  sink: int, scale: float, dropout_p: float, seed: Optional[torch.Tensor]
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return local_forward(q, k, v, (period, before, after, sink), scale, dropout_p, seed)
-
-
-def _forward_fake(q, k, v, period, before, after, sink, scale, dropout_p, seed):
-    B, H, S, _ = q.shape  # S: the queries
-    return torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)
-
-
-def _backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, period: int, before: int, after: int, sink: int, scale: float,
-                   dropout_p: float, seed: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return local_backward(grad_out, q, k, v, out, lse, (period, before, after, sink), scale, dropout_p, seed)
-
-
-def _backward_fake(grad_out, q, k, v, out, lse, period, before, after, sink, scale, dropout_p, seed):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-local_attention_fwd = register_op("local_attention_fwd", _forward_impl, _forward_fake)
-local_attention_bwd = register_op("local_attention_bwd", _backward_impl, _backward_fake)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, period, before, after, sink, scale, dropout_p, seed = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    # no gradient of lse is taken: not materialized, so autograd launches no fill of zeros
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, lse, seed)
-    ctx.pattern, ctx.scale, ctx.dropout_p = (period, before, after, sink), scale, dropout_p
-
-
-def _gradients(backward, ctx, saved, grad_out) -> tuple:
-    """The forward's ten inputs' gradients: dq, dk, dv, then none. ``saved``:
-    ``ctx.saved_tensors``, read once (each read unpacks them anew)."""
-    q, k, v, out, lse, seed = saved
-    dq, dk, dv = backward(grad_out, q, k, v, out, lse, *ctx.pattern, ctx.scale, ctx.dropout_p, seed)
-    return (dq, dk, dv) + (None,) * 7
-
-
-def _backward(ctx, grad_out, _grad_lse):
-    return _gradients(partial(call_operator, local_attention_bwd), ctx, ctx.saved_tensors, grad_out)
-
-
-register_autograd(local_attention_fwd, _backward, _setup_context)
-
-
-class _EagerLocalAttention(torch.autograd.Function):
-    """The operator's forward and backward launched without the operator dispatch (eager
-    mode on plain tensors, ``dispatch.dispatch_free``); on CUDA, from a signature's second
-    call, replayed as a host program (``host_program``), which makes the same launches."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        with direct_launches():
-            output = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        host_program.note_forward(ctx, ctx.to_save, (), output[0])
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, _grad_lse):
-        saved = ctx.saved_tensors
-        with direct_launches(), host_program.backward_recording(ctx, (*saved, grad_out)) as recorded:
-            grads = _gradients(_backward_impl, ctx, saved, grad_out)
-            if recorded is not None:  # one per host-program input: q, k, v, and the seed where drawn
-                recorded(grads[:3] + ((None,) if ctx.dropout_p > 0 else ()))
-        return grads
-
-
-def _forward_without_grad(*inputs) -> torch.Tensor:
-    with direct_launches():  # nothing takes a gradient: no autograd node
-        return _forward_impl(*inputs)[0]
-
-
-def _eager_call(inputs: tuple, grad: bool) -> torch.Tensor:
-    """The eager forward: where a gradient follows, ``_EagerLocalAttention``, else the
-    forward alone; on CUDA either one's host program replayed (``host_program``: recorded on
-    the signature's first call)."""
+# --------------------------------------------------------------------------- the roads
+def _eager_call(inputs: LocalInputs, args: LocalArgs, grad: bool) -> torch.Tensor:
+    """The eager forward: where a gradient follows, ``EagerLocalAttention``, else the forward
+    alone; on CUDA either one's host program replayed (``host_program``: recorded on the
+    signature's first call)."""
     if grad:
-        python_road = lambda: _EagerLocalAttention.apply(*inputs)[0]  # noqa: E731
+        python_road = lambda: EagerLocalAttention.apply(inputs.q, inputs.k, inputs.v, inputs.rel_h,  # noqa: E731
+                                                         inputs.rel_w, inputs.seed, args)[0]
     else:
-        python_road = lambda: _forward_without_grad(*inputs)  # noqa: E731
-    q, k, v, *scalars, seed = inputs
-    if not host_program.takes(q):
+        python_road = lambda: forward_without_grad(inputs, args)  # noqa: E731
+    if not host_program.takes(inputs.q):
         return python_road()
-    tensors = [q, k, v] if seed is None else [q, k, v, seed]
-    key = ("local", *map(host_program.tensor_key, tensors), *scalars, host_program.settings_key())
+    tensors = host_inputs(inputs)
+    key = ("local", *map(host_program.tensor_key, tensors), args, host_program.settings_key())
     return host_program.call(key, tensors, python_road, grad=grad)
 
 
-def _served(q: torch.Tensor) -> bool:
-    """Whether the kernels serve ``q``'s device and dtype at its head_dim (``dispatch.served``)."""
+def _served(q: torch.Tensor, bias: Optional["DecomposedBias"]) -> bool:
+    """Whether the kernels serve ``q``'s device and dtype at its head_dim and, with a bias,
+    its key grid (``dispatch.served``)."""
     arch, head_dim = tensor_arch(q), q.shape[-1]
-    return served(arch, q.dtype, lambda: None if fits(head_dim, q.dtype, arch) else f"head_dim {head_dim}")
+
+    def misfit() -> Optional[str]:
+        if not fits(head_dim, q.dtype, arch):
+            return f"head_dim {head_dim}"
+        if bias is not None and not bias_fits(bias.key_h, bias.key_w):
+            return f"a decomposed bias over a {bias.key_h} x {bias.key_w} key grid"
+        return None
+    return served(arch, q.dtype, misfit)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: LocalPattern, visible: Visible,
-            scale: float, dropout_p: float) -> torch.Tensor:
-    kernels = uses_kernels(q) and _served(q)
+class DecomposedBias(NamedTuple):
+    """A decomposed relative-position bias as the local kernels take it (``local.bias``):
+    rel_h (B, H, S_q, key_h), rel_w (B, H, S_q, key_w), key j on grid row j // key_w."""
+
+    rel_h: torch.Tensor
+    rel_w: torch.Tensor
+    key_h: int
+    key_w: int
+
+    def block(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """(B, H, len(rows), len(cols)): the bias of queries ``rows`` and keys ``cols`` (int64
+        vectors) as a tensor (the PyTorch road's, a block of rows at a time)."""
+        rel_h, rel_w = self.rel_h[:, :, rows], self.rel_w[:, :, rows]
+        return rel_h[..., cols // self.key_w] + rel_w[..., cols % self.key_w]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: LocalPattern, visible: Visible,
+           scale: float, dropout_p: float, bias: Optional[DecomposedBias] = None) -> torch.Tensor:
+    """The attention of validated inputs on its road: PyTorch's math (``local_reference``)
+    where no kernel serves them, the registered operators under torch.compile, a dispatch
+    mode or tensor subclasses, else the kernels launched here (``_eager_call``)."""
+    kernels = uses_kernels(q) and _served(q, bias)
     if not kernels or q.numel() == 0:
         chunk = REFERENCE_CHUNK if q.shape[2] > REFERENCE_CHUNK else None
-        return local_attention_reference(q, k, v, visible, scale, dropout_p, chunk=chunk)
+        return local_attention_reference(q, k, v, visible, scale, dropout_p, chunk=chunk,
+                                         bias=bias.block if bias is not None else None)
     seed = draw_dropout_seed(q.device) if dropout_p > 0 else None
-    inputs = (q, k, v, pattern.period, pattern.before, pattern.after, pattern.sink, scale, dropout_p, seed)
-    if not (dispatch_free(q) and dispatch_free(k) and dispatch_free(v)):
-        return call_operator(local_attention_fwd, *inputs)[0]
-    return _eager_call(inputs, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    rel_h, rel_w = (bias.rel_h.contiguous(), bias.rel_w.contiguous()) if bias is not None else (None, None)
+    inputs = LocalInputs(q, k, v, seed, rel_h, rel_w)
+    args = LocalArgs((pattern.period, pattern.before, pattern.after, pattern.sink), scale, dropout_p,
+                     bias.key_w if bias is not None else 0)
+    if not all(dispatch_free(t) for t in host_inputs(inputs)):
+        return call_operator(local_attention_fwd, *operator_inputs(inputs, args))[0]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, rel_h, rel_w) if t is not None)
+    return _eager_call(inputs, args, grad)
 
 
 # --------------------------------------------------------------------------- validation
-def _fail(exc, function: str, argument: str, expected: str, got) -> None:
+def fail(exc, function: str, argument: str, expected: str, got) -> None:
     raise exc(f"{function}: `{argument}` must be {expected}, got {got}")
 
 
@@ -160,72 +116,72 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_inputs(function: str, q, k, v) -> Tuple[int, int, int, int]:
+def check_inputs(function: str, q, k, v) -> Tuple[int, int, int, int]:
     """(B, H, S_q, D) of valid q (B, H, S_q, D), k and v (B, H_kv, S_k, D)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            _fail(TypeError, function, name, "a torch.Tensor", type(t).__name__)
+            fail(TypeError, function, name, "a torch.Tensor", type(t).__name__)
         if t.dim() != 4:
-            _fail(ValueError, function, name, "a 4-D tensor (B, H, S, D)", f"shape {tuple(t.shape)}")
+            fail(ValueError, function, name, "a 4-D tensor (B, H, S, D)", f"shape {tuple(t.shape)}")
     if q.dtype not in KERNEL_DTYPES + (torch.float64,):
-        _fail(TypeError, function, "q", "float16, bfloat16, float32 or float64", q.dtype)
+        fail(TypeError, function, "q", "float16, bfloat16, float32 or float64", q.dtype)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            _fail(TypeError, function, name, f"of q's dtype {q.dtype}", t.dtype)
+            fail(TypeError, function, name, f"of q's dtype {q.dtype}", t.dtype)
         if t.device != q.device:
-            _fail(ValueError, function, name, f"on q's device {q.device}", t.device)
+            fail(ValueError, function, name, f"on q's device {q.device}", t.device)
     B, H, S, D = q.shape
     if k.shape[0] != B or k.shape[3] != D:
-        _fail(ValueError, function, "k", f"of shape (B, H_kv, S_k, D) = ({B}, H_kv, S_k, {D})",
+        fail(ValueError, function, "k", f"of shape (B, H_kv, S_k, D) = ({B}, H_kv, S_k, {D})",
               f"shape {tuple(k.shape)}")
     if k.shape[1] < 1 or H % k.shape[1]:
-        _fail(ValueError, function, "k", f"a head count H_kv dividing q's H = {H}", k.shape[1])
+        fail(ValueError, function, "k", f"a head count H_kv dividing q's H = {H}", k.shape[1])
     if v.shape != k.shape:
-        _fail(ValueError, function, "v", f"of k's shape {tuple(k.shape)}", f"shape {tuple(v.shape)}")
+        fail(ValueError, function, "v", f"of k's shape {tuple(k.shape)}", f"shape {tuple(v.shape)}")
     if not 1 <= S <= MAX_TOKENS:
-        _fail(ValueError, function, "q", f"a sequence length S_q in [1, {MAX_TOKENS}]", S)
+        fail(ValueError, function, "q", f"a sequence length S_q in [1, {MAX_TOKENS}]", S)
     if not 1 <= k.shape[2] <= MAX_TOKENS:
-        _fail(ValueError, function, "k", f"a sequence length S_k in [1, {MAX_TOKENS}]", k.shape[2])
+        fail(ValueError, function, "k", f"a sequence length S_k in [1, {MAX_TOKENS}]", k.shape[2])
     if not 1 <= D <= MAX_HEAD_DIM:
-        _fail(ValueError, function, "q", f"a head_dim D in [1, {MAX_HEAD_DIM}]", D)
+        fail(ValueError, function, "q", f"a head_dim D in [1, {MAX_HEAD_DIM}]", D)
     return B, H, S, D
 
 
-def _check_scale(function: str, scale, head_dim: int) -> float:
+def check_scale(function: str, scale, head_dim: int) -> float:
     if scale is None:
         return head_dim ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, Real):
-        _fail(TypeError, function, "scale", "a Python float or None", type(scale).__name__)
+        fail(TypeError, function, "scale", "a Python float or None", type(scale).__name__)
     if not abs(float(scale)) < float("inf"):
-        _fail(ValueError, function, "scale", "finite", scale)
+        fail(ValueError, function, "scale", "finite", scale)
     return float(scale)
 
 
-def _check_dropout(function: str, dropout_p) -> float:
+def check_dropout(function: str, dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real) or not 0.0 <= dropout_p < 1.0:
-        _fail(ValueError, function, "dropout_p", "a float in [0, 1)", repr(dropout_p))
+        fail(ValueError, function, "dropout_p", "a float in [0, 1)", repr(dropout_p))
     return float(dropout_p)
 
 
 def _check_count(function: str, name: str, value, least: int) -> int:
     if not _is_int(value):
-        _fail(TypeError, function, name, "an int", type(value).__name__)
+        fail(TypeError, function, name, "an int", type(value).__name__)
     if value < least:
-        _fail(ValueError, function, name, f"at least {least}", value)
+        fail(ValueError, function, name, f"at least {least}", value)
     return min(value, _UNLIMITED)
 
 
 def _check_window(function: str, window) -> Tuple[Optional[int], Optional[int]]:
     if not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2:
-        _fail(TypeError, function, "window", "a pair (left, right) of ints >= 0 or None", repr(window))
+        fail(TypeError, function, "window", "a pair (left, right) of ints >= 0 or None", repr(window))
     sides = []
     for name, side in zip(("window[0] (left)", "window[1] (right)"), window):
         if side is None:
             sides.append(None)
         elif not _is_int(side):
-            _fail(TypeError, function, name, "an int or None", type(side).__name__)
+            fail(TypeError, function, name, "an int or None", type(side).__name__)
         elif side < 0:
-            _fail(ValueError, function, name, ">= 0 (a negative side would leave queries with no key; None is "
+            fail(ValueError, function, name, ">= 0 (a negative side would leave queries with no key; None is "
                                               "unlimited)", side)
         else:
             sides.append(min(side, _UNLIMITED - 1))
@@ -281,15 +237,15 @@ def sliding_window_attention(
         (B, H, S_q, D) in q's dtype (and, on the kernels' path, q's memory layout).
     """
     function = "sliding_window_attention"
-    _, _, _, D = _check_inputs(function, q, k, v)
+    _, _, _, D = check_inputs(function, q, k, v)
     left, right = _check_window(function, window)
     if not isinstance(causal, bool):
-        _fail(TypeError, function, "causal", "a bool", type(causal).__name__)
+        fail(TypeError, function, "causal", "a bool", type(causal).__name__)
     if causal:
         right = 0
-    scale = _check_scale(function, scale, D)
-    dropout_p = _check_dropout(function, dropout_p)
-    return _attend(q, k, v, LocalPattern.sliding(left, right), sliding_window_visible(left, right), scale, dropout_p)
+    scale = check_scale(function, scale, D)
+    dropout_p = check_dropout(function, dropout_p)
+    return attend(q, k, v, LocalPattern.sliding(left, right), sliding_window_visible(left, right), scale, dropout_p)
 
 
 def block_sliding_window_attention(
@@ -326,12 +282,12 @@ def block_sliding_window_attention(
         (B, H, S_q, D) in q's dtype.
     """
     function = "block_sliding_window_attention"
-    _, _, _, D = _check_inputs(function, q, k, v)
+    _, _, _, D = check_inputs(function, q, k, v)
     block_size = _check_count(function, "block_size", block_size, 1)
     window_blocks = _check_count(function, "window_blocks", window_blocks, 1)
     sink_tokens = _check_count(function, "sink_tokens", sink_tokens, 0)
-    scale = _check_scale(function, scale, D)
-    dropout_p = _check_dropout(function, dropout_p)
+    scale = check_scale(function, scale, D)
+    dropout_p = check_dropout(function, dropout_p)
     pattern = LocalPattern.blocks(block_size, window_blocks, sink_tokens)
     pattern = LocalPattern(pattern.period, min(pattern.before, _UNLIMITED), pattern.after, pattern.sink)
-    return _attend(q, k, v, pattern, block_window_visible(block_size, window_blocks, sink_tokens), scale, dropout_p)
+    return attend(q, k, v, pattern, block_window_visible(block_size, window_blocks, sink_tokens), scale, dropout_p)

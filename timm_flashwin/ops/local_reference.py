@@ -27,6 +27,9 @@ import torch.nn.functional as F
 #: rows, cols (int64 tensors broadcastable to each other) -> bool tensor: whether the query at
 #: position ``rows`` attends key ``cols``
 Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: query rows, keys (int64 vectors) -> (B, H, len(rows), len(keys)): an additive bias of the logits
+#: (``local.DecomposedBias.block``)
+BiasBlock = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _every_pair(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -102,8 +105,9 @@ def local_attention_reference(
     dropout_p: float = 0.0,
     dropout_factor: Optional[torch.Tensor] = None,
     chunk: Optional[int] = None,
+    bias: Optional[BiasBlock] = None,
 ) -> torch.Tensor:
-    """``softmax(scale * q k^T restricted to visible pairs) v``, differentiable.
+    """``softmax(scale * q k^T + bias restricted to visible pairs) v``, differentiable.
 
     Args:
         q: (B, H, S_q, D); k, v: (B, H_kv, S_k, D) with H % H_kv == 0 (query head h reads
@@ -116,6 +120,8 @@ def local_attention_reference(
             kernels' own mask, ``kernels.local.launch.dropout_factors``).
         chunk: compute this many query rows at a time, each over the keys its rows can see
             only (memory O(S * (window + sink)) rather than O(S^2): long sequences on a GPU).
+        bias: the logits' additive term, block by block (query rows, keys) -> (B, H, rows,
+            keys), in any float dtype (computed in q's compute dtype); None: none.
 
     Returns:
         (B, H, S_q, D) in q's dtype; 16-bit inputs are computed in float32. A row that sees
@@ -138,6 +144,8 @@ def local_attention_reference(
         used = cols if chunk == S else mask.any(0).nonzero().squeeze(1)  # the keys some row sees
         mask = mask[:, used]
         scores = (q[:, :, rows] * scale) @ k[:, :, used].transpose(-2, -1)
+        if bias is not None:
+            scores = scores + bias(rows, used).to(compute)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         probs = torch.where(mask.any(-1, keepdim=True), probs, torch.zeros_like(probs))
         if dropout_factor is not None:

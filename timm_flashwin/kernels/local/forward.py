@@ -12,6 +12,7 @@ F.scaled_dot_product_attention applies it.
 import triton
 import triton.language as tl
 
+from .bias import bias_rows, score_bias
 from .tiles import (dropout_keep, edge_block, full_block, head_base, load_block, load_rows, logits, product,
                     query_block_program, row_block, scores, store_block)
 
@@ -23,13 +24,15 @@ _NO_MAX = tl.constexpr(-1.0e30)
 @triton.jit
 def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale, dropout_p,
                  S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
+                 rh_rows, rw_rows, key_w, stride_hk, stride_wk,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                  HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                 FOLD_SCALE: tl.constexpr):
+                 FOLD_SCALE: tl.constexpr, BIAS: tl.constexpr, ROW_TILE: tl.constexpr):
     """The online softmax over the key block [n0, n0 + BLOCK_N) for the query rows at
     ``positions`` (``local.tiles``): (acc, m_i, l_i) updated. Without MASKED every key is
     < S_k and visible to every query row. FOLD_SCALE (only where
-    qk_scale > 0): the scale applied in the exponent's FMA, not to the logits first."""
+    qk_scale > 0 and there is no bias): the scale applied in the exponent's FMA, not to the
+    logits first. BIAS: the logits' additive term (``local.bias``)."""
     offs = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     cols = n0 + offs
@@ -46,6 +49,8 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed,
     else:
         s = logits(q, k, positions[:, None], cols[None, :], qk_scale, S_k, period, before, after, sink, MASKED,
                    HAS_SINK, PRECISION)
+        if BIAS != 0:  # (-inf where hidden stays -inf; no add of 0.0 per logit without a bias)
+            s += score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS, ROW_TILE, False)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -57,22 +62,26 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed,
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["period", "before", "after", "sink", "group"])
+@triton.jit(do_not_specialize=["period", "before", "after", "sink", "group", "key_w"])
 def local_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seed_ptr, counts_ptr, qk_scale, dropout_p,
-    S_q, S_k, H, group, period, before, after, sink,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seed_ptr, counts_ptr, rel_h_ptr, rel_w_ptr, qk_scale, dropout_p,
+    S_q, S_k, H, group, period, before, after, sink, key_w,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
+    stride_hb, stride_hh, stride_hs, stride_hk,
+    stride_wb, stride_wh, stride_ws, stride_wk,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PERIODIC: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    COUNT_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    COUNT_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr, BIAS: tl.constexpr, ROW_TILE: tl.constexpr,
 ):
     """Grid: (cdiv(S_q, BLOCK_M) * B * H,). q (B, H, S_q, D), k and v (B, H / group, S_k, D),
     out like q, any strides; lse (B, H, S_q) fp32, contiguous: each row's log2-sum-exp of its
     log2-domain logits (qk_scale = scale * log2(e)), +inf for a row that sees no key (its
-    output is 0). ``before`` / ``after``: -1 for unlimited (``local.tiles``)."""
+    output is 0). ``before`` / ``after``: -1 for unlimited (``local.tiles``). With BIAS, the
+    bias's tensors and the key grid's width ``key_w`` (``local.bias``; rel_h's strides
+    stride_h*, rel_w's stride_w*)."""
     (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
      partial, shift) = query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC, BLOCK_M,
                                            BLOCK_N, COUNT_TILES)
@@ -85,6 +94,8 @@ def local_attention_fwd_kernel(
     row_ids = (b * H + h).to(tl.int64) * S_q + rows
     positions = rows + shift
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
+    rh_rows, rw_rows = bias_rows(rel_h_ptr, rel_w_ptr, b, h, rows, S_q, stride_hb, stride_hh, stride_hs, stride_wb,
+                                 stride_wh, stride_ws, BIAS)
 
     m_i = tl.full((BLOCK_M,), _NO_MAX, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -93,14 +104,16 @@ def local_attention_fwd_kernel(
         n0 = full_block(t, n_prefix, f_start) * BLOCK_N
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
                                      dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
-                                     stride_vd,
-                                     D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE)
+                                     stride_vd, rh_rows, rw_rows, key_w, stride_hk, stride_wk,
+                                     D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE, BIAS,
+                                     ROW_TILE)
     for t in range(0, n_edge):
         n0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_N
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
                                      dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
-                                     stride_vd,
-                                     D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE)
+                                     stride_vd, rh_rows, rw_rows, key_w, stride_hk, stride_wk,
+                                     D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE, BIAS,
+                                     ROW_TILE)
 
     seen = l_i > 0.0
     l_i = tl.where(seen, l_i, 1.0)

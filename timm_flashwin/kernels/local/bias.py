@@ -1,0 +1,152 @@
+"""The additive score terms of the local-attention kernels: one constexpr switch, ``BIAS``.
+
+Each kind is one helper pair: ``score_bias`` gives the term added to a tile's logits (log2
+domain, fp32), ``bias_grad_step`` adds a tile's dS to the kind's gradient; ``bias_rows`` and
+``store_bias_grad`` open and close a program's rows. ``NO_BIAS`` compiles them all away.
+
+``DECOMPOSED``: decomposed relative position (SAM's image encoder, ViTDet, MViTv2). The keys
+lie on a grid of ``key_w`` columns, key j at row j // key_w and column j % key_w; with
+rel_h (B, H, S_q, key_h) and rel_w (B, H, S_q, key_w),
+``bias[i, j] = rel_h[i, j // key_w] + rel_w[i, j % key_w]``: rank key_h + key_w per query,
+never an S_q x S_k tensor. Its gradient: d rel_h[i, r] sums dS[i, j] over the keys of grid
+row r, d rel_w[i, c] over those of column c.
+
+Two layouts of a key tile, chosen per kernel by its plan (a constexpr, ``ROW_TILE``):
+
+* a key tile is one grid row (BLOCK_N == key_w): rel_h adds one value per query row (a
+  BLOCK_M vector per tile), rel_w the tile rel_w[rows, 0:key_w], a dense load; in the dq
+  kernel d rel_h[:, r] is the tile's row sums, stored as they come (each row's keys are
+  one tile), and d rel_w one (BLOCK_M, BLOCK_N) accumulator, dS added as it is;
+* otherwise (windows of 14 x 14, grids of 40 columns, ...): each key's row and column are
+  computed per tile and the two terms gathered from rel_h and rel_w (their rows of a query
+  block, a few KB, stay in L1); the dq kernel sums the gradients on the tensor cores, dS
+  times the one-hot (BLOCK_N, KEY_H_PAD) matrix of the keys' rows (and columns), into
+  (BLOCK_M, KEY_H_PAD) and (BLOCK_M, KEY_W_PAD) accumulators.
+
+Rows past S_q and keys past S_k read a clamped, valid element (their probabilities are 0 or
+their rows are not stored): no predicate per element.
+"""
+import triton
+import triton.language as tl
+
+#: the kinds (ints: inductor passes a user kernel's constexprs on as literals), and the same as
+#: the constexprs the jitted helpers compare with (a kernel reads no other globals)
+NO_BIAS, DECOMPOSED = 0, 1
+_DECOMPOSED = tl.constexpr(DECOMPOSED)
+#: natural-log logits to the kernels' log2 domain
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def bias_rows(rel_h_ptr, rel_w_ptr, b, h, rows, S_q, stride_hb, stride_hh, stride_hs, stride_wb, stride_wh,
+              stride_ws, BIAS: tl.constexpr):
+    """Pointers to the rel_h and rel_w rows of query rows ``rows`` (a vector) of batch b,
+    head h, clamped into [0, S_q): (BLOCK_M,) each, or (0, 0) without a bias."""
+    if BIAS == _DECOMPOSED:
+        clamped = tl.minimum(rows, S_q - 1).to(tl.int64)
+        rh = rel_h_ptr + b.to(tl.int64) * stride_hb + h.to(tl.int64) * stride_hh + clamped * stride_hs
+        rw = rel_w_ptr + b.to(tl.int64) * stride_wb + h.to(tl.int64) * stride_wh + clamped * stride_ws
+        return rh, rw
+    else:
+        return 0, 0
+
+
+@triton.jit
+def score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS: tl.constexpr,
+               ROW_TILE: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The bias of the tile of keys n0 + offs against the query rows at ``rh_rows`` /
+    ``rw_rows`` (``bias_rows``), times log2(e): (rows, keys), or (keys, rows) with
+    TRANSPOSED (the dkdv kernel's orientation); 0.0 without a bias."""
+    if BIAS == _DECOMPOSED:
+        if ROW_TILE:  # the tile is grid row n0 // key_w, its keys the columns 0 ... key_w - 1
+            row = n0 // key_w
+            if TRANSPOSED:
+                rh = tl.load(rh_rows + row * stride_hk)[None, :]
+                rw = tl.load(rw_rows[None, :] + offs[:, None] * stride_wk)
+            else:
+                rh = tl.load(rh_rows + row * stride_hk)[:, None]
+                rw = tl.load(rw_rows[:, None] + offs[None, :] * stride_wk)
+        else:
+            keys = tl.minimum(n0 + offs, S_k - 1)
+            key_row = keys // key_w
+            key_col = keys - key_row * key_w
+            if TRANSPOSED:
+                rh = tl.load(rh_rows[None, :] + (key_row * stride_hk)[:, None])
+                rw = tl.load(rw_rows[None, :] + (key_col * stride_wk)[:, None])
+            else:
+                rh = tl.load(rh_rows[:, None] + (key_row * stride_hk)[None, :])
+                rw = tl.load(rw_rows[:, None] + (key_col * stride_wk)[None, :])
+        return (rh.to(tl.float32) + rw.to(tl.float32)) * _LOG2E
+    else:
+        return 0.0
+
+
+@triton.jit
+def bias_grad_step(grad_h, grad_w, ds, ds_operand, n0, offs, rows, S_q, S_k, key_w, drh_rows, stride_hk,
+                   BIAS: tl.constexpr, ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """(grad_h, grad_w) with the tile's dS (BLOCK_M, BLOCK_N) added (rows the queries; ``ds``
+    fp32, ``ds_operand`` as the dq product takes it, in the inputs' dtype; the accumulators
+    ``bias_grad_init``'s). ROW_TILE: the tile's row sums stored into d rel_h[:, n0 // key_w]
+    (pointers ``drh_rows``, rows < S_q) right away, grad_w += dS. Otherwise dS times the keys'
+    one-hot rows and columns, on the tensor cores as ``tiles.product`` multiplies (the one-hot
+    matrices are exact in any dtype)."""
+    if BIAS == _DECOMPOSED:
+        if ROW_TILE:
+            tl.store(drh_rows + (n0 // key_w) * stride_hk, tl.sum(ds, 1).to(drh_rows.dtype.element_ty),
+                     mask=rows < S_q)
+            grad_w += ds
+        else:
+            keys = tl.minimum(n0 + offs, S_k - 1)
+            key_row = keys // key_w
+            key_col = keys - key_row * key_w
+            if PRECISION == 0:
+                one_h = (key_row[:, None] == tl.arange(0, KEY_H_PAD)[None, :]).to(ds_operand.dtype)
+                one_w = (key_col[:, None] == tl.arange(0, KEY_W_PAD)[None, :]).to(ds_operand.dtype)
+                grad_h = tl.dot(ds_operand, one_h, grad_h)
+                grad_w = tl.dot(ds_operand, one_w, grad_w)
+            else:
+                one_h = (key_row[:, None] == tl.arange(0, KEY_H_PAD)[None, :]).to(tl.float32)
+                one_w = (key_col[:, None] == tl.arange(0, KEY_W_PAD)[None, :]).to(tl.float32)
+                if PRECISION == 1:
+                    grad_h = tl.dot(ds, one_h, grad_h, input_precision="ieee")
+                    grad_w = tl.dot(ds, one_w, grad_w, input_precision="ieee")
+                else:
+                    grad_h = tl.dot(ds, one_h, grad_h, input_precision="tf32x3")
+                    grad_w = tl.dot(ds, one_w, grad_w, input_precision="tf32x3")
+    return grad_h, grad_w
+
+
+@triton.jit
+def bias_grad_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS: tl.constexpr, ROW_TILE: tl.constexpr,
+                   KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr):
+    """The dq kernel's accumulators of the bias gradient (fp32 zeros): (0, (BLOCK_M, BLOCK_N))
+    with ROW_TILE, ((BLOCK_M, KEY_H_PAD), (BLOCK_M, KEY_W_PAD)) otherwise; (0, 0) without a bias."""
+    if BIAS == _DECOMPOSED:
+        if ROW_TILE:
+            return 0.0, tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        else:
+            return tl.zeros((BLOCK_M, KEY_H_PAD), tl.float32), tl.zeros((BLOCK_M, KEY_W_PAD), tl.float32)
+    else:
+        return 0.0, 0.0
+
+
+@triton.jit
+def store_bias_grad(grad_h, grad_w, drh_rows, drw_rows, rows, S_q, S_k, key_w, stride_hk, stride_wk,
+                    BIAS: tl.constexpr, ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, KEY_H_PAD: tl.constexpr,
+                    KEY_W_PAD: tl.constexpr):
+    """The accumulators into d rel_h and d rel_w (pointers to the program's rows, clamped as
+    ``bias_rows``'s; only rows < S_q are stored)."""
+    if BIAS == _DECOMPOSED:
+        live = (rows < S_q)[:, None]
+        if ROW_TILE:
+            cols = tl.arange(0, BLOCK_N)
+            tl.store(drw_rows[:, None] + cols[None, :] * stride_wk, grad_w.to(drw_rows.dtype.element_ty), mask=live)
+        else:
+            key_h = S_k // key_w
+            hs = tl.arange(0, KEY_H_PAD)
+            ws = tl.arange(0, KEY_W_PAD)
+            tl.store(drh_rows[:, None] + hs[None, :] * stride_hk, grad_h.to(drh_rows.dtype.element_ty),
+                     mask=live & (hs[None, :] < key_h))
+            tl.store(drw_rows[:, None] + ws[None, :] * stride_wk, grad_w.to(drw_rows.dtype.element_ty),
+                     mask=live & (ws[None, :] < key_w))

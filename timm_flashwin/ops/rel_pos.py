@@ -1,0 +1,103 @@
+"""Attention with a decomposed relative-position bias (MViTv2's, which SAM's image encoder,
+ViTDet and their forks use), fused: ``decomposed_attention`` takes the bias's two terms,
+``rel_pos_terms`` computes them from a model's tables as those models do.
+
+For a query at (h_i, w_i) and a key at (h_j, w_j) of a key grid (key_h, key_w):
+``bias[i, j] = q_i . Rh[h_i, h_j] + q_i . Rw[w_i, w_j]``, q unscaled, Rh and Rw the tables as
+``get_rel_pos`` gathers (and interpolates) them. So ``rel_h = q Rh^T`` (S_q x key_h) and
+``rel_w = q Rw^T`` (S_q x key_w) and ``bias[i, j] = rel_h[i, j // key_w] + rel_w[i, j % key_w]``:
+the kernels add it as they go (``kernels.local.bias``), never an S_q x S_k tensor, and give
+rel_h's and rel_w's gradients beside dq, dk, dv; PyTorch's autograd takes them on to q and
+the tables through ``rel_pos_terms``.
+"""
+from __future__ import annotations
+
+from numbers import Integral
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .local import DecomposedBias, attend, check_dropout, check_inputs, check_scale, fail
+from .local_reference import LocalPattern, sliding_window_visible
+
+_GLOBAL = LocalPattern.sliding(None, None)
+_SEES_ALL = sliding_window_visible(None, None)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def decomposed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rel_h: torch.Tensor,
+    rel_w: torch.Tensor,
+    *,
+    key_size: Tuple[int, int],
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Global attention with a decomposed relative-position bias, fused forward and backward.
+
+    ``out = dropout(softmax(scale * q k^T + B)) v`` with
+    ``B[b, h, i, j] = rel_h[b, h, i, j // key_w] + rel_w[b, h, i, j % key_w]``: the keys are
+    the (key_h, key_w) grid's tokens in row-major order. What SAM's ``Attention`` computes
+    with ``get_decomposed_rel_pos_bias`` (``rel_pos_terms`` gives rel_h and rel_w from its
+    tables) and hands SDPA as a dense (B*heads, S_q, S_k) mask, without that mask::
+
+        >>> rel_h, rel_w = rel_pos_terms(q, Rh, Rw, q_size=(64, 64))
+        >>> out = decomposed_attention(q, k, v, rel_h, rel_w, key_size=(64, 64))
+
+    Args:
+        q: (B, H, S_q, D), float16 / bfloat16 / float32 (float64 runs in PyTorch); any strides.
+        k, v: (B, H_kv, S_k, D), q's dtype and device, H % H_kv == 0; S_k = key_h * key_w.
+        rel_h: (B, H, S_q, key_h), any float dtype (read as float32), q's device.
+        rel_w: (B, H, S_q, key_w), likewise. Both get gradients.
+        key_size: (key_h, key_w), the keys' grid.
+        scale: the logits' factor (not the bias's), default D ** -0.5.
+        dropout_p: dropout on the probabilities, as ``sliding_window_attention``'s.
+
+    Returns:
+        (B, H, S_q, D) in q's dtype.
+    """
+    function = "decomposed_attention"
+    B, H, S_q, D = check_inputs(function, q, k, v)
+    key_h, key_w = _check_size(function, "key_size", key_size)
+    if key_h * key_w != k.shape[2]:
+        fail(ValueError, function, "key_size", f"a grid of S_k = {k.shape[2]} keys (key_h * key_w)",
+             f"{key_h} x {key_w} = {key_h * key_w}")
+    for name, t, side in (("rel_h", rel_h, key_h), ("rel_w", rel_w, key_w)):
+        if not isinstance(t, torch.Tensor):
+            fail(TypeError, function, name, "a torch.Tensor", type(t).__name__)
+        if tuple(t.shape) != (B, H, S_q, side):
+            fail(ValueError, function, name, f"of shape (B, H, S_q, {name[-1]}) = {(B, H, S_q, side)}",
+                 f"shape {tuple(t.shape)}")
+        if t.dtype not in _FLOATS:
+            fail(TypeError, function, name, "a float tensor", t.dtype)
+        if t.device != q.device:
+            fail(ValueError, function, name, f"on q's device {q.device}", t.device)
+    scale = check_scale(function, scale, D)
+    dropout_p = check_dropout(function, dropout_p)
+    return attend(q, k, v, _GLOBAL, _SEES_ALL, scale, dropout_p, DecomposedBias(rel_h, rel_w, key_h, key_w))
+
+
+def rel_pos_terms(q: torch.Tensor, rel_h_table: torch.Tensor, rel_w_table: torch.Tensor,
+                  q_size: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(rel_h, rel_w) of ``decomposed_attention`` from q (B, H, q_h * q_w, D) and the gathered
+    tables ``rel_h_table`` (q_h, key_h, D) and ``rel_w_table`` (q_w, key_w, D) (SAM's
+    ``get_rel_pos(q_h, k_h, rel_pos_h)``): rel_h[b, h, i, r] = q[b, h, i] . rel_h_table[i // q_w, r],
+    rel_w[b, h, i, c] = q[b, h, i] . rel_w_table[i % q_w, c]; (B, H, q_h * q_w, key_h) and
+    (..., key_w), in the dtype PyTorch's einsum gives (q's, or autocast's), as SAM computes
+    them; differentiable."""
+    q_h, q_w = q_size
+    B, H, S, D = q.shape
+    grid_q = q.reshape(B, H, q_h, q_w, D)
+    rel_h = torch.einsum("bnhwc,hkc->bnhwk", grid_q, rel_h_table)
+    rel_w = torch.einsum("bnhwc,wkc->bnhwk", grid_q, rel_w_table)
+    return rel_h.reshape(B, H, S, rel_h_table.shape[1]), rel_w.reshape(B, H, S, rel_w_table.shape[1])
+
+
+def _check_size(function: str, name: str, size: Sequence[int]) -> Tuple[int, int]:
+    if (not isinstance(size, Sequence) or isinstance(size, str) or len(size) != 2
+            or not all(isinstance(s, Integral) and not isinstance(s, bool) and s >= 1 for s in size)):
+        fail(TypeError, function, name, "a pair (height, width) of ints >= 1", repr(size))
+    return int(size[0]), int(size[1])
