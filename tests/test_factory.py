@@ -91,7 +91,7 @@ def test_run_script_by_every_route(children):
         assert model == dict(model="SwinTransformer", flashwin_classes=["FlashSwinWindowAttention"],
                              recompute_qkv=True), route
     assert "timm_flashwin: timm's factory returned 7 model(s)" in err
-    assert err.count(f"{SWIN}: patched 4 of 4 window-attention modules of SwinTransformer (swin: 4)") == 6
+    assert err.count(f"{SWIN}: patched 4 of 4 attention modules of SwinTransformer (swin: 4)") == 6
     assert "test_vit: VisionTransformer has no timm window attention; returned as timm built it" in err
     assert "arn" not in err and "Traceback" not in err  # no warning (Warning, warn) of any kind
 
@@ -232,7 +232,7 @@ def test_report_logged_once_and_other_models_left_alone(caplog):
     assert caught == [] and is_patched(swin) and not any(is_patched(v) for v in vits)
     assert all(not type(m).__module__.startswith("timm_flashwin") for v in vits for m in v.modules())
     assert [r.getMessage() for r in caplog.records] == [
-        "timm_flashwin: patched 4 of 4 window-attention modules of SwinTransformer (swin: 4)"]
+        "timm_flashwin: patched 4 of 4 attention modules of SwinTransformer (swin: 4)"]
     assert [c.name for c in created] == [SWIN] + ["test_vit"] * 3
     assert str(created[1]) == "test_vit: VisionTransformer has no timm window attention; returned as timm built it"
     assert str(created[0]).startswith(f"{SWIN}: patched 4 of 4") and "layers.1.blocks.1.attn [swin] patched" in \

@@ -34,6 +34,10 @@ Local attention, q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D)
     sliding_window_attention(q, k, v, *, window=(left, right), causal, scale, dropout_p)
     block_sliding_window_attention(q, k, v, *, block_size, window_blocks, sink_tokens,
                                    scale, dropout_p)
+Decomposed relative-position attention (SAM, ViTDet, MViTv2), global, any grid
+    decomposed_attention(q, k, v, rel_h (B, H, S_q, key_h), rel_w (B, H, S_q, key_w), *,
+                         key_size=(key_h, key_w), scale, dropout_p) -> (B, H, S_q, D)
+    rel_pos_terms(q, table_h (q_h, key_h, D), table_w (q_w, key_w, D), q_size) -> (rel_h, rel_w)
 
 The host-program extension (eager calls on CUDA replayed from C++; ``TIMM_FLASHWIN_HOST_PROGRAMS=0``
 turns it off)
@@ -72,6 +76,7 @@ _SOURCES = {
     "window_attention": "ops.window", "TableBias": "ops.position_bias", "WindowGrid": "ops.window_grid",
     "window_attention_reference": "ops.reference",
     "block_sliding_window_attention": "ops.local", "sliding_window_attention": "ops.local",
+    "decomposed_attention": "ops.rel_pos", "rel_pos_terms": "ops.rel_pos",
     "build_extensions": "ops.native",
 }
 

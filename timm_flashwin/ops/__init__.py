@@ -2,7 +2,8 @@
 
 ``window`` (``window_attention``: validate, plan, launch) with ``window_checks``,
 ``window_grid`` (``WindowGrid``) and ``reference`` (the math, in PyTorch); ``local``
-(``sliding_window_attention``, ``block_sliding_window_attention``) with ``local_reference``;
+(``sliding_window_attention``, ``block_sliding_window_attention``) with ``local_reference``
+and ``local_operators``; ``rel_pos`` (``decomposed_attention``: a bias of the local kernels);
 ``position_bias`` (``TableBias``) and ``position_mlp``; ``dispatch`` (registered operators or
 direct launches), ``host_program`` / ``host_recorder`` / ``native`` (eager calls replayed
 from C++, ``csrc/``), ``hooks``.
@@ -10,6 +11,6 @@ from C++, ``csrc/``), ``hooks``.
 Importing this package registers every ``torch.ops.timm_flashwin`` operator (an exported
 program that holds them needs that before it loads).
 """
-from . import local, position_bias, position_mlp, window  # noqa: F401  (registers the operators)
+from . import local, position_bias, position_mlp, rel_pos, window  # noqa: F401  (registers the operators)
 
-__all__ = ["local", "position_bias", "position_mlp", "window"]
+__all__ = ["local", "position_bias", "position_mlp", "rel_pos", "window"]

@@ -41,6 +41,8 @@ def patched_class(family: str) -> type:
 def _make_class(adapter: HfAttentionAdapter) -> type:
     hf_class = adapter.module_type()
     hf_forward = hf_class.forward
+    if hasattr(adapter, "patched_forward"):  # a forward of another signature than the Swin family's
+        return _subclass(adapter, hf_class, adapter.patched_forward(hf_forward))
     # the names of the positional arguments after (hidden_states, attention_mask): 4.x's
     # (head_mask, output_attentions), 5.x's self_output layout's (output_attentions,), none in
     # 5.x's SwinAttention (**kwargs)
@@ -52,7 +54,10 @@ def _make_class(adapter: HfAttentionAdapter) -> type:
         if runs_timm(hidden_states) or adapter.keeps_transformers(self, attention_mask, arguments):
             return hf_forward(self, hidden_states, attention_mask, *args, **kwargs)
         return adapter.hf_forward(self, hidden_states, attention_mask)
+    return _subclass(adapter, hf_class, forward)
 
+
+def _subclass(adapter: HfAttentionAdapter, hf_class: type, forward) -> type:
     def extra_repr(self) -> str:
         text = hf_class.extra_repr(self)
         return f"{text}, flashwin={adapter.family}" if text else f"flashwin={adapter.family}"

@@ -181,7 +181,8 @@ for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSw
                        ("maxxvit", "FlashMaxxVitAttentionCl"), ("maxxvit_2d", "FlashMaxxVitAttention2d"),
                        ("tiny_vit", "FlashTinyVitAttention"), ("davit", "FlashDaVitWindowAttention"),
                        ("twins", "FlashTwinsLocallyGroupedAttn"), ("nest", "FlashNestAttention"),
-                       ("hiera", "FlashHieraMaskUnitAttention"), ("gcvit", "FlashGcVitWindowAttentionGlobal")):
+                       ("hiera", "FlashHieraMaskUnitAttention"), ("gcvit", "FlashGcVitWindowAttentionGlobal"),
+                       ("samvit", "FlashSamVitAttention")):
     PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
 
 
@@ -206,11 +207,11 @@ def _attention_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, Optio
     served = [(adapter, cls) for adapter in (*ADAPTERS.values(), *HF_ADAPTERS.values())
               if (cls := adapter.module_type()) is not None]
     for name, module in model.named_modules():
-        for adapter, cls in served:
-            if isinstance(module, cls):
-                own = type(module) is cls or type(module) is _patched_class_of(adapter.family)
-                yield name, module, (adapter if own else None), adapter.family
-                break
+        # the most derived class first: SAM's SDPA attention class subclasses its eager one
+        matches = sorted(((a, c) for a, c in served if isinstance(module, c)), key=lambda m: -len(m[1].__mro__))
+        own = [a for a, c in matches if type(module) is c or type(module) is _patched_class_of(a.family)]
+        if matches:
+            yield name, module, (own[0] if own else None), (own[0] if own else matches[0][0]).family
 
 
 #: the reason of the modules filter_fn opted out of: a choice, which strict does not count
@@ -269,11 +270,13 @@ def _sync_blocks(model: nn.Module, feature_map: bool) -> None:
         _set_block_class(block, PATCHED_BLOCK_CLASSES[family] if served else ADAPTERS[family].block_type())
 
 
-def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapter], family: str) -> ModuleStatus:
+def _status(name: str, module: nn.Module, adapter: Optional[WindowAttentionAdapter], family: str,
+            parent: Optional[nn.Module]) -> ModuleStatus:
+    layout = adapter.describe(module, parent) if adapter is not None else None
     if _is_patched(module):
-        return ModuleStatus(name, family, True)
+        return ModuleStatus(name, family, True, layout=layout)
     reason = getattr(module, _SKIP_ATTR, None) or "not patched"
-    return ModuleStatus(name, family, False, reason=reason)
+    return ModuleStatus(name, family, False, reason=reason, layout=layout)
 
 
 # ------------------------------------------------------------------------ public API
@@ -372,8 +375,10 @@ def is_patched(module_or_model: nn.Module) -> bool:
 
 
 def patch_report(model: nn.Module) -> PatchReport:
-    """The current state of every window-attention module of ``model``."""
-    return PatchReport(type(model).__name__, [_status(*entry) for entry in _attention_modules(model)])
+    """The current state of every attention module of ``model`` that an adapter knows."""
+    modules = dict(model.named_modules()) if isinstance(model, nn.Module) else {}
+    return PatchReport(type(model).__name__, [_status(*entry, modules.get(entry[0].rpartition(".")[0]))
+                                              for entry in _attention_modules(model)])
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ class ModuleStatus:
     family: str  # the adapter's: "swin", "swinv2", "swinv2_cr", "maxxvit", "tiny_vit", ...
     patched: bool
     reason: Optional[str] = None  # why not patched
+    #: what the module attends where its family says ("window 14x14", "global 64x64": SAM's blocks)
+    layout: Optional[str] = None
 
 
 @dataclass
@@ -38,7 +40,7 @@ class PatchReport:
         for m in self.patched:
             families[m.family] = families.get(m.family, 0) + 1
         by_family = ", ".join(f"{k}: {v}" for k, v in families.items()) or "none"
-        text = (f"patched {len(self.patched)} of {len(self.modules)} window-attention modules of {self.model} "
+        text = (f"patched {len(self.patched)} of {len(self.modules)} attention modules of {self.model} "
                 f"({by_family})")
         if self.skipped:
             text += f"; {len(self.skipped)} kept timm's forward"
@@ -52,7 +54,8 @@ class PatchReport:
         lines = [self.summary()]
         for m in self.modules:
             state = "patched" if m.patched else f"skipped: {m.reason}"
-            lines.append(f"  {m.name or '<model>'} [{m.family}] {state}")
+            layout = f" {m.layout}" if m.layout else ""
+            lines.append(f"  {m.name or '<model>'} [{m.family}]{layout} {state}")
         return "\n".join(lines)
 
 

@@ -76,7 +76,8 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
     its attention and any kernel "matches"; its logit scales all start at ln 10 and its
     bias tables near 0. This sets LayerNorm weights to 1 + 0.1 N(0,1) (biases
     0.05 N(0,1)), logit scales log-uniform in [ln 2, ln 120] (about 1 head in 20 above
-    the clamp at ln 100), V1 bias tables (and TinyViT's, zeros) to N(0,1), and adds
+    the clamp at ln 100), V1 bias tables (and TinyViT's, zeros) to N(0,1), SAM's decomposed
+    tables (zeros) to N(0, 1 / head_dim), and adds
     0.02 N(0,1) to every other floating parameter. (Uniform scales up to 150 made
     SwinV2-CR so chaotic that timm's own bfloat16 output was 20 % off float64 on CPU;
     this gives 9 %, SwinV2 2 %.)
@@ -100,6 +101,8 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
             p.copy_(u.to(p.device, p.dtype))
         elif name.endswith(("relative_position_bias_table", "attention_biases")):
             p.copy_(noise(p))
+        elif name.endswith(("rel_pos_h", "rel_pos_w")):  # SAM's / ViTDet's tables, zeros: q . R of about 1
+            p.copy_(noise(p) * p.shape[-1] ** -0.5)
         else:
             p.add_(0.02 * noise(p))
     return model

@@ -1,4 +1,4 @@
-"""One adapter per timm window-attention family."""
+"""One adapter per attention family (timm's, transformers')."""
 from typing import Dict, Optional
 
 from torch import nn
@@ -6,11 +6,14 @@ from torch import nn
 from .base import WindowAttentionAdapter
 from .davit import DaVitAdapter
 from .gcvit import GcVitAdapter
+from .hf_sam import (HfSamHqVisionAdapter, HfSamHqVisionSdpaAdapter, HfSamVisionAdapter, HfSamVisionSdpaAdapter,
+                     HfVitDetAdapter)
 from .hf_swin import HfDonutSwinAdapter, HfMaskFormerSwinAdapter, HfSwinAdapter
 from .hf_swinv2 import HfSwin2SRAdapter, HfSwinv2Adapter
 from .hiera import HieraAdapter
 from .maxxvit import MaxxVit2dAdapter, MaxxVitAdapter
 from .nest import NestAdapter
+from .samvit import SamVitAdapter
 from .swin import SwinAdapter
 from .swinv2 import SwinV2Adapter
 from .swinv2_cr import SwinV2CRAdapter
@@ -20,12 +23,14 @@ from .twins import TwinsAdapter
 #: family name -> adapter
 ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
     SwinAdapter(), SwinV2Adapter(), SwinV2CRAdapter(), MaxxVitAdapter(), MaxxVit2dAdapter(), TinyVitAdapter(),
-    DaVitAdapter(), TwinsAdapter(), NestAdapter(), HieraAdapter(), GcVitAdapter())}
+    DaVitAdapter(), TwinsAdapter(), NestAdapter(), HieraAdapter(), GcVitAdapter(), SamVitAdapter())}
 
 #: family name -> adapter of a Hugging Face transformers class (``patching.hf``); its
 #: ``module_type()`` is None until transformers' modeling module is imported
 HF_ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
-    HfSwinAdapter(), HfSwinv2Adapter(), HfDonutSwinAdapter(), HfMaskFormerSwinAdapter(), HfSwin2SRAdapter())}
+    HfSwinAdapter(), HfSwinv2Adapter(), HfDonutSwinAdapter(), HfMaskFormerSwinAdapter(), HfSwin2SRAdapter(),
+    HfSamVisionAdapter(), HfSamVisionSdpaAdapter(), HfSamHqVisionAdapter(), HfSamHqVisionSdpaAdapter(),
+    HfVitDetAdapter())}
 
 
 def adapter_for(module: nn.Module) -> Optional[WindowAttentionAdapter]:

@@ -104,6 +104,11 @@ class WindowAttentionAdapter:
             return f"attn_drop={self.attn_drop(module)} is not in [0, 1)"
         return None
 
+    def describe(self, module: nn.Module, parent: Optional[nn.Module]) -> Optional[str]:
+        """What the module attends, for the report, where the family has more than one kind
+        (``parent``: the module holding it); None here."""
+        return None
+
     # -- call time --------------------------------------------------------------------
     def forward(self, module: nn.Module, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Replacement of the module's forward: x (B_, N, C) -> (B_, N, C)."""
