@@ -63,6 +63,8 @@ MODELS = {  # name: (inference batch, training batch)
     "twins_svt_small": (128, 64),
     "nest_tiny": (128, 64),
     "hiera_tiny_224": (128, 64),
+    "samvit_base_patch16": (4, 4),  # 1024 px: 64 x 64 tokens, global and 14 x 14 window blocks
+    "hf:SamVisionConfig": (4, 4),  # transformers' SAM ViT-B image encoder, 1024 px
 }
 SWIN = list(MODELS)[:3]
 MODES = {"eager": None, "compile": "default", "reduce-overhead": "reduce-overhead"}

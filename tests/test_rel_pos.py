@@ -143,16 +143,21 @@ def test_float64_computes_in_pytorch():
 
 
 # ----------------------------------------------------------------------- GPU
+#: SAM's global blocks (1024 px, 640 px, 2048 px) and 14 x 14 windows, ViT-B/L's and ViT-H's
+#: head dims, in bf16; float16 and float32 on the two layouts of the bias
+GPU_CASES = [((4096, (64, 64), 64), torch.bfloat16), ((196, (14, 14), 64), torch.bfloat16),
+             ((1600, (40, 40), 64), torch.bfloat16), ((196, (14, 14), 80), torch.bfloat16),
+             ((4096, (64, 64), 80), torch.bfloat16), ((16384, (128, 128), 64), torch.bfloat16),
+             ((4096, (64, 64), 64), torch.float16), ((196, (14, 14), 64), torch.float16),
+             ((4096, (64, 64), 64), torch.float32), ((196, (14, 14), 80), torch.float32)]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("queries, key_size, D", [
-    (4096, (64, 64), 64), (196, (14, 14), 64), (1600, (40, 40), 64), (196, (14, 14), 80), (4096, (64, 64), 80),
-    (16384, (128, 128), 64)], ids=["global64", "window14", "global40", "window14-d80", "global64-d80", "global128"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_gpu_sam_shapes(queries, key_size, D, dtype):
-    """SAM's global blocks (1024 px, 640 px, 2048 px) and 14 x 14 windows, ViT-B/L and ViT-H
-    head dims, every dtype: against float64 (on the GPU)."""
-    if dtype == torch.float32 and queries > 4096:
-        pytest.skip("float32 at 16384 tokens: covered in 16-bit")
+@pytest.mark.parametrize("shape, dtype", GPU_CASES,
+                         ids=[f"{q}-{k[0]}x{k[1]}-d{d}-{str(t)[6:]}" for (q, k, d), t in GPU_CASES])
+def test_gpu_sam_shapes(shape, dtype):
+    """Against float64 on the GPU, output and every gradient."""
+    queries, key_size, D = shape
     B = 2 if queries <= 4096 else 1
     q, k, v, rel_h, rel_w, do = make_inputs(B, 2, 2, queries, key_size, D, dtype, device="cuda")
     ours = forward_backward(lambda *t: decomposed_attention(*t, key_size=key_size), (q, k, v, rel_h, rel_w), do)
