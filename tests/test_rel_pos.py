@@ -180,3 +180,27 @@ def test_gpu_compiles_without_graph_break():
     for got, want in zip(forward_backward(compiled, (q, k, v, rel_h, rel_w), do),
                          forward_backward(attention, (q, k, v, rel_h, rel_w), do)):
         assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("q_size, k_size, rows", [(14, 14, 27), (8, 8, 27), (20, 20, 27), (4, 7, 13), (9, 3, 17)])
+def test_gathered_table_is_the_models_get_rel_pos(q_size, k_size, rows):
+    """gathered_table against timm's and transformers' get_rel_pos (SAM's, which interpolates
+    always, and ViTDet's): the same values and table gradients, bit for bit."""
+    from timm.models.vision_transformer_sam import get_rel_pos as timm_get_rel_pos
+    from timm_flashwin.ops.rel_pos import gathered_table
+    table = torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows), dtype=torch.float64)
+    functions = [(timm_get_rel_pos, False)]
+    try:
+        from transformers.models.sam.modeling_sam import SamVisionAttention
+        from transformers.models.vitdet.modeling_vitdet import get_rel_pos as vitdet_get_rel_pos
+        functions += [(lambda q, k, t: SamVisionAttention.get_rel_pos(None, q, k, t), True), (vitdet_get_rel_pos, False)]
+    except ImportError:
+        pass
+    for function, always in functions:
+        results = []
+        for fn in (function, lambda q, k, t: gathered_table(t, q, k, always)):
+            leaf = table.clone().requires_grad_()
+            out = fn(q_size, k_size, leaf)
+            out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out).cos())
+            results.append((out.detach(), leaf.grad))
+        assert all(torch.equal(a, b) for a, b in zip(*results))

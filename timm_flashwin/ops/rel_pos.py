@@ -13,10 +13,12 @@ the tables through ``rel_pos_terms``.
 from __future__ import annotations
 
 from numbers import Integral
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
+from .dispatch import no_dispatch_mode
 from .local import DecomposedBias, attend, check_dropout, check_inputs, check_scale, fail
 from .local_reference import LocalPattern, sliding_window_visible
 
@@ -94,6 +96,39 @@ def rel_pos_terms(q: torch.Tensor, rel_h_table: torch.Tensor, rel_w_table: torch
     rel_h = torch.einsum("bnhwc,hkc->bnhwk", grid_q, rel_h_table)
     rel_w = torch.einsum("bnhwc,wkc->bnhwk", grid_q, rel_w_table)
     return rel_h.reshape(B, H, S, rel_h_table.shape[1]), rel_w.reshape(B, H, S, rel_w_table.shape[1])
+
+
+def gathered_table(rel_pos: torch.Tensor, q_size: int, k_size: int, interpolate_always: bool = False
+                   ) -> torch.Tensor:
+    """SAM's ``get_rel_pos(q_size, k_size, rel_pos)``: (q_size, k_size, D), row i, column j the
+    table's row for query i and key j: the table (L, D) linearly interpolated to
+    2 max(q_size, k_size) - 1 rows where it has another number (transformers' SAM interpolates
+    always: ``interpolate_always``, the same values), the coordinates of the shorter side
+    scaled. The same values and gradient as timm's and transformers' functions, without their
+    host-to-device copy of the index in every call (a synchronization: the host waits for the
+    GPU there, twice per attention module): the index is kept per (sizes, device) in eager mode."""
+    rows = int(2 * max(q_size, k_size) - 1)
+    if interpolate_always or rel_pos.shape[0] != rows:
+        resized = F.interpolate(rel_pos.reshape(1, rel_pos.shape[0], -1).permute(0, 2, 1), size=rows, mode="linear")
+        rel_pos = resized.reshape(-1, rows).permute(1, 0)
+    return rel_pos[_relative_index(q_size, k_size, rel_pos.device)]
+
+
+#: (q_size, k_size, device) -> the (q_size, k_size) int64 index of ``gathered_table``
+_INDEX: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _relative_index(q_size: int, k_size: int, device: torch.device) -> torch.Tensor:
+    """The models' index, computed as they compute it (float32 coordinates, truncated)."""
+    key = (q_size, k_size, device)
+    index = _INDEX.get(key)
+    if index is None:
+        q_coords = torch.arange(q_size, dtype=torch.float32)[:, None] * max(k_size / q_size, 1.0)
+        k_coords = torch.arange(k_size, dtype=torch.float32)[None, :] * max(q_size / k_size, 1.0)
+        index = ((q_coords - k_coords) + (k_size - 1) * max(q_size / k_size, 1.0)).long().to(device)
+        if no_dispatch_mode():  # a tensor made while tracing (torch.compile) is not kept for later calls
+            _INDEX[key] = index
+    return index
 
 
 def _check_size(function: str, name: str, size: Sequence[int]) -> Tuple[int, int]:

@@ -82,6 +82,39 @@ def score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIA
 
 
 @triton.jit
+def row_tile_terms(rh_rows, rw_rows, offs, stride_hk, stride_wk, BIAS: tl.constexpr, ROW_TILE: tl.constexpr):
+    """What a program over query rows keeps of a bias in the row layout before its loop over
+    the key tiles (the tiles are the grid's rows 0, 1, ... in order: global attention):
+    (rel_w[rows, 0:key_w] times log2(e), the same of every tile: loaded once; rel_h[rows, 0]
+    times log2(e), the first tile's term). (0.0, 0.0) otherwise."""
+    rw, rh = 0.0, 0.0
+    if BIAS == _DECOMPOSED:
+        if ROW_TILE:
+            rw = tl.load(rw_rows[:, None] + offs[None, :] * stride_wk).to(tl.float32) * _LOG2E
+            rh = tl.load(rh_rows).to(tl.float32) * _LOG2E
+    return rw, rh
+
+
+@triton.jit
+def tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS: tl.constexpr,
+              ROW_TILE: tl.constexpr):
+    """(the bias of the key tile at n0 against the program's query rows, log2 domain; the term
+    the next tile takes). In the row layout the tile's rel_h term is the one loaded during the
+    previous tile (``row_tile_terms``), and the next row's is loaded now: its latency is
+    hidden behind this tile's products (a load that feeds no product is not pipelined)."""
+    if BIAS == _DECOMPOSED:
+        if ROW_TILE:
+            row = n0 // key_w
+            after = tl.minimum(row + 1, S_k // key_w - 1)
+            return rw_tile + rh_next[:, None], tl.load(rh_rows + after * stride_hk).to(tl.float32) * _LOG2E
+        else:
+            return score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS, ROW_TILE,
+                              False), rh_next
+    else:
+        return 0.0, rh_next
+
+
+@triton.jit
 def bias_grad_step(grad_h, grad_w, ds, ds_operand, n0, offs, rows, S_q, S_k, key_w, drh_rows, stride_hk,
                    BIAS: tl.constexpr, ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr,
                    PRECISION: tl.constexpr):

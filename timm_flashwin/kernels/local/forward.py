@@ -12,7 +12,7 @@ F.scaled_dot_product_attention applies it.
 import triton
 import triton.language as tl
 
-from .bias import bias_rows, score_bias
+from .bias import bias_rows, row_tile_terms, tile_bias
 from .tiles import (dropout_keep, edge_block, full_block, head_base, load_block, load_rows, logits, product,
                     query_block_program, row_block, scores, store_block)
 
@@ -23,16 +23,15 @@ _NO_MAX = tl.constexpr(-1.0e30)
 
 @triton.jit
 def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale, dropout_p,
-                 S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
-                 rh_rows, rw_rows, key_w, stride_hk, stride_wk,
+                 S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd, bias,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                  HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                 FOLD_SCALE: tl.constexpr, BIAS: tl.constexpr, ROW_TILE: tl.constexpr):
+                 FOLD_SCALE: tl.constexpr, BIAS: tl.constexpr):
     """The online softmax over the key block [n0, n0 + BLOCK_N) for the query rows at
     ``positions`` (``local.tiles``): (acc, m_i, l_i) updated. Without MASKED every key is
     < S_k and visible to every query row. FOLD_SCALE (only where
     qk_scale > 0 and there is no bias): the scale applied in the exponent's FMA, not to the
-    logits first. BIAS: the logits' additive term (``local.bias``)."""
+    logits first. BIAS: ``bias``, the tile's additive term (log2 domain, ``local.bias``), is added."""
     offs = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     cols = n0 + offs
@@ -50,7 +49,7 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed,
         s = logits(q, k, positions[:, None], cols[None, :], qk_scale, S_k, period, before, after, sink, MASKED,
                    HAS_SINK, PRECISION)
         if BIAS != 0:  # (-inf where hidden stays -inf; no add of 0.0 per logit without a bias)
-            s += score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS, ROW_TILE, False)
+            s += bias
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -96,24 +95,28 @@ def local_attention_fwd_kernel(
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     rh_rows, rw_rows = bias_rows(rel_h_ptr, rel_w_ptr, b, h, rows, S_q, stride_hb, stride_hh, stride_hs, stride_wb,
                                  stride_wh, stride_ws, BIAS)
+    keys = tl.arange(0, BLOCK_N)
+    rw_tile, rh_next = row_tile_terms(rh_rows, rw_rows, keys, stride_hk, stride_wk, BIAS, ROW_TILE)
 
     m_i = tl.full((BLOCK_M,), _NO_MAX, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(0, n_full):
         n0 = full_block(t, n_prefix, f_start) * BLOCK_N
+        bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk, stride_wk,
+                                  BIAS, ROW_TILE)
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
                                      dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
-                                     stride_vd, rh_rows, rw_rows, key_w, stride_hk, stride_wk,
-                                     D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE, BIAS,
-                                     ROW_TILE)
+                                     stride_vd, bias, D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION,
+                                     FOLD_SCALE, BIAS)
     for t in range(0, n_edge):
         n0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_N
+        bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk, stride_wk,
+                                  BIAS, ROW_TILE)
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
                                      dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
-                                     stride_vd, rh_rows, rw_rows, key_w, stride_hk, stride_wk,
-                                     D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION, FOLD_SCALE, BIAS,
-                                     ROW_TILE)
+                                     stride_vd, bias, D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION,
+                                     FOLD_SCALE, BIAS)
 
     seen = l_i > 0.0
     l_i = tl.where(seen, l_i, 1.0)

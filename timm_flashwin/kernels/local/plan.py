@@ -321,12 +321,16 @@ def row_tile(call: LocalCall, tiles: Plan) -> bool:
 def _bias_tiles(kind: str, tiles: Plan, call: LocalCall) -> Plan:
     """``tiles`` as a decomposed bias takes them: key tiles of one grid row where the grid's
     width is one of ``ROW_TILE_WIDTHS``, fitted again to the architecture (where that halves
-    the key tiles, the gathering layout serves); 8 warps where the bias's tiles would make
-    the 4-warp builds spill (sm_90 builds, ``tests/local_arch_build.py --bias``: the dkdv
-    kernel at head_dim 64 with 64 x 64 tiles 432 B of stack per thread at 4 warps, 104 B at
-    8; the forward at head_dim 80 24 B, none; the gathering dq kernel 255 registers, 222),
-    and for the gathering dq kernel, whose accumulators grow with the padded grid sides,
-    query tiles of 32 rows beyond sides of 64."""
+    the key tiles, the gathering layout serves); for the gathering layout's dq kernel, whose
+    accumulators grow with the padded grid sides, query tiles of 32 rows beyond sides of 64;
+    8 warps where 16-bit tiles of the bias make the 4-warp builds spill (sm_90 builds,
+    ``tests/local_arch_build.py --bias``: the gathering dq kernel 255 registers at 4 warps,
+    222 at 8; the forward at head_dim 80 24 B of stack, none; rows of 128 keys, whose
+    (BLOCK_M, 128) rel_w tile each kernel keeps: 416 to 1552 B of stack at 4 warps). Not the
+    dkdv kernel of 64-key rows
+    layout, which 8 warps slow (SAM ViT-B's global block, H200: 7.8 -> 6.3 ms f+b at 4 warps),
+    nor float32 inputs (triton 3.6 builds their dkdv kernel of 16 query rows at 8 warps into
+    an illegal memory access: ``_PLANS_32BIT``)."""
     if call.bias != DECOMPOSED or config.INTERPRET:
         return tiles
     if call.key_w in ROW_TILE_WIDTHS and tiles.block_n != call.key_w:
@@ -335,7 +339,8 @@ def _bias_tiles(kind: str, tiles: Plan, call: LocalCall) -> Plan:
     gathers = tiles.block_n != call.key_w
     if kind == "dq" and gathers and max(call.key_h, call.key_w) > 64 and tiles.block_m > 32:
         tiles = Plan(32, tiles.block_n, tiles.num_warps, tiles.num_stages)
-    if kind == "dkdv" or (kind == "fwd" and call.head_dim > 64) or (kind == "dq" and gathers):
+    wider = (gathers and kind != "fwd") or (kind == "fwd" and call.head_dim > 64) or tiles.block_n > 64
+    if wider and call.dtype != torch.float32:
         tiles = Plan(tiles.block_m, tiles.block_n, max(tiles.num_warps, 8), tiles.num_stages)
     return tiles
 

@@ -7,22 +7,21 @@ one (a window block: the block pads the map to a multiple of its window with zer
 partitions it, which the module cannot tell apart), and computes
 ``softmax(scale * q k^T + bias) v`` with SAM's ``get_decomposed_rel_pos_bias``: here the op
 ``decomposed_attention`` on views of the qkv projection, its two terms from the module's
-own tables (``rel_pos_terms``, the tables gathered and interpolated by the model's own
-``get_rel_pos``), and the module's proj. What differs between the classes is where they keep
-their parts: ``rel_pos_tables``, ``get_rel_pos``, ``num_heads``, ``attn_drop``.
+own tables (``rel_pos_terms``, the tables gathered and interpolated as the model's own
+``get_rel_pos`` does it: ``ops.rel_pos.gathered_table``, which the tests hold against each
+model's function), and the module's proj. What differs between the classes is where they
+keep their parts: ``rel_pos_tables``, ``interpolates_always``, ``num_heads``, ``attn_drop``.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
-from ...ops.rel_pos import decomposed_attention, rel_pos_terms
+from ...ops.rel_pos import decomposed_attention, gathered_table, rel_pos_terms
 from .base import WindowAttentionAdapter
 
-#: (q_size, k_size, rel_pos (L, D)) -> (q_size, k_size, D): a model's own table gather
-GetRelPos = Callable[[int, int, torch.Tensor], torch.Tensor]
 
 
 class DecomposedRelPosAdapter(WindowAttentionAdapter):
@@ -45,8 +44,9 @@ class DecomposedRelPosAdapter(WindowAttentionAdapter):
     def rel_pos_tables(self, module: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
         return module.rel_pos_h, module.rel_pos_w
 
-    def get_rel_pos(self, module: nn.Module) -> GetRelPos:
-        raise NotImplementedError
+    #: whether the model's get_rel_pos interpolates the tables also where they have the rows
+    #: the grid needs (transformers' SAM: the same values; ``gathered_table``)
+    interpolates_always: bool = False
 
     def table_size(self, module: nn.Module) -> Tuple[int, int]:
         """The grid the module's tables were made for (their 2 * size - 1 rows)."""
@@ -100,9 +100,10 @@ class DecomposedRelPosAdapter(WindowAttentionAdapter):
         q, k = self.q_k_norm(module, q, k)
         if q.dtype != v.dtype:  # a norm under autocast gives float32: SDPA computes in v's dtype then
             q, k = q.to(v.dtype), k.to(v.dtype)
-        get_rel_pos = self.get_rel_pos(module)
         rel_pos_h, rel_pos_w = self.rel_pos_tables(module)
-        table_h, table_w = get_rel_pos(height, height, rel_pos_h), get_rel_pos(width, width, rel_pos_w)
+        always = self.interpolates_always
+        table_h = gathered_table(rel_pos_h, height, height, always)
+        table_w = gathered_table(rel_pos_w, width, width, always)
         rel_h, rel_w = rel_pos_terms(q, table_h, table_w, (height, width))
         out = decomposed_attention(q, k, v, rel_h, rel_w, key_size=(height, width), scale=self.scale(module),
                                    dropout_p=dropout_p)

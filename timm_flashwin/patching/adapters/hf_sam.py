@@ -6,7 +6,8 @@ and ``SamVisionSdpaAttention`` (``SamModel``, ``SamVisionModel``), SAM-HQ's
 
 Their forward takes hidden_states (B, H, W, C) and returns (output, attention weights or None)
 (SAM) or (output,) / (output, probabilities) (ViTDet); each gathers its tables with its own
-``get_rel_pos`` (SAM's a method that interpolates them always, ViTDet's a function). The
+``get_rel_pos`` (SAM's a method that interpolates them always, ViTDet's a function), which
+``ops.rel_pos.gathered_table`` computes. The
 eager classes compute the attention weights: where a caller collects them
 (``output_attentions``, or transformers' output capturing asks for "attentions") the call
 runs transformers' forward. SAM's eager class drops probabilities with ``config.attention_dropout``
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from ..tracing import runs_timm
-from .decomposed import DecomposedRelPosAdapter, GetRelPos
+from .decomposed import DecomposedRelPosAdapter
 
 
 def _collecting_attentions() -> bool:
@@ -51,8 +52,8 @@ class HfDecomposedAdapter(DecomposedRelPosAdapter):
     def attn_drop(self, module: nn.Module) -> float:
         return float(module.dropout) if self.returns_weights else 0.0
 
-    def get_rel_pos(self, module: nn.Module) -> GetRelPos:
-        return module.get_rel_pos
+    #: SAM's get_rel_pos interpolates its tables in every call (ViTDet's where it must)
+    interpolates_always = True
 
     def project(self, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
         return module.proj(y)
@@ -107,6 +108,7 @@ class HfSamHqVisionSdpaAdapter(HfDecomposedAdapter):
 
 class HfVitDetAdapter(HfDecomposedAdapter):
     family = "hf_vitdet"
+    interpolates_always = False
     hf_module = "transformers.models.vitdet.modeling_vitdet"
     hf_class = "VitDetAttention"
     returns_weights = True
@@ -120,9 +122,6 @@ class HfVitDetAdapter(HfDecomposedAdapter):
 
     def attn_drop(self, module: nn.Module) -> float:
         return 0.0
-
-    def get_rel_pos(self, module: nn.Module) -> GetRelPos:
-        return sys.modules[self.hf_module].get_rel_pos
 
     def hf_forward(self, module: nn.Module, hidden_states: torch.Tensor) -> tuple:
         return (self.forward(module, hidden_states),)

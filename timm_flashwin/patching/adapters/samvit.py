@@ -5,7 +5,7 @@ the whole map and window blocks over timm's padded 14 x 14 windows (``decomposed
 timm's forward: qkv (B, N, 3, heads, D), q and k through ``q_norm`` / ``k_norm`` (Identity
 without qk_norm), ``get_decomposed_rel_pos_bias`` from the normalized q with the module-level
 ``get_rel_pos`` (interpolating the tables where the map is another size than they were made
-for), then SDPA with that bias as a dense mask, or the same math in PyTorch, with dropout
+for; ``gathered_table`` here), then SDPA with that bias as a dense mask, or the same math in PyTorch, with dropout
 ``attn_drop.p`` in training; proj, proj_drop. Without ``use_rel_pos`` (with rotary
 embeddings, or none) timm's forward stays: its SDPA call has no bias to fuse.
 """
@@ -16,7 +16,7 @@ from typing import Tuple, Type
 import torch
 from torch import nn
 
-from .decomposed import DecomposedRelPosAdapter, GetRelPos
+from .decomposed import DecomposedRelPosAdapter
 
 
 class SamVitAdapter(DecomposedRelPosAdapter):
@@ -28,10 +28,6 @@ class SamVitAdapter(DecomposedRelPosAdapter):
     def module_type() -> Type[nn.Module]:
         from timm.models.vision_transformer_sam import Attention
         return Attention
-
-    def get_rel_pos(self, module: nn.Module) -> GetRelPos:
-        from timm.models.vision_transformer_sam import get_rel_pos
-        return get_rel_pos
 
     def q_k_norm(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         return module.q_norm(q), module.k_norm(k)
