@@ -15,6 +15,7 @@ its way), and their backward):
   (B*heads, N, D) tensors, as ``vision_transformer_sam.Attention`` runs it;
 * ``flex``: FlexAttention (compiled) with a ``score_mod`` that gathers rel_h and rel_w;
 * ``sdpa-no-bias``: SDPA without the bias (the flash road): what the attention costs alone;
+* ``flashwin-no-bias``: our kernels without the bias (``sliding_window_attention``, global);
 * ``flashwin``: ``decomposed_attention``.
 
 ``--module``: timm's ``Attention`` module against the patched one (its qkv and proj, the
@@ -33,7 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's library
 from common import default_out, header, write_json, environment  # noqa: E402
-from timm_flashwin import decomposed_attention, patch_model, rel_pos_terms  # noqa: E402
+from common import profile  # noqa: E402
+from timm_flashwin import decomposed_attention, patch_model, rel_pos_terms, sliding_window_attention  # noqa: E402
 from timm_flashwin.ops.rel_pos import gathered_table  # noqa: E402
 
 #: name: (batch of windows or images, heads, grid side, head_dim); SAM at 1024 px, batch 4:
@@ -43,7 +45,7 @@ CASES = {
     "global64-vith": (4, 16, 64, 80), "window14-vith": (100, 16, 14, 80),
     "global40": (4, 12, 40, 64), "global128": (1, 12, 128, 64),
 }
-IMPLEMENTATIONS = ("timm", "flex", "sdpa-no-bias", "flashwin")
+IMPLEMENTATIONS = ("timm", "flex", "sdpa-no-bias", "flashwin-no-bias", "flashwin")
 
 
 def inputs(shape, dtype=torch.bfloat16, device="cuda"):
@@ -89,7 +91,11 @@ def attention(impl: str, side: int, flex_fn=None):
     def sdpa(qkv, table_h, table_w):
         q, k, v = views(qkv)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return dict(timm=timm_road, flex=flex, flashwin=flashwin)[impl] if impl != "sdpa-no-bias" else sdpa
+
+    def unbiased(qkv, table_h, table_w):
+        return sliding_window_attention(*views(qkv))
+    return {"timm": timm_road, "flex": flex, "flashwin": flashwin, "sdpa-no-bias": sdpa,
+            "flashwin-no-bias": unbiased}[impl]
 
 
 def timed(fn, tensors, backward: bool):
@@ -124,7 +130,7 @@ def peak_mib(step) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def run_case(case: str, impls, rounds: int, repeats: int, module: bool) -> list:
+def run_case(case: str, impls, rounds: int, repeats: int, module: bool, top: int = 0) -> list:
     batch, heads, side, head_dim = CASES[case]
     flops = 4 * batch * heads * (side * side) ** 2 * head_dim
     flex_fn = None
@@ -154,9 +160,12 @@ def run_case(case: str, impls, rounds: int, repeats: int, module: bool) -> list:
     for (impl, backward), step in steps.items():
         ms = statistics.median(times[(impl, backward)])
         work = flops * (3.5 if backward else 1.0)
-        rows.append(dict(case=case, shape=CASES[case], impl=impl, pass_="f+b" if backward else "fwd", ms=ms,
-                         ms_rounds=times[(impl, backward)], tflops=work / ms / 1e9, peak_mib=peak_mib(step),
-                         **environment()))
+        row = dict(case=case, shape=CASES[case], impl=impl, pass_="f+b" if backward else "fwd", ms=ms,
+                   ms_rounds=times[(impl, backward)], tflops=work / ms / 1e9, peak_mib=peak_mib(step),
+                   **environment())
+        if top and backward:  # where the GPU's time goes, kernel by kernel
+            row["launches"], row["gpu_ms"], _, row["gpu_kernels"] = profile(step, 2, top)
+        rows.append(row)
     return rows
 
 
@@ -225,6 +234,7 @@ def main(argv=None) -> list:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--module", action="store_true", help="the attention modules too")
+    parser.add_argument("--top", type=int, default=0, help="print each f+b's N largest GPU kernels (profiled)")
     parser.add_argument("--tune", nargs="*", default=None, choices=list(CASES), help="compare plans of the biased kernels")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/rel_pos_<gpu>_<commit>.json")
     args = parser.parse_args(argv)
@@ -242,12 +252,14 @@ def main(argv=None) -> list:
     out = args.out or default_out("rel_pos")
     print(f"{'case':14s} {'impl':16s} {'pass':4s} {'ms':>8s} {'TFLOP/s':>8s} {'peak MiB':>9s}  vs sdpa-no-bias")
     for case in args.cases:
-        group = run_case(case, args.impls, args.rounds, args.repeats, args.module)
+        group = run_case(case, args.impls, args.rounds, args.repeats, args.module, args.top)
         base = {r["pass_"]: r["ms"] for r in group if r["impl"] == "sdpa-no-bias"}
         for r in group:
             ratio = f"{r['ms'] / base[r['pass_']]:.2f}x" if r["pass_"] in base else ""
             print(f"{case:14s} {r['impl']:16s} {r['pass_']:4s} {r['ms']:8.3f} {r['tflops']:8.1f} {r['peak_mib']:9.0f}  "
                   f"{ratio}", flush=True)
+            for kernel in r.get("gpu_kernels", [])[:args.top]:
+                print(f"      gpu {kernel['us_per_step']:9.0f} us {kernel['calls_per_step']:5.0f}x  {kernel['name'][:80]}")
         rows += group
         write_json(out, rows)
         torch.cuda.empty_cache()

@@ -55,11 +55,12 @@ def dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_
     lse, delta = load_row_stats(lse_head, delta_head, rows, S_q, MASKED)
     positions = rows + shift
     offset = lse[None, :]
-    if BIAS != 0:  # exp2(x - (lse - bias)): the bias rides on the FMA's addend
+    if BIAS != 0:  # exp2(x - (lse - bias)): the bias rides on the FMA's addend, the rows' term on lse
         rh_rows, rw_rows = bias_rows(rel_h_ptr, rel_w_ptr, b, h, rows, S_q, stride_hb, stride_hh, stride_hs,
                                      stride_wb, stride_wh, stride_ws, BIAS)
-        offset = offset - score_bias(rh_rows, rw_rows, n0, tl.arange(0, BLOCK_N), S_k, key_w, stride_hk, stride_wk,
-                                     BIAS, ROW_TILE, True)
+        tile, row_bias = score_bias(rh_rows, rw_rows, n0, tl.arange(0, BLOCK_N), S_k, key_w, stride_hk, stride_wk,
+                                    BIAS, ROW_TILE, True)
+        offset = (lse - row_bias)[None, :] - tile
     p = probabilities(k, q, positions[None, :], cols[:, None], qk_scale, offset, S_k, period, before, after,
                       sink, MASKED, HAS_SINK, PRECISION)
     dp = product(v, tl.trans(do), None, PRECISION)
@@ -139,13 +140,13 @@ def local_attention_bwd_dkdv_kernel(
 @triton.jit
 def dq_step(dq, grad_h, grad_w, q, do, lse, delta, k_head, v_head, n0, rows, positions, row_ids, seed, qk_scale,
             dropout_p, S_q, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd,
-            bias, drh_rows, key_w, stride_hk,
+            bias, row_bias, drh_rows, key_w, stride_hk,
             D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
             HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr,
             ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr):
     """dQ of the program's queries ``rows`` (at ``positions``) plus the key block [n0, n0 + BLOCK_N),
     and the bias's gradient accumulators (grad_h, grad_w: ``local.bias.bias_grad_step``); ``bias``:
-    the tile's bias (``local.bias.tile_bias``)."""
+    the tile's bias, ``row_bias`` its rows' term (``local.bias.tile_bias``)."""
     offs = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     cols = n0 + offs
@@ -153,7 +154,7 @@ def dq_step(dq, grad_h, grad_w, q, do, lse, delta, k_head, v_head, n0, rows, pos
     v = load_rows(row_block(v_head, n0, stride_vs), offs, dims, stride_vs, stride_vd, S_k - n0, D, MASKED, BLOCK_D)
     offset = lse[:, None]
     if BIAS != 0:  # exp2(x - (lse - bias)), as in dkdv_step
-        offset = offset - bias
+        offset = (lse - row_bias)[:, None] - bias
     p = probabilities(q, k, positions[:, None], cols[None, :], qk_scale, offset, S_k, period, before, after,
                       sink, MASKED, HAS_SINK, PRECISION)
     dp = product(do, tl.trans(v), None, PRECISION)
@@ -218,20 +219,22 @@ def local_attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(0, n_full):
         n0 = full_block(t, n_prefix, f_start) * BLOCK_N
-        bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk, stride_wk,
-                                  BIAS, ROW_TILE)
+        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk,
+                                            stride_wk, BIAS, ROW_TILE)
         dq, grad_h, grad_w = dq_step(dq, grad_h, grad_w, q, do, lse, delta, k_head, v_head, n0, rows, positions,
                                      row_ids, seed, qk_scale, dropout_p, S_q, S_k, period, before, after, sink,
-                                     stride_ks, stride_kd, stride_vs, stride_vd, bias, drh_rows, key_w, stride_hk,
+                                     stride_ks, stride_kd, stride_vs, stride_vd, bias, row_bias, drh_rows, key_w,
+                                     stride_hk,
                                      D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION, BIAS, ROW_TILE,
                                      KEY_H_PAD, KEY_W_PAD)
     for t in range(0, n_edge):
         n0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_N
-        bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk, stride_wk,
-                                  BIAS, ROW_TILE)
+        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk,
+                                            stride_wk, BIAS, ROW_TILE)
         dq, grad_h, grad_w = dq_step(dq, grad_h, grad_w, q, do, lse, delta, k_head, v_head, n0, rows, positions,
                                      row_ids, seed, qk_scale, dropout_p, S_q, S_k, period, before, after, sink,
-                                     stride_ks, stride_kd, stride_vs, stride_vd, bias, drh_rows, key_w, stride_hk,
+                                     stride_ks, stride_kd, stride_vs, stride_vd, bias, row_bias, drh_rows, key_w,
+                                     stride_hk,
                                      D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION, BIAS, ROW_TILE,
                                      KEY_H_PAD, KEY_W_PAD)
     store_bias_grad(grad_h, grad_w, drh_rows, drw_rows, rows, S_q, S_k, key_w, stride_hk, stride_wk, BIAS, ROW_TILE,

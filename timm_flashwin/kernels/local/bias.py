@@ -1,8 +1,10 @@
 """The additive score terms of the local-attention kernels: one constexpr switch, ``BIAS``.
 
-Each kind is one helper pair: ``score_bias`` gives the term added to a tile's logits (log2
-domain, fp32), ``bias_grad_step`` adds a tile's dS to the kind's gradient; ``bias_rows`` and
-``store_bias_grad`` open and close a program's rows. ``NO_BIAS`` compiles them all away.
+Each kind is one helper pair: ``score_bias`` gives the terms added to a tile's logits (log2
+domain, fp32: one of the tile's shape, one per query row), ``bias_grad_step`` adds a tile's dS
+to the kind's gradient; ``bias_rows`` and ``store_bias_grad`` open and close a program's rows,
+``row_tile_terms`` and ``tile_bias`` carry what a program keeps across its key tiles.
+``NO_BIAS`` compiles them all away.
 
 ``DECOMPOSED``: decomposed relative position (SAM's image encoder, ViTDet, MViTv2). The keys
 lie on a grid of ``key_w`` columns, key j at row j // key_w and column j % key_w; with
@@ -54,18 +56,20 @@ def bias_rows(rel_h_ptr, rel_w_ptr, b, h, rows, S_q, stride_hb, stride_hh, strid
 @triton.jit
 def score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS: tl.constexpr,
                ROW_TILE: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The bias of the tile of keys n0 + offs against the query rows at ``rh_rows`` /
-    ``rw_rows`` (``bias_rows``), times log2(e): (rows, keys), or (keys, rows) with
-    TRANSPOSED (the dkdv kernel's orientation); 0.0 without a bias."""
+    """(the tile's term, the rows' term) of the bias of the keys n0 + offs against the query
+    rows at ``rh_rows`` / ``rw_rows`` (``bias_rows``), times log2(e); the tile's term (rows,
+    keys), or (keys, rows) with TRANSPOSED (the dkdv kernel's orientation), and the rows'
+    term a vector (BLOCK_M,) added to every key (the row layout's rel_h, which the kernels
+    fold into their row maxima and log-sum-exps: no add per logit), 0.0 in the gathering
+    layout. (0.0, 0.0) without a bias."""
     if BIAS == _DECOMPOSED:
         if ROW_TILE:  # the tile is grid row n0 // key_w, its keys the columns 0 ... key_w - 1
-            row = n0 // key_w
+            rh = tl.load(rh_rows + (n0 // key_w) * stride_hk).to(tl.float32) * _LOG2E
             if TRANSPOSED:
-                rh = tl.load(rh_rows + row * stride_hk)[None, :]
                 rw = tl.load(rw_rows[None, :] + offs[:, None] * stride_wk)
             else:
-                rh = tl.load(rh_rows + row * stride_hk)[:, None]
                 rw = tl.load(rw_rows[:, None] + offs[None, :] * stride_wk)
+            return rw.to(tl.float32) * _LOG2E, rh
         else:
             keys = tl.minimum(n0 + offs, S_k - 1)
             key_row = keys // key_w
@@ -76,9 +80,9 @@ def score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIA
             else:
                 rh = tl.load(rh_rows[:, None] + (key_row * stride_hk)[None, :])
                 rw = tl.load(rw_rows[:, None] + (key_col * stride_wk)[None, :])
-        return (rh.to(tl.float32) + rw.to(tl.float32)) * _LOG2E
+            return (rh.to(tl.float32) + rw.to(tl.float32)) * _LOG2E, 0.0
     else:
-        return 0.0
+        return 0.0, 0.0
 
 
 @triton.jit
@@ -98,20 +102,21 @@ def row_tile_terms(rh_rows, rw_rows, offs, stride_hk, stride_wk, BIAS: tl.conste
 @triton.jit
 def tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS: tl.constexpr,
               ROW_TILE: tl.constexpr):
-    """(the bias of the key tile at n0 against the program's query rows, log2 domain; the term
-    the next tile takes). In the row layout the tile's rel_h term is the one loaded during the
-    previous tile (``row_tile_terms``), and the next row's is loaded now: its latency is
-    hidden behind this tile's products (a load that feeds no product is not pipelined)."""
+    """(the tile's term, the rows' term, the next tile's rows' term) of the key tile at n0
+    against the program's query rows (``score_bias``'s terms). In the row layout the tile's
+    term is rel_w's tile, loaded once (``row_tile_terms``), the rows' term the one loaded during
+    the previous tile, and the next row's is loaded now: its latency is hidden behind this
+    tile's products (a load that feeds no product is not pipelined)."""
     if BIAS == _DECOMPOSED:
         if ROW_TILE:
-            row = n0 // key_w
-            after = tl.minimum(row + 1, S_k // key_w - 1)
-            return rw_tile + rh_next[:, None], tl.load(rh_rows + after * stride_hk).to(tl.float32) * _LOG2E
+            after = tl.minimum(n0 // key_w + 1, S_k // key_w - 1)
+            return rw_tile, rh_next, tl.load(rh_rows + after * stride_hk).to(tl.float32) * _LOG2E
         else:
-            return score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS, ROW_TILE,
-                              False), rh_next
+            tile, rows = score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS, ROW_TILE,
+                                    False)
+            return tile, rows, rh_next
     else:
-        return 0.0, rh_next
+        return 0.0, 0.0, rh_next
 
 
 @triton.jit

@@ -23,7 +23,7 @@ _NO_MAX = tl.constexpr(-1.0e30)
 
 @triton.jit
 def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale, dropout_p,
-                 S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd, bias,
+                 S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs, stride_vd, bias, row_bias,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                  HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                  FOLD_SCALE: tl.constexpr, BIAS: tl.constexpr):
@@ -31,7 +31,9 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed,
     ``positions`` (``local.tiles``): (acc, m_i, l_i) updated. Without MASKED every key is
     < S_k and visible to every query row. FOLD_SCALE (only where
     qk_scale > 0 and there is no bias): the scale applied in the exponent's FMA, not to the
-    logits first. BIAS: ``bias``, the tile's additive term (log2 domain, ``local.bias``), is added."""
+    logits first. BIAS: the tile's terms (log2 domain, ``local.bias.tile_bias``) are added:
+    ``bias`` to each logit, ``row_bias`` (a vector, or 0.0) to each row's, within the row
+    maximum and the exponent's subtrahend: m = max(m, max(s) + r), P = exp2(s - (m - r))."""
     offs = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     cols = n0 + offs
@@ -49,9 +51,12 @@ def forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed,
         s = logits(q, k, positions[:, None], cols[None, :], qk_scale, S_k, period, before, after, sink, MASKED,
                    HAS_SINK, PRECISION)
         if BIAS != 0:  # (-inf where hidden stays -inf; no add of 0.0 per logit without a bias)
-            s += bias
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+            s += bias  # one FMA with the scale's multiply where not masked
+            m_new = tl.maximum(m_i, tl.max(s, 1) + row_bias)
+            p = tl.math.exp2(s - (m_new - row_bias)[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
@@ -103,20 +108,20 @@ def local_attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(0, n_full):
         n0 = full_block(t, n_prefix, f_start) * BLOCK_N
-        bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk, stride_wk,
-                                  BIAS, ROW_TILE)
+        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk,
+                                            stride_wk, BIAS, ROW_TILE)
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
                                      dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
-                                     stride_vd, bias, D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION,
-                                     FOLD_SCALE, BIAS)
+                                     stride_vd, bias, row_bias, D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT,
+                                     PRECISION, FOLD_SCALE, BIAS)
     for t in range(0, n_edge):
         n0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_N
-        bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk, stride_wk,
-                                  BIAS, ROW_TILE)
+        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk,
+                                            stride_wk, BIAS, ROW_TILE)
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
                                      dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
-                                     stride_vd, bias, D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION,
-                                     FOLD_SCALE, BIAS)
+                                     stride_vd, bias, row_bias, D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT,
+                                     PRECISION, FOLD_SCALE, BIAS)
 
     seen = l_i > 0.0
     l_i = tl.where(seen, l_i, 1.0)
