@@ -11,12 +11,9 @@ survives ``copy.deepcopy``,
 round trips, adds no parameter or buffer, shows in ``repr``, and unpatching (restoring
 timm's class) restores timm's forward exactly.
 
-Why not a wrapt wrapper on timm's ``forward``: torch.compile does not call it. When a module
-is called by its parent, dynamo calls the function the wrapper wraps (timm's forward) and
-compiles timm's attention with no graph break and no error (torch 2.11 and 2.14.1, wrapt
-2.1.2; ``tests/test_patching_compile.py::test_why_not_wrapt`` checks it on the versions that run the
-tests). A method of a subclass is what dynamo traces, and as dynamo guards on module types, a
-patched and an unpatched copy of one model never share a graph.
+Why not a wrapt wrapper on timm's ``forward``: torch.compile does not call it; dynamo compiles
+timm's attention silently (docs/design.md; ``tests/test_patching_compile.py::test_why_not_wrapt``).
+A method of a subclass is what dynamo traces, and dynamo guards on module types.
 
 Hugging Face transformers' Swin-family attention classes are patched the same way, by
 subclasses made when first needed (``hf``; their adapters in ``adapters/hf_*.py``).
@@ -45,7 +42,7 @@ from . import hf as patching_hf
 from .adapters import ADAPTERS, HF_ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
 from .adapters.rel_pos import KEPT_ATTR
-from ..ops.dispatch import unserved_device
+from ..ops.dispatch import model_road, unserved_device
 from ..ops.hooks import runs_hooks
 from .report import ModuleStatus, PatchError, PatchReport
 from .tracing import register_fx_leaves, runs_timm
@@ -372,8 +369,10 @@ def is_patched(module_or_model: nn.Module) -> bool:
 
 
 def patch_report(model: nn.Module) -> PatchReport:
-    """The current state of every window-attention module of ``model``."""
-    return PatchReport(type(model).__name__, [_status(*entry) for entry in _attention_modules(model)])
+    """The current state of every window-attention module of ``model``, and what computes the
+    patched ones where its parameters are now (``PatchReport.road``)."""
+    modules = [_status(*entry) for entry in _attention_modules(model)]
+    return PatchReport(type(model).__name__, modules, model_road(model) if any(m.patched for m in modules) else None)
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from .comparison import Comparison, compare, group_error, jitter_images, larger_error
-from ..ops.window import uses_kernels
+from ..ops.dispatch import road
 from ..patching.factory import timm_create_model
 from .hf_models import HF_PREFIX, build_hf_model
 from ..patching.model import _attention_modules, patch_model, patch_report
@@ -256,10 +256,8 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
 
 
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
-    probe = torch.empty(0, device=device, dtype=dtype) if device.type != "meta" else None
-    if probe is None or not uses_kernels(probe):
-        return "pytorch"
-    return "triton" if device.type == "cuda" else "triton-interpreter"
+    """What computes the patched attention: "triton", "triton-interpreter" or "pytorch"."""
+    return road(device, dtype)
 
 
 # --------------------------------------------------------------------------- verify
