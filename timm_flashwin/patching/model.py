@@ -288,7 +288,7 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
     Args:
         model: any nn.Module.
         strict: raise ``PatchError`` (a ValueError) listing every module that cannot be
-            served, and patch nothing; raise ValueError if there is nothing to patch.
+            served, and patch nothing; or saying there is nothing to patch.
             Modules ``filter_fn`` opts out of are not counted: they are left on purpose.
         filter_fn: ``(module, qualified_name) -> bool``; False keeps that module on timm.
         recompute_qkv: where gradients are recorded, do not keep the qkv projection's output
@@ -318,10 +318,9 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
     found = list(_attention_modules(model))
     model_name = type(model).__name__
     if not found:
-        message = f"timm_flashwin: {model_name} has no timm window-attention module to patch"
         if strict:
-            raise ValueError(message)
-        warnings.warn(message, stacklevel=2)
+            raise PatchError(model_name, {})
+        warnings.warn(f"timm_flashwin: {model_name} has no timm window-attention module to patch", stacklevel=2)
         return model
     device = unserved_device(model)  # a GPU the kernels do not serve in the model's dtype
     reasons = {name: why for name, module, adapter, family in found
@@ -344,8 +343,8 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
         else:
             module.__dict__.pop(RECOMPUTE_QKV_ATTR, None)
     _sync_blocks(model, feature_map)
-    report = patch_report(model)
-    level = logging.WARNING if report.skipped else logging.INFO
+    report = patch_report(model)  # a WARNING where modules cannot be served; filter_fn's choices are no news
+    level = logging.WARNING if any(m.reason != EXCLUDED_BY_FILTER for m in report.skipped) else logging.INFO
     logger.log(level, "timm_flashwin: %s", report.summary())
     for status in report.modules:
         logger.debug("timm_flashwin: %s [%s] %s", status.name or "<model>", status.family,
