@@ -52,9 +52,9 @@ def _memory(device: int) -> str:
     """The device's memory, as torch's own out-of-memory message gives it (best effort)."""
     try:
         free, total = torch.cuda.mem_get_info(device)
+        reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
         return (f"GPU {device} has {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; PyTorch holds "
-                f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB ({torch.cuda.memory_allocated(device) / 2**30:.2f}"
-                " GiB allocated)")
+                f"{reserved / 2**30:.2f} GiB ({allocated / 2**30:.2f} GiB allocated)")
     except Exception:  # the device may be past answering
         return f"GPU {device}"
 
@@ -89,8 +89,8 @@ def retry_failed_launch(error: RuntimeError, kernel: Any, grid: Tuple[int, ...],
         return again()
     except RuntimeError as second:
         forget_unloaded(kernel)
+        call = describe_call(kernel, grid, args, device)
         if not is_out_of_memory(second):
-            raise RuntimeError(f"timm_flashwin: {describe_call(kernel, grid, args, device)} failed: {second}") from second
-        raise torch.OutOfMemoryError(
-            f"CUDA out of memory. timm_flashwin: loading or launching {describe_call(kernel, grid, args, device)} "
-            f"failed ({second}), also after torch.cuda.empty_cache(). {_memory(device)}.") from second
+            raise RuntimeError(f"timm_flashwin: {call} failed: {second}") from second
+        raise torch.OutOfMemoryError(f"CUDA out of memory. timm_flashwin: loading or launching {call} failed "
+                                     f"({second}), also after torch.cuda.empty_cache(). {_memory(device)}.") from second
