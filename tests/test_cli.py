@@ -288,7 +288,9 @@ def test_help_says_what_each_command_does(capsys):
         text = " ".join(capsys.readouterr().out.split())
         if command == "verify":
             assert "max(rtol, 2 x the unpatched model's own error) + atol / rms(float64)" in text
-            assert "4 x the unpatched model's own error" in text and f"bfloat16 {RTOL['bfloat16']:.0e}" in text
+            assert "a gradient passes when its error <= max(rtol, 4 x the unpatched model's own error, 2 x the " \
+                   "unpatched model's error over all gradients) + atol / rms" in text
+            assert f"bfloat16 {RTOL['bfloat16']:.0e}" in text
             assert "images per forward (default: 2)" in text
         else:
             assert "Needs a CUDA GPU" in text and "images/s" in text and "(default: 64)" in text

@@ -16,7 +16,7 @@ import re
 import sys
 from typing import List, Optional
 
-from .tolerances import defaults, possessive, rule
+from .tolerances import defaults, possessive, rule, rule_lines
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
 
@@ -243,8 +243,8 @@ def _verify(args) -> int:
     library = s.get("library", "timm")  # what the unpatched model is: timm's or transformers'
     console.print(f"[bold]{result.model}[/bold]  img {s['img_size'][0]}x{s['img_size'][1]}  batch {s['batch']}  "
                   f"{s['dtype']}  {s['device']}  {'train' if s['train'] else 'eval'}  attention: {result.backend}")
-    floor = result.gradient_floor if result.grads and math.isfinite(result.gradient_floor) else None
-    console.print(rule(f"{s['rtol']:.0e}", f"{s['atol']:.0e}", library, floor), markup=False)
+    for line in rule_lines(f"{s['rtol']:.0e}", f"{s['atol']:.0e}", library):
+        console.print(line, markup=False)
     if result.perturbed:
         console.print("weights: random init, perturbed so that attention matters (LayerNorm weights, logit scales "
                       "across the clamp, bias tables); pass --pretrained or --checkpoint for real weights")
@@ -263,7 +263,8 @@ def _verify(args) -> int:
         worst = sorted(result.grads, key=lambda c: (c.passed, c.ill_conditioned,
                                                     -(c.err_ours if not math.isnan(c.err_ours) else 1e9)))
         gt = Table(title=f"gradients: {sum(c.passed for c in result.grads)}/{len(result.grads)} within tolerance "
-                         f"(10 largest errors)")
+                         f"(10 largest errors; {possessive(library)} error over all gradients "
+                         f"{_fmt(result.gradient_floor)})")
         for col in ("parameter", f"{library} err", "patched err", f"patched vs {library}", "ok"):
             gt.add_column(col, justify="left" if col == "parameter" else "right", overflow="fold")
         for c in worst[:10]:

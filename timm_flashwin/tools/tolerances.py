@@ -3,7 +3,7 @@ says why), and the rule in words, as ``timm-flashwin verify`` prints it and its 
 states it. Plain values, no torch: the command line's help reads them."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Tuple
 
 #: Default relative tolerances per dtype (the README states them), and absolute floors.
 RTOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
@@ -20,16 +20,19 @@ def possessive(name: str) -> str:
     return name + ("'" if name.endswith("s") else "'s")
 
 
-def rule(rtol: str = "rtol", atol: str = "atol", library: str = "the unpatched model",
-         gradient_floor: Optional[float] = None) -> str:
-    """The rule in words: what ``comparison.compare`` checks, with ``rtol`` and ``atol``
-    given as numbers or names, and ``gradient_floor`` (the unpatched model's error over all
-    gradients) where it is known."""
-    floor = f"2 x {gradient_floor:.1e}" if gradient_floor is not None else "2 x"
+def rule_lines(rtol: str = "rtol", atol: str = "atol", library: str = "the unpatched model") -> Tuple[str, str]:
+    """The rule in words, forward tensors and gradients: what ``comparison.compare`` checks,
+    with ``rtol`` and ``atol`` given as numbers or names."""
     own = possessive(library)
     return (f"a tensor passes when its error vs float64 <= max({rtol}, {FORWARD_FACTOR:g} x {own} own error) "
-            f"+ {atol} / rms(float64); a gradient when <= max({rtol}, {GRADIENT_FACTOR:g} x {own} own error, "
-            f"{floor} {own} error over all gradients) + {atol} / rms")
+            f"+ {atol} / rms(float64)",
+            f"a gradient passes when its error <= max({rtol}, {GRADIENT_FACTOR:g} x {own} own error, 2 x {own} "
+            f"error over all gradients) + {atol} / rms")
+
+
+def rule(rtol: str = "rtol", atol: str = "atol", library: str = "the unpatched model") -> str:
+    """``rule_lines`` in one sentence."""
+    return "; ".join(rule_lines(rtol, atol, library))
 
 
 def defaults() -> str:
