@@ -150,6 +150,26 @@ def test_a_failed_module_load_does_not_leave_triton_a_launcher_without_a_functio
     launch_errors.forget_unloaded(object())  # no Triton caches: nothing to do
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_a_call_that_runs_out_of_memory_while_recorded_is_recorded_again_later(grad):
+    """A host program's first call that fails (out of memory at a batch that does not fit)
+    leaves no signature behind: the next call of that signature records it (it kept the
+    Python road for good)."""
+    from timm_flashwin.ops import host_program
+    x = torch.randn(3, requires_grad=grad)
+    key = ("test_a_call_that_runs_out_of_memory_while_recorded", grad)
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(torch.OutOfMemoryError):
+        host_program.call(key, [x], out_of_memory, grad=grad)
+    assert not any(k[0] == key or k[0][0] == key for k in host_program._SIGNATURES)
+    host_program.call(key, [x], lambda: x * 2, grad=grad)
+    recorded = [k for k in host_program._SIGNATURES if k[0] == key or k[0][0] == key]
+    assert len(recorded) == 1
+    del host_program._SIGNATURES[recorded[0]]
+
+
 # --------------------------------------------------------------------------- on a GPU
 def _fresh_signature_call(head_dim: int, train: bool = True):
     """A window-attention call of a (N, head_dim) no other test uses: its kernels compile
