@@ -14,6 +14,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -131,8 +132,10 @@ struct Program {
   const char* message = "unknown error";
   driver().error_string(code, &message);
   std::string tensors;
+  std::vector<int64_t> seen;  // a slot once (unused pointers repeat an input)
   for (const Param& p : launch.params) {
-    if (p.kind != kSlot) continue;
+    if (p.kind != kSlot || std::find(seen.begin(), seen.end(), p.slot_or_int) != seen.end()) continue;
+    seen.push_back(p.slot_or_int);
     const at::Tensor& t = slots[p.slot_or_int];
     if (!tensors.empty()) tensors += ", ";
     tensors += c10::str(t.sizes(), " ", t.scalar_type());
