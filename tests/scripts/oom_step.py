@@ -32,6 +32,15 @@ def fill(leave_bytes: int) -> list:
     return held
 
 
+def warm_libraries() -> None:
+    """cuBLAS's and cuDNN's handles made while memory is free (made on a full GPU, they fail
+    with their own errors, CUBLAS_STATUS_ALLOC_FAILED, for timm and patched alike)."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.LazyLinear(4)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        net(torch.randn(2, 3, 8, 8, device="cuda")).float().sum().backward()
+    torch.cuda.synchronize()
+
+
 def model_and_step(variant: str):
     model = timm.create_model(MODEL).cuda().train()
     if variant == "flashwin":
@@ -58,6 +67,7 @@ def main() -> None:
                         help="GPU memory left free (default: step 256, batch-finder 6144)")
     args = parser.parse_args()
     step = model_and_step(args.variant)
+    warm_libraries()
     if args.mode == "step":
         images = torch.randn(64, 3, 224, 224, device="cuda")  # the step's input exists before the GPU fills
         held = fill(int((args.leave_mib or 256) * 2 ** 20))
