@@ -21,7 +21,9 @@ bf16 weights under torch.inference_mode. Columns per variant (medians over the r
 * ``peak MiB``: the variant's peak as if it ran alone (``common.peak_mib``).
 
 Variants: ``timm``; ``flashwin`` (``patch_model``); ``flashwin-python`` (patched, its op calls
-on the Python road: host programs off, ``--python-road``); ``flashwin-recompute-qkv``
+on the Python road: host programs off, ``--python-road``; a line per group then gives the
+host programs' gain, and the ``flashwin`` row ``host_programs_rounds``: the Python road's wall
+over theirs in each round); ``flashwin-recompute-qkv``
 (``--recompute-qkv [PREFIX ...]``: ``recompute_qkv`` for every module or those whose names
 start with a prefix); ``attention-free`` (every attention module that ``patch_model`` serves
 reduced to proj(qkv(x)[..., :C]): the bound of any attention implementation).
@@ -164,6 +166,11 @@ def run_group(name: str, batch: int, mode: str, args) -> list:
         for row in rows:
             ratios = [t / p for t, p in zip(timings["timm"][0], timings[row["variant"]][0])]
             row.update(speedup_rounds=ratios, speedup_round_median=statistics.median(ratios))
+    if "flashwin" in timings and "flashwin-python" in timings:
+        # what the host programs give: the Python road's wall / theirs, round by round
+        ratios = [p / h for p, h in zip(timings["flashwin-python"][0], timings["flashwin"][0])]
+        rows[list(variants).index("flashwin")].update(host_programs_rounds=ratios,
+                                                      host_programs_round_median=statistics.median(ratios))
     del variants
     torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -201,6 +208,20 @@ def report(group: list, top: int) -> None:
                   f"{timm['gpu_ms']:.1f} ms", flush=True)
 
 
+def report_host_programs(group: list) -> None:
+    """One line: the patched model with host programs against the same model on the Python
+    road (``--python-road``), timed in the same rounds."""
+    rows = {r["variant"]: r for r in group}
+    ours, python = rows.get("flashwin"), rows.get("flashwin-python")
+    if ours is None or python is None:
+        return
+    ratios = ours["host_programs_rounds"]
+    print(f"{'':30s} host programs vs Python road: wall {python['wall_ms']:.2f} -> {ours['wall_ms']:.2f} ms "
+          f"({python['wall_ms'] / ours['wall_ms']:.2f}x; rounds {min(ratios):.2f}x to {max(ratios):.2f}x, median "
+          f"{ours['host_programs_round_median']:.2f}x), host {python['host_ms']:.1f} -> {ours['host_ms']:.1f} ms, "
+          f"GPU {python['gpu_ms']:.1f} -> {ours['gpu_ms']:.1f} ms", flush=True)
+
+
 def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=SWIN, help=f"default: the Swin tiny models; any of {list(MODELS)}")
@@ -209,7 +230,9 @@ def main(argv=None) -> list:
     parser.add_argument("--batches", nargs="*", type=int, default=None,
                         help="default: the model's batch for the task (128 / 64; the window-24 base 32 / 16)")
     parser.add_argument("--variants", nargs="*", default=["timm", "flashwin"], choices=VARIANTS)
-    parser.add_argument("--python-road", action="store_true", help="add the variant flashwin-python")
+    parser.add_argument("--python-road", action="store_true",
+                        help="add the variant flashwin-python (host programs off: what the C++ extension gives, in "
+                             "the same rounds; a line per group compares the two)")
     parser.add_argument("--recompute-qkv", nargs="*", default=None, metavar="PREFIX",
                         help="add a variant with patch_model's recompute_qkv: every module, or those whose "
                              "names start with a PREFIX (layers.1.: the second stage)")
@@ -237,6 +260,7 @@ def main(argv=None) -> list:
                 else:
                     group = run_group(name, batch, mode, args)
                     report(group, args.top)
+                    report_host_programs(group)
                     rows += group
                 write_json(out, rows)
     print(f"wrote {out}")

@@ -44,7 +44,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.manual_seed(0)
     timm_model = timm.create_model(args.model, img_size=img_size, num_classes=10, drop_path_rate=0.0).to(device)
     patched = timm_flashwin.patch_model(copy.deepcopy(timm_model))
-    print(timm_flashwin.patch_report(patched).summary(), flush=True)
+    report = timm_flashwin.patch_report(patched)
+    print(f"{report.summary()}; {report.road_line()}", flush=True)  # what computes the patched attention
 
     gen = torch.Generator().manual_seed(0)
     data = [(torch.randn(args.batch, 3, img_size, img_size, generator=gen),

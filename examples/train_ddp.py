@@ -95,7 +95,8 @@ def build_model(args: argparse.Namespace, device: torch.device) -> nn.Module:
     model = timm.create_model(args.model, num_classes=args.num_classes, **kwargs).to(device)
     timm_flashwin.patch_model(model)
     if dist.get_rank() == 0:
-        print(timm_flashwin.patch_report(model).summary(), flush=True)
+        report = timm_flashwin.patch_report(model)
+        print(f"{report.summary()}; {report.road_line()}", flush=True)  # what computes the patched attention
     return model
 
 

@@ -96,6 +96,10 @@ def test_verify_with_checkpoint(capsys, tmp_path):
                              str(path), "--batch", "1")
     assert code == 0, out + err
     assert "perturbed" not in out
+    # the rule each row is judged by, with this run's numbers (not a bare rtol beside rows far above it)
+    assert ("a tensor passes when its error vs float64 <= max(1e-04, 2 x timm's own error) + 1e-06 / rms(float64)"
+            in " ".join(out.split()))
+    assert "forward of the patched model match the unpatched timm model" in out
 
 
 USAGE_ERRORS = [
@@ -217,10 +221,10 @@ def test_list_maxvit_and_coatnet(capsys):
                                        "maxvit_tiny_tf_224", "maxvit_tiny_tf_384", "maxvit_tiny_tf_512"}
     assert rows["maxvit_tiny_tf_512"] == dict(name="maxvit_tiny_tf_512", families=["maxxvit"],
                                               stage_windows=[[16, 16]] * 4, modules=22)
-    code, out, _ = run_cli(capsys, "list", "coatnet_rmlp_2*")
-    assert code == 0 and "maxxvit_2d" in out and "24x24 12x12" in out and "14x14 7x7" in out
-    code, out, _ = run_cli(capsys, "list", "test_*", "--json")  # timm's test_coatnet, test_maxvit: not listed
-    assert code == 0 and json.loads(out) == []
+    code, out, _ = run_cli(capsys, "list", "coatnet_rmlp_2*")  # its Attention2d modules: the maxxvit family
+    assert code == 0 and "maxxvit" in out and "maxxvit_2d" not in out and "24x24 12x12" in out and "14x14 7x7" in out
+    code, out, err = run_cli(capsys, "list", "test_*", "--json")  # timm's test_coatnet, test_maxvit: not listed
+    assert code == 1 and json.loads(out) == [] and "no timm model matching 'test_*'" in err
     from timm_flashwin.tools.discovery import supported_models
     calls = []  # what list's progress bar is told, before each model built
     assert len(supported_models("swinv2_cr_tiny_*", progress=lambda *call: calls.append(call))) == 3
@@ -235,3 +239,70 @@ def test_python_dash_m_help_starts_without_torch():
     assert proc.returncode == 0 and "{verify,list,bench,run}" in proc.stdout and "Swin models" not in proc.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "timm_flashwin.tools.cli" in imported and not imported & {"torch", "timm", "triton", "rich"}
+
+
+def test_list_of_nothing_says_so_and_exits_1(capsys):
+    code, out, err = run_cli(capsys, "list", "resnet*")
+    assert code == 1 and out == ""
+    assert err.strip() == ("timm-flashwin list: no timm model matching 'resnet*' has window attention that "
+                           "timm_flashwin patches (timm-flashwin list shows them all)")
+
+
+def test_the_family_column_has_the_readmes_ten_families():
+    """list's family column names model families, as the README counts them: MaxxViT's
+    channels-first modules (the maxxvit_2d adapter) are of the maxxvit family."""
+    from pathlib import Path
+    from timm_flashwin.patching.adapters import ADAPTERS
+    families = {adapter.model_family or adapter.family for adapter in ADAPTERS.values()}
+    assert len(families) == 10 and "maxxvit_2d" not in families
+    assert "ten families" in (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def test_version_and_a_mistyped_option(capsys):
+    """--version names the versions it runs with; an unknown option of a subcommand is that
+    subcommand's usage error (not the top level's), with the nearest option it has."""
+    from importlib import metadata
+    import timm_flashwin
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and out.startswith(f"timm-flashwin {timm_flashwin.__version__} (torch ")
+    assert f"timm {metadata.version('timm')}" in out
+    for argv, command, hint in ((["verify", "swin_tiny_patch4_window7_224", "--btach", "8"], "verify", "--batch"),
+                                (["bench", "swin_tiny_patch4_window7_224", "--repaets=3"], "bench", "--repeats"),
+                                (["run", "--reprot", "x.py"], "run", "--report")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith(f"usage: timm-flashwin {command}"), err
+        assert f"did you mean {hint}?" in err and "Traceback" not in err
+
+
+def test_help_says_what_each_command_does(capsys):
+    """verify --help states its rule and defaults (the numbers it prints beside each row),
+    --batch its default; bench --help says what it times and that it needs a GPU."""
+    from timm_flashwin.tools.tolerances import RTOL
+    for command in ("verify", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        if command == "verify":
+            assert "max(rtol, 2 x the unpatched model's own error) + atol / rms(float64)" in text
+            assert "a gradient passes when its error <= max(rtol, 4 x the unpatched model's own error, 2 x the " \
+                   "unpatched model's error over all gradients) + atol / rms" in text
+            assert f"bfloat16 {RTOL['bfloat16']:.0e}" in text
+            assert "images per forward (default: 2)" in text
+        else:
+            assert "Needs a CUDA GPU" in text and "images/s" in text and "(default: 64)" in text
+
+
+def test_a_file_that_is_no_checkpoint(capsys, tmp_path):
+    """A file torch.load cannot read (its own message: "list index out of range") is a usage
+    error that says the file is not a checkpoint."""
+    path = tmp_path / "passwd"
+    path.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    code, _, err = run_cli(capsys, "verify", "swin_tiny_patch4_window7_224", "--img-size", "56", "--checkpoint",
+                           str(path))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"--checkpoint {path}: not a checkpoint torch.load (weights only) or safetensors can read" in err
+

@@ -70,6 +70,11 @@ def test_verify_hf_config(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["passed"] and result["patched_modules"] == 2 and len(result["layers"]) == 2
     assert result["backend"] in ("triton", "triton-interpreter")
+    # the human-readable report calls the unpatched model transformers', never timm's
+    assert main(["verify", "--hf", str(tmp_path), "--batch", "1"]) == EXIT_OK
+    out = " ".join(capsys.readouterr().out.split())
+    assert "patched vs transformers" in out and "transformers err" in out and "2 x transformers' own error" in out
+    assert "timm" not in out.replace(str(tmp_path), "") and "match the unpatched transformers model" in out
     for argv in (["verify"], ["verify", "swin_tiny_patch4_window7_224", "--hf", "swin"]):
         assert main(argv) == EXIT_USAGE
         assert "give a timm model name or --hf CONFIG" in capsys.readouterr().err

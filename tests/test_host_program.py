@@ -1,6 +1,8 @@
 """Host programs (timm_flashwin/ops/host_program.py): the recorder, on the CPU (the op's calls
 recorded as a GPU's would be) and on a GPU (its ATen calls replayed in C++), and the
 signatures' keys. Replays against the Python road: test_host_program_replay.py."""
+import sys
+
 import pytest
 import torch
 
@@ -254,30 +256,112 @@ def test_dense_output_gradients_of_any_layout_are_recorded():
     assert not host_program._dense(g[..., :4])
 
 
-def test_the_extension_build_is_announced_and_can_run_ahead(monkeypatch, capsys, tmp_path):
-    """The build (about a minute, on the first eager call on a GPU) says a line when it starts,
-    with how to build ahead of time or switch it off, and one when it ends; a cached build
-    loads without a word; switched off, nothing is built. torch's build is replaced here."""
+def _fresh_extension_state(monkeypatch, tmp_path, load=None):
+    """native's state reset, torch's cache in ``tmp_path`` (TORCH_EXTENSIONS_DIR/NAME/NAME.so)
+    and torch's build replaced by ``load`` (by default: fails the test if called)."""
     from torch.utils import cpp_extension
 
+    def must_not_build(name, **kwargs):
+        raise AssertionError("cpp_extension.load was called")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("TIMM_FLASHWIN_HOST_PROGRAMS", "1")
+    monkeypatch.setenv("CXX", sys.executable)  # a program that exists: the compiler check passes anywhere
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "load", load or must_not_build)
+    monkeypatch.setattr(native, "_state", {})
+
+
+def test_the_extension_build_is_announced_and_can_run_ahead(monkeypatch, capsys, tmp_path):
+    """The build (about a minute, on the first eager call on a GPU) says a line when it starts,
+    with how to build ahead of time or switch it off, and one when it ends, into the cache
+    folder named for this source, torch and Python; switched off, nothing is built. torch's
+    build is replaced here."""
     import timm_flashwin
     built, loads = object(), []
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the cache: tmp_path/NAME/NAME.so
-    monkeypatch.setenv("TIMM_FLASHWIN_HOST_PROGRAMS", "1")
-    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
-    monkeypatch.setattr(cpp_extension, "load", lambda name, **kwargs: loads.append(name) or built)
-    monkeypatch.setattr(native, "_state", {})
+    _fresh_extension_state(monkeypatch, tmp_path, lambda name, **kwargs: loads.append((name, kwargs)) or built)
     capsys.readouterr()  # what importing cpp_extension may log (no CUDA runtime found)
     assert timm_flashwin.build_extensions() is True and native.module() is built and len(loads) == 1
+    name, kwargs = loads[0]
+    assert name == native.extension_name() and kwargs["build_directory"] == str(tmp_path / name)
     start, end = capsys.readouterr().err.splitlines()
     assert start.startswith("timm_flashwin: building the host-program extension (C++, about a minute")
     assert "timm_flashwin.build_extensions()" in start and "TIMM_FLASHWIN_HOST_PROGRAMS=0" in start
     assert end.startswith("timm_flashwin: host-program extension built in ")
 
-    (tmp_path / loads[0] / f"{loads[0]}{cpp_extension.LIB_EXT}").touch()  # as torch's build leaves it
-    monkeypatch.setattr(native, "_state", {})
-    assert timm_flashwin.build_extensions() is True and len(loads) == 2 and capsys.readouterr().err == ""
-
     monkeypatch.setenv("TIMM_FLASHWIN_HOST_PROGRAMS", "0")
     monkeypatch.setattr(native, "_state", {})
-    assert timm_flashwin.build_extensions() is False and len(loads) == 2 and capsys.readouterr().err == ""
+    assert timm_flashwin.build_extensions() is False and len(loads) == 1 and capsys.readouterr().err == ""
+
+
+def _compile_stand_in(path, name: str) -> None:
+    """A minimal CPython extension module ``name`` at ``path``, built with the C compiler: what
+    a finished build is to the loader."""
+    import shutil
+    import subprocess
+    import sysconfig
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a stand-in extension")
+    source = path.parent / "stand_in.c"
+    source.write_text("#include <Python.h>\n"
+                      f"static struct PyModuleDef m = {{PyModuleDef_HEAD_INIT, \"{name}\", NULL, -1, NULL}};\n"
+                      f"PyMODINIT_FUNC PyInit_{name}(void) {{ return PyModule_Create(&m); }}\n")
+    subprocess.run([compiler, "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(source), "-o",
+                    str(path)], check=True, capture_output=True)
+    source.unlink()
+
+
+def test_a_finished_build_loads_from_a_read_only_folder(monkeypatch, capsys, tmp_path):
+    """A build made ahead of time (a Docker image, a shared read-only home) is imported as it
+    is: torch's loader is not called (it takes a lock file in the folder, and a read-only
+    folder made every eager GPU call take the Python road), nothing is written, nothing is
+    said. The build's name holds the torch version: another torch's build is not this one."""
+    from torch.utils import cpp_extension
+    _fresh_extension_state(monkeypatch, tmp_path)
+    name = native.extension_name()
+    folder = tmp_path / name
+    folder.mkdir()
+    _compile_stand_in(folder / f"{name}{cpp_extension.LIB_EXT}", name)
+    before = sorted(p.name for p in folder.iterdir())
+    folder.chmod(0o555)
+    try:
+        capsys.readouterr()
+        assert native.build_extensions() is True and native.module().__name__ == name
+        assert sorted(p.name for p in folder.iterdir()) == before and capsys.readouterr().err == ""
+    finally:
+        folder.chmod(0o755)
+    monkeypatch.setattr(torch, "__version__", "0.0.0+another")
+    assert native.extension_name() != name
+
+
+def test_no_build_possible_says_why_in_one_line_once(monkeypatch, capsys, caplog, tmp_path):
+    """No compiler, a folder that cannot be written, or a failed build: one warning line naming
+    the reason and TIMM_FLASHWIN_HOST_PROGRAMS=0 (not the build notice, the compiler's
+    banner and ninja's log), once per process; a failed build's whole output is kept in a
+    file the line names."""
+    import logging
+    import re
+
+    def failed_build(name, **kwargs):
+        raise RuntimeError("Error building extension 'x':\n[1/2] c++ -c host_program.cpp\nerror: no\n" * 4)
+    cases = {"compiler": None, "folder": None, "build": failed_build}
+    (tmp_path / "a_file").write_text("")
+    for case, load in cases.items():
+        _fresh_extension_state(monkeypatch, tmp_path / case, load)
+        if case == "compiler":
+            monkeypatch.setenv("CXX", "no-such-compiler-here")
+        if case == "folder":  # a folder under a file: not writable, whoever runs the test
+            monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "a_file" / "cache"))
+        capsys.readouterr()
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            caplog.clear()
+            assert native.build_extensions() is False and native.build_extensions() is False
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "\n" not in lines[0] and "TIMM_FLASHWIN_HOST_PROGRAMS=0" in lines[0], (case, lines)
+        assert capsys.readouterr().err.count("building the host-program extension") == (case == "build")
+        cases[case] = lines[0]
+    assert "no C++ compiler (no-such-compiler-here)" in cases["compiler"]
+    assert "cannot be written there (NotADirectoryError" in cases["folder"] and "build_extensions()" in cases["folder"]
+    assert "building their extension failed: RuntimeError: Error building extension 'x':" in cases["build"]
+    log = re.search(r"the build's output: (\S+failed_build\.log)", cases["build"]).group(1)
+    assert open(log).read().count("error: no") == 4

@@ -102,6 +102,28 @@ def test_nan_logit_scale_propagates_like_torch_clamp(n):
     assert_matches_reference(finite, [torch.nan_to_num(t) for t in reference], 1e-4)
 
 
+def test_infinite_logit_scale_computes_as_timm():
+    """One rule for the scales: a Python float ``scale`` must be finite (a ValueError, as the
+    local operators' ``scale``: test_bad_input_names_the_argument); a tensor ``logit_scale``
+    is a parameter whose values are not read to the host (a synchronization at every call),
+    and the kernels clamp and exponentiate it as timm does: +inf gives its head a scale of
+    100 (the clamp at ln 100), -inf a scale of 0 (uniform attention), both finite, as in
+    the reference (NaN: test_nan_logit_scale_propagates_like_torch_clamp)."""
+    import math
+    from timm_flashwin.ops import local
+    case = make_case(4, 2, 3, 16, 16, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    case.logit_scale = torch.tensor([math.inf, -math.inf, 2.0], device=KERNEL_DEVICE)
+    results = forward_backward(window_attention, case)
+    assert all(t.isfinite().all() for t in results[:3])
+    assert_matches_reference(results, reference_forward_backward(case), 1e-4)
+    q = torch.randn(1, 1, 8, 4)
+    for scale in (math.nan, math.inf):
+        with pytest.raises(ValueError, match=f"sliding_window_attention: `scale` must be finite, got {scale}"):
+            local.sliding_window_attention(q, q, q, causal=True, scale=scale)
+        with pytest.raises(ValueError, match=f"window_attention: `scale` must be finite, got {scale}"):
+            _call(_ok(scale=scale))
+
+
 # ----------------------------------------------------------------------------- bad input
 def _ok(**override):
     case = make_case(4, 2, 2, 9, 8, cosine=False, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
@@ -141,6 +163,9 @@ BAD_INPUTS = [
     ("mask", TypeError, lambda: _ok(mask=z(2, 9, 9, dtype=torch.bool))),
     ("scale", TypeError, lambda: _ok(scale="0.1")),
     ("scale", TypeError, lambda: _ok(scale=None)),  # neither scale nor logit_scale
+    ("scale", ValueError, lambda: _ok(scale=float("nan"))),  # not finite: as the local operators
+    ("scale", ValueError, lambda: _ok(scale=float("inf"))),
+    ("scale", ValueError, lambda: _ok(scale=-float("inf"))),
     ("logit_scale", TypeError, lambda: _ok(logit_scale=z(2))),  # both given
     ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=z(3))),
     ("logit_scale", ValueError, lambda: _ok(scale=None, logit_scale=z(2, 2))),

@@ -22,6 +22,9 @@ SWIN_V1 = timm.models.swin_transformer.WindowAttention
 
 
 def test_report_and_logging(caplog):
+    """The summary is logged once per patch_model call: at INFO where the only modules left
+    to timm are filter_fn's choices (a WARNING at every call was noise), at WARNING where
+    some cannot be served. The report says what computes the patched attention here."""
     model = tiny_swin()
     with caplog.at_level(logging.DEBUG, logger="timm_flashwin"):
         patch_model(model, filter_fn=lambda module, name: not name.startswith("layers.1"))
@@ -29,19 +32,30 @@ def test_report_and_logging(caplog):
     assert [m.name for m in report.patched] == ["layers.0.blocks.0.attn", "layers.0.blocks.1.attn"]
     assert {m.reason for m in report.skipped} == {"excluded by filter_fn"}
     summary = [r for r in caplog.records if r.levelno >= logging.INFO]
-    assert len(summary) == 1 and "patched 2 of 4" in summary[0].getMessage()
+    assert len(summary) == 1 and "patched 2 of 4" in summary[0].getMessage() and summary[0].levelno == logging.INFO
+    road = {"cpu": "triton-interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "pytorch"}
+    assert report.road == road.get(next(model.parameters()).device.type, "triton")
+    assert str(report).splitlines()[1] == report.road_line() and report.road_line().startswith("attention computed by ")
+    assert report.to_dict()["road"] == report.road
+    assert patch_report(unpatch_model(copy.deepcopy(model))).road is None  # nothing patched: nothing computes
     assert sum("layers.1.blocks.0.attn" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG) == 1
     d = report.to_dict()
     assert d["model"] == "SwinTransformer" and len(d["modules"]) == 4
     assert "flashwin=swin" in repr(model.layers[0].blocks[0].attn)
     assert "flashwin" not in repr(model.layers[1].blocks[0].attn)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="timm_flashwin"):
+        patch_model(tiny_swin(), filter_fn=lambda module, name: name != "layers.1.blocks.0.attn")
+        patch_model(tiny_swin(), filter_fn=lambda module, name: False)
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO]
 
 
 def test_nothing_to_patch():
     with pytest.warns(UserWarning, match="ResNet has no timm window-attention"):
         patch_model(timm.create_model("resnet18"))
-    with pytest.raises(ValueError, match="ResNet"):
+    with pytest.raises(PatchError, match="ResNet has no timm window-attention module to patch") as info:
         patch_model(timm.create_model("resnet18"), strict=True)
+    assert isinstance(info.value, ValueError) and info.value.reasons == {}
 
 
 def test_attention_dropout_runs_in_the_kernel(monkeypatch):
@@ -74,8 +88,10 @@ def test_attention_dropout_runs_in_the_kernel(monkeypatch):
     assert calls == [0.0, 0.1, 0.1, 0.1]
 
 
-def test_attention_dropout_of_one_is_skipped_with_reason():
-    model = patch_model(tiny_swin(attn_drop_rate=1.0))
+def test_attention_dropout_of_one_is_skipped_with_reason(caplog):
+    with caplog.at_level(logging.INFO, logger="timm_flashwin"):
+        model = patch_model(tiny_swin(attn_drop_rate=1.0))
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]  # a module it cannot serve: a warning
     assert {m.reason for m in patch_report(model).skipped} == {"attn_drop=1.0 is not in [0, 1)"}
     with pytest.raises(PatchError, match="attn_drop=1.0"):
         patch_model(tiny_swin(attn_drop_rate=1.0), strict=True)

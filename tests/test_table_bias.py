@@ -218,13 +218,34 @@ def test_table_gradient_is_reproducible():
     (lambda t, i: TableBias(t.double(), i), TypeError, r"`bias.table` must be of dtype float32"),
     (lambda t, i: TableBias(t, i[:3]), ValueError, r"`bias.index` must be of shape \(N, N\) = \(16, 16\)"),
     (lambda t, i: TableBias(t, i.float()), TypeError, r"`bias.index` must be an integer torch.Tensor"),
-    (lambda t, i: TableBias(t, i.clone().fill_(49)), ValueError, r"`index` must hold table rows in \[0, 49\)"),
+    (lambda t, i: TableBias(t, i.clone().fill_(49)), ValueError,
+     r"`bias.index` must hold table rows in \[0, 49\) \(the rows of `bias.table`\), got values in \[49, 49\]"),
     (lambda t, i: TableBias(t, i, 0.0), ValueError, r"`sigmoid_scale` must be None or a finite nonzero float"),
 ])
 def test_bad_table_bias_names_the_argument(bias, error, message):
     case, table, index = _table_case((4, 4), 2, cosine=False, dtype=torch.float32)
     with pytest.raises(error, match=message):
         window_attention(case.qkv, 2, bias=bias(table.requires_grad_(), index), scale=case.scale)
+
+
+@pytest.mark.parametrize("road", ["kernels", "pytorch"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_an_index_out_of_range_is_one_error_on_both_roads(road, grad):
+    """-1 (which PyTorch's indexing wraps to the last row) and a row past the table's end are
+    the same ValueError naming ``bias.index`` on the kernels' road and on PyTorch's (float64),
+    with a gradient or without; a valid index after it (in place) is checked again."""
+    case, table, index = _table_case((4, 4), 2, cosine=False, dtype=torch.float32)
+    qkv = case.qkv.double() if road == "pytorch" else case.qkv
+    table = table.to(qkv.dtype).requires_grad_(grad)
+    for bad, values in ((-1, r"\[-1, 48\]"), (49, r"\[0, 49\]")):
+        wrong = index.clone()
+        wrong[0, 1] = bad
+        with torch.set_grad_enabled(grad), pytest.raises(
+                ValueError, match=rf"^window_attention: `bias.index` must hold table rows in \[0, 49\) \(the rows "
+                                  rf"of `bias.table`\), got values in {values}$"):
+            window_attention(qkv, 2, bias=TableBias(table, wrong), scale=case.scale)
+        wrong[0, 1] = index[0, 1]  # fixed in place: checked again, and served
+        window_attention(qkv, 2, bias=TableBias(table, wrong), scale=case.scale)
 
 
 @pytest.mark.cuda

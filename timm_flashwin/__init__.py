@@ -5,7 +5,8 @@ SwinV2, SwinV2-CR, MaxViT, CoAtNet, TinyViT, DaViT, Twins-SVT, NesT, Hiera, GCVi
     device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU computes in PyTorch
     model = timm.create_model("swinv2_tiny_window8_256").to(device)
     timm_flashwin.patch_model(model)           # in place, one line
-    with timm_flashwin.patched(other_model):   # temporary
+    timm_flashwin.unpatch_model(model)         # timm's forward again
+    with timm_flashwin.patched(model):         # temporary
         ...
     timm_flashwin.patch_timm()                 # every model timm.create_model returns, patched
 

@@ -24,6 +24,8 @@ from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
+from .launch_errors import retry_failed_launch
+
 try:  # Triton's runtime settings, as JITFunction.run reads them (Triton >= 3.3)
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - older Triton: no direct launches
@@ -64,20 +66,33 @@ def _settings_key() -> Tuple:
 def launch(kernel, grid: Tuple[int, ...], args: Sequence, kwargs: Dict[str, Any], device: int) -> None:
     """``kernel[grid](*args, **kwargs)``: positional runtime arguments, keyword constexprs and
     compile options (``num_warps``, ...), as the launchers in ``launch.py`` call kernels;
-    ``device`` is the current CUDA device, on which Triton launches (the caller has it)."""
+    ``device`` is the current CUDA device, on which Triton launches (the caller has it).
+    A CUDA error of the load or the launch is raised as ``launch_errors`` says (an out of
+    memory retried once, then ``torch.OutOfMemoryError``)."""
     if not ENABLED or getattr(kernel, "pre_run_hooks", None):
-        kernel[grid](*args, **kwargs)
+        try:
+            kernel[grid](*args, **kwargs)
+        except RuntimeError as error:
+            retry_failed_launch(error, kernel, grid, args, device, lambda: kernel[grid](*args, **kwargs))
         if RECORD is not None:
             RECORD(kernel, None, grid, args)  # not recordable
         return
     key = (kernel, _arguments_key(args), tuple(kwargs.items()), device, _settings_key())
     entry = _COMPILED.get(key)
     if entry is None:
-        compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)  # compiles and launches
-        compiled = _keep(key, kernel, compiled, len(args), kwargs)
+        def first_launch():  # compiles (or loads) the kernel and launches it
+            return _keep(key, kernel, kernel.run(*args, grid=grid, warmup=False, **kwargs), len(args), kwargs)
+        try:
+            compiled = first_launch()
+        except RuntimeError as error:
+            compiled = retry_failed_launch(error, kernel, grid, args, device, first_launch)
     else:
         compiled, constexprs = entry
-        compiled[(*grid, 1, 1)[:3]](*args, *constexprs)  # the compiled kernel's launcher takes 3 grid sizes
+        try:
+            compiled[(*grid, 1, 1)[:3]](*args, *constexprs)  # the compiled kernel's launcher takes 3 grid sizes
+        except RuntimeError as error:
+            retry_failed_launch(error, kernel, grid, args, device,
+                                lambda: compiled[(*grid, 1, 1)[:3]](*args, *constexprs))
     if RECORD is not None:
         RECORD(kernel, compiled, grid, args)
 

@@ -186,3 +186,35 @@ def unserved_device(model: torch.nn.Module) -> Optional[str]:
     param = next(model.parameters(), None)
     reason = unserved_reason(tensor_arch(param), param.dtype) if param is not None else None
     return f"{reason}: {str(param.dtype).replace('torch.', '')} computes with PyTorch there" if reason else None
+
+
+#: what computes the operators' calls ("road"), in words for reports and examples
+ROADS = {"triton": "the Triton kernels",
+         "triton-interpreter": "the Triton kernels under Triton's interpreter (TRITON_INTERPRET=1: slow)",
+         "pytorch": "PyTorch's math (the same results, no speedup; the kernels run on a CUDA GPU, or on a CPU with "
+                    "TRITON_INTERPRET=1)"}
+
+
+def road(device: torch.device, dtype: torch.dtype) -> str:
+    """What computes calls on tensors of ``device`` and ``dtype`` (a key of ``ROADS``):
+    "triton" on a GPU the kernels serve in that dtype, "triton-interpreter" on a CPU under
+    ``TRITON_INTERPRET=1``, else "pytorch" (CPU tensors, float64, a GPU that the kernels do
+    not serve in that dtype: ``arch.unserved_reason``)."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    if not uses_kernels(probe):
+        return "pytorch"
+    if not probe.is_cuda:
+        return "triton-interpreter"
+    return "pytorch" if unserved_reason(tensor_arch(probe), dtype) is not None else "triton"
+
+
+def road_name(device: torch.device, dtype: torch.dtype) -> str:
+    """``ROADS[road(device, dtype)]``: what computes there, in words."""
+    return ROADS[road(device, dtype)]
+
+
+def model_road(model: torch.nn.Module) -> Optional[str]:
+    """``road`` of the device and dtype of ``model``'s parameters (None: it has none)."""
+    param = next(model.parameters(), None)
+    return road(param.device, param.dtype) if param is not None else None
+

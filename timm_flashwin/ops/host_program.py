@@ -135,6 +135,9 @@ def call(key: Tuple, inputs: List[torch.Tensor], python_road: Callable[[], torch
         try:
             with recorder:
                 out = python_road()
+        except BaseException:  # an error (out of memory) records nothing: a later call records afresh
+            del _SIGNATURES[key]
+            raise
         finally:
             _STATE.forward = None
             recorder.forget_tensors()
@@ -163,8 +166,12 @@ def _call_without_grad(key: Tuple, inputs: List[torch.Tensor], python_road: Call
     signature = _SIGNATURES[key] = _Signature()
     recorder = Recorder(inputs)
     try:
-        with recorder:
-            out = python_road()
+        try:
+            with recorder:
+                out = python_road()
+        except BaseException:  # as in ``call``
+            del _SIGNATURES[key]
+            raise
         if recorder.failure is None:
             output_slot = recorder.slot(out)
             if recorder.device is None:

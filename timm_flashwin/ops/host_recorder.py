@@ -168,7 +168,8 @@ class Recorder(TorchDispatchMode):
         # the scratch pointers Triton appends (one or two by version; none used: sizes 0)
         params += [(PARAM_NULL, 0, 0.0)] * 2
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        return ("launch", int(compiled.function), grid, 32 * metadata.num_warps, int(metadata.shared), params)
+        return ("launch", int(compiled.function), grid, 32 * metadata.num_warps, int(metadata.shared), params,
+                kernel.fn.__name__)  # the name: for the replay's error messages
 
 
 def _hooked(hook) -> bool:

@@ -33,7 +33,8 @@ import torch
 
 from ..kernels.tensor_cache import kept_on
 from ..kernels.position.launch import relative_bias_gather, relative_bias_table_grad
-from .dispatch import call_operator, direct_launches, dispatch_free, register_autograd, register_op, uses_kernels
+from .dispatch import (call_operator, direct_launches, dispatch_free, no_dispatch_mode, register_autograd, register_op,
+                       uses_kernels)
 
 
 def _sorted_pairs(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +43,29 @@ def _sorted_pairs(index: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, tor
     rows, order = torch.sort(index.reshape(-1), stable=True)
     starts = torch.arange(num_rows + 1, device=index.device, dtype=rows.dtype)
     return order.to(torch.int32), torch.searchsorted(rows, starts).to(torch.int32)
+
+
+#: how a check names an index and its table: (the function, the index's name, the table's)
+GATHER_NAMES = ("gather_position_bias", "index", "table")
+WINDOW_NAMES = ("window_attention", "bias.index", "bias.table")
+
+
+def _index_in_range(index: torch.Tensor, num_rows: int, names: Tuple[str, str, str]) -> bool:
+    """True, else a ValueError naming the argument: the index's values are rows of the table
+    (one host synchronization where it is on a GPU)."""
+    low, high = (int(index.min()), int(index.max())) if index.numel() else (0, 0)
+    if low < 0 or high >= num_rows:
+        function, index_name, table_name = names
+        raise ValueError(f"{function}: `{index_name}` must hold table rows in [0, {num_rows}) (the rows of "
+                         f"`{table_name}`), got values in [{low}, {high}]")
+    return True
+
+
+def check_index(index: torch.Tensor, num_rows: int, names: Tuple[str, str, str] = GATHER_NAMES) -> None:
+    """``_index_in_range``, once per index tensor (kept on it: an in-place change, another
+    table size check again). In eager mode only: traced, the values are not known."""
+    if no_dispatch_mode():
+        kept_on(index, "_flashwin_index_checked", lambda: _index_in_range(index, num_rows, names), num_rows)
 
 
 @dataclass(frozen=True)
@@ -54,15 +78,12 @@ class TableRows:
     index32: torch.Tensor
 
     @staticmethod
-    def of(index: torch.Tensor, num_rows: int) -> "TableRows":
+    def of(index: torch.Tensor, num_rows: int, names: Tuple[str, str, str] = GATHER_NAMES) -> "TableRows":
         """Kept on the index tensor (``tensor_cache.kept_on``: an in-place change of the index,
         a new device or table size computes them again). The first call checks the index's
-        range, one host synchronization per index tensor."""
+        range (``check_index``), one host synchronization per index tensor."""
         def compute() -> "TableRows":
-            low, high = int(index.min()), int(index.max())
-            if low < 0 or high >= num_rows:
-                raise ValueError(f"gather_position_bias: `index` must hold table rows in [0, {num_rows}), "
-                                 f"got values in [{low}, {high}]")
+            _index_in_range(index, num_rows, names)
             return TableRows(*_sorted_pairs(index, num_rows), index.to(torch.int32).contiguous())
 
         return kept_on(index, "_flashwin_table_rows", compute, num_rows)
@@ -193,16 +214,23 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
     gradient's rows that it no longer matches are NaN, not silently wrong (the kernel
     checks every pair). False: sorted in the graph (the index may be any tensor).
 
-    The index's range is checked in eager mode (once per index tensor, a host
-    synchronization); under torch.compile and dispatch modes it is not: the kernels read
-    the rows it names."""
+    The index's range is checked in eager mode, on the kernels' road and PyTorch's alike
+    (once per index tensor, a host synchronization; PyTorch's indexing would wrap -1 to
+    the last row); under torch.compile and dispatch modes it is not: the kernels read the
+    rows it names."""
+    return _gather(table, index, constant_index, sigmoid_scale, GATHER_NAMES)
+
+
+def _gather(table: torch.Tensor, index: torch.Tensor, constant_index: bool, sigmoid_scale: Optional[float],
+            names: Tuple[str, str, str]) -> torch.Tensor:
+    """``gather_position_bias``, its index's range errors naming ``names``."""
     _check_table_index(table, index, sigmoid_scale)
     scale = float(sigmoid_scale) if sigmoid_scale is not None else 0.0  # 0: no sigmoid (the kernels' switch)
     if uses_kernels(table):
         grad = table.requires_grad and torch.is_grad_enabled()
         if grad:
             if dispatch_free(table):
-                return _GatherFromTable.apply(table, TableGather(TableRows.of(index, table.shape[0]),
+                return _GatherFromTable.apply(table, TableGather(TableRows.of(index, table.shape[0], names),
                                                                  table.shape[0], scale, False))
             return call_operator(gather_position_bias_op, table, index,
                                  *operator_table_rows(index, table, constant_index), scale)
@@ -210,7 +238,7 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
             # Without a gradient too: PyTorch's indexing took 201 us for a window of 24x24
             # (its vectorized_gather_kernel, H200, profile_op.py (removed at fc2fe00, in git) --forward), the
             # kernel 4 us. TableRows.of checks the index's range, once per index tensor.
-            TableRows.of(index, table.shape[0])
+            TableRows.of(index, table.shape[0], names)
             with direct_launches():
                 return relative_bias_gather(table, index, scale)
         if not torch.compiler.is_compiling():
@@ -218,6 +246,7 @@ def gather_position_bias(table: torch.Tensor, index: torch.Tensor, *, constant_i
             # the values the gradient's path gives (an activation checkpoint's two passes,
             # the first without a gradient, agree to the bit with a sigmoid_scale too)
             return call_operator(gather_position_bias_op, table, index, None, None, scale)
+    check_index(index, table.shape[0], names)  # PyTorch's road too: its indexing wraps -1
     n = index.shape[0]
     bias = table[index.reshape(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
     return scale * torch.sigmoid(bias) if scale else bias
@@ -250,9 +279,9 @@ class TableBias(NamedTuple):
     constant_index: bool = False
 
     def dense(self) -> torch.Tensor:
-        """The (H, N, N) bias, ``gather_position_bias``'s."""
-        return gather_position_bias(self.table, self.index, constant_index=self.constant_index,
-                                    sigmoid_scale=self.sigmoid_scale)
+        """The (H, N, N) bias, ``gather_position_bias``'s (its errors name ``bias.index``, as
+        ``window_attention`` takes it)."""
+        return _gather(self.table, self.index, self.constant_index, self.sigmoid_scale, WINDOW_NAMES)
 
 
 @dataclass(frozen=True)
@@ -273,7 +302,7 @@ class TableGather:
     def of(bias: TableBias, in_kernels: bool) -> "TableGather":
         """Of a ``TableBias`` that ``window_attention`` has validated."""
         table, index, scale = bias.table, bias.index, bias.sigmoid_scale
-        return TableGather(TableRows.of(index, table.shape[0]), table.shape[0],
+        return TableGather(TableRows.of(index, table.shape[0], WINDOW_NAMES), table.shape[0],
                            float(scale) if scale is not None else 0.0, in_kernels)
 
     def key(self) -> Tuple:

@@ -76,9 +76,10 @@ def window_attention(
             (eager or compiled), in eager mode within the op's one autograd node.
         mask: (nW, N, N) additive float mask (timm's 0/-100, -inf works); B_ % nW == 0.
             Takes no gradient.
-        scale: V1 score scale (a Python float).
+        scale: V1 score scale (a finite Python float; ValueError otherwise, as the local operators).
         logit_scale: tensor with H elements (cosine attention); gets a gradient, zero
-            where the clamp at ln 100 is active, as torch.clamp gives.
+            where the clamp at ln 100 is active, as torch.clamp gives. Its values are not
+            checked (a host read per call): +inf / -inf / NaN give what timm's math does.
         dropout_p: attention dropout on the probabilities, in [0, 1), scaled by
             1 / (1 - p) as nn.Dropout does. Applied whenever > 0: pass 0 in eval mode, as
             with F.scaled_dot_product_attention. The kernels draw the mask from a seed taken

@@ -2,6 +2,7 @@
 ValueError naming it and what was expected."""
 from __future__ import annotations
 
+import math
 from numbers import Real
 from typing import Tuple
 
@@ -108,6 +109,11 @@ def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=Non
                         "`logit_scale` (cosine attention)")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
         _fail(TypeError, "scale", "a Python float", type(scale).__name__)
+    if scale is not None and not abs(scale) < math.inf:  # NaN too; traceable where a float is symbolic
+        _fail(ValueError, "scale", "finite", scale)  # as the local operators'
+    # logit_scale's values are not read here (a read to the host at every call): the kernels
+    # clamp and exponentiate them as timm does (+inf gives 100, -inf uniform attention, NaN
+    # a NaN head: tests/test_op_edge_cases.py)
     if logit_scale is not None:
         _check_tensor("logit_scale", logit_scale, (1, 3, 4), qkv, param_dtypes)
         if logit_scale.numel() != num_heads:

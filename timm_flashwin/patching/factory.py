@@ -28,6 +28,7 @@ so timm is imported by then today; the hook keeps this module independent of tha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import sys
@@ -75,7 +76,8 @@ def _patch_created(model: Any, settings: Dict[str, Any]) -> PatchReport:
         logger.debug("timm_flashwin: %s has no timm window attention; left as timm built it", report.model)
         return report
     patch_model(model, **settings)  # logs the report's summary once (details at DEBUG)
-    return patch_report(model)
+    # no road: where a model is when the factory returns it (the CPU) says nothing of where it runs
+    return dataclasses.replace(patch_report(model), road=None)
 
 
 def patching_call(wrapped: Callable, args: tuple, kwargs: dict, settings: Optional[Dict[str, Any]],

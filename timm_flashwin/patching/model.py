@@ -11,12 +11,9 @@ survives ``copy.deepcopy``,
 round trips, adds no parameter or buffer, shows in ``repr``, and unpatching (restoring
 timm's class) restores timm's forward exactly.
 
-Why not a wrapt wrapper on timm's ``forward``: torch.compile does not call it. When a module
-is called by its parent, dynamo calls the function the wrapper wraps (timm's forward) and
-compiles timm's attention with no graph break and no error (torch 2.11 and 2.14.1, wrapt
-2.1.2; ``tests/test_patching_compile.py::test_why_not_wrapt`` checks it on the versions that run the
-tests). A method of a subclass is what dynamo traces, and as dynamo guards on module types, a
-patched and an unpatched copy of one model never share a graph.
+Why not a wrapt wrapper on timm's ``forward``: torch.compile does not call it; dynamo compiles
+timm's attention silently (docs/design.md; ``tests/test_patching_compile.py::test_why_not_wrapt``).
+A method of a subclass is what dynamo traces, and dynamo guards on module types.
 
 Hugging Face transformers' Swin-family attention classes are patched the same way, by
 subclasses made when first needed (``hf``; their adapters in ``adapters/hf_*.py``).
@@ -45,7 +42,7 @@ from . import hf as patching_hf
 from .adapters import ADAPTERS, HF_ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
 from .adapters.rel_pos import KEPT_ATTR
-from ..ops.dispatch import unserved_device
+from ..ops.dispatch import model_road, unserved_device
 from ..ops.hooks import runs_hooks
 from .report import ModuleStatus, PatchError, PatchReport
 from .tracing import register_fx_leaves, runs_timm
@@ -294,7 +291,7 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
     Args:
         model: any nn.Module.
         strict: raise ``PatchError`` (a ValueError) listing every module that cannot be
-            served, and patch nothing; raise ValueError if there is nothing to patch.
+            served, and patch nothing; or saying there is nothing to patch.
             Modules ``filter_fn`` opts out of are not counted: they are left on purpose.
         filter_fn: ``(module, qualified_name) -> bool``; False keeps that module on timm.
         recompute_qkv: where gradients are recorded, do not keep the qkv projection's output
@@ -324,10 +321,9 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
     found = list(_attention_modules(model))
     model_name = type(model).__name__
     if not found:
-        message = f"timm_flashwin: {model_name} has no timm window-attention module to patch"
         if strict:
-            raise ValueError(message)
-        warnings.warn(message, stacklevel=2)
+            raise PatchError(model_name, {})
+        warnings.warn(f"timm_flashwin: {model_name} has no timm window-attention module to patch", stacklevel=2)
         return model
     device = unserved_device(model)  # a GPU the kernels do not serve in the model's dtype
     reasons = {name: why for name, module, adapter, family in found
@@ -350,8 +346,8 @@ def patch_model(model: nn.Module, *, strict: bool = False, filter_fn: Optional[F
         else:
             module.__dict__.pop(RECOMPUTE_QKV_ATTR, None)
     _sync_blocks(model, feature_map)
-    report = patch_report(model)
-    level = logging.WARNING if report.skipped else logging.INFO
+    report = patch_report(model)  # a WARNING where modules cannot be served; filter_fn's choices are no news
+    level = logging.WARNING if any(m.reason != EXCLUDED_BY_FILTER for m in report.skipped) else logging.INFO
     logger.log(level, "timm_flashwin: %s", report.summary())
     for status in report.modules:
         logger.debug("timm_flashwin: %s [%s] %s", status.name or "<model>", status.family,
@@ -375,10 +371,11 @@ def is_patched(module_or_model: nn.Module) -> bool:
 
 
 def patch_report(model: nn.Module) -> PatchReport:
-    """The current state of every attention module of ``model`` that an adapter knows."""
-    modules = dict(model.named_modules()) if isinstance(model, nn.Module) else {}
-    return PatchReport(type(model).__name__, [_status(*entry, modules.get(entry[0].rpartition(".")[0]))
-                                              for entry in _attention_modules(model)])
+    """The current state of every attention module of ``model`` that an adapter knows, and what
+    computes the patched ones where its parameters are now (``PatchReport.road``)."""
+    parents = dict(model.named_modules()) if isinstance(model, nn.Module) else {}
+    modules = [_status(*entry, parents.get(entry[0].rpartition(".")[0])) for entry in _attention_modules(model)]
+    return PatchReport(type(model).__name__, modules, model_road(model) if any(m.patched for m in modules) else None)
 
 
 @contextlib.contextmanager

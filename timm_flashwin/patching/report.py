@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
+from ..ops.dispatch import ROADS
+
 
 @dataclass
 class ModuleStatus:
@@ -25,6 +27,9 @@ class PatchReport:
 
     model: str  # the model's class name
     modules: List[ModuleStatus] = field(default_factory=list)
+    #: what computes the patched modules' attention where the model's parameters are now
+    #: (``ops.dispatch.ROADS``: "triton", "triton-interpreter", "pytorch"); None: nothing patched
+    road: Optional[str] = None
 
     @property
     def patched(self) -> List[ModuleStatus]:
@@ -46,12 +51,16 @@ class PatchReport:
             text += f"; {len(self.skipped)} kept timm's forward"
         return text
 
+    def road_line(self) -> str:
+        """'attention computed by ...' (``road``, in words), or "" where nothing is patched."""
+        return f"attention computed by {ROADS[self.road]}" if self.road else ""
+
     def to_dict(self) -> Dict:
-        """The report as plain values (JSON): model, summary and one dict per module."""
-        return dict(model=self.model, summary=self.summary(), modules=[asdict(m) for m in self.modules])
+        """The report as plain values (JSON): model, summary, road and one dict per module."""
+        return dict(model=self.model, summary=self.summary(), road=self.road, modules=[asdict(m) for m in self.modules])
 
     def __str__(self) -> str:
-        lines = [self.summary()]
+        lines = [self.summary()] + ([self.road_line()] if self.road else [])
         for m in self.modules:
             state = "patched" if m.patched else f"skipped: {m.reason}"
             layout = f" {m.layout}" if m.layout else ""
@@ -60,10 +69,13 @@ class PatchReport:
 
 
 class PatchError(ValueError):
-    """``patch_model(..., strict=True)`` and some modules cannot be served; ``reasons`` maps
-    each one's name to its reason."""
+    """``patch_model(..., strict=True)`` and some modules cannot be served (``reasons`` maps
+    each one's name to its reason), or the model has none to patch (``reasons`` empty)."""
 
     def __init__(self, model: str, reasons: Dict[str, str]):
         self.reasons = reasons
+        if not reasons:
+            super().__init__(f"timm_flashwin: {model} has no timm window-attention module to patch")
+            return
         lines = "\n".join(f"  {name or '<model>'}: {why}" for name, why in reasons.items())
         super().__init__(f"timm_flashwin: cannot patch {len(reasons)} window-attention module(s) of {model}:\n{lines}")

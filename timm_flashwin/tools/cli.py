@@ -1,23 +1,33 @@
 """timm-flashwin: verify, list, bench and run from the command line (also python -m timm_flashwin).
 
 The logic lives in the library (verify.py, discovery.py, bench.py, runner.py); this file parses
-arguments and prints. Exit codes: 0 success, 1 a mismatch (verify), 2 a usage problem; run
-exits as the script does. Only the standard library is imported at the top: torch and timm
-take seconds to import, and ``--help`` or a usage error needs neither.
+arguments and prints. Exit codes: 0 success, 1 a mismatch (verify) or nothing matched (list),
+2 a usage problem; run exits as the script does. Only the standard library (and the rule's
+plain values, tolerances.py) is imported at the top: torch and timm take seconds to import,
+and ``--help``, ``--version`` or a usage error needs neither.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import re
 import sys
 from typing import List, Optional
 
+from .tolerances import defaults, possessive, rule, rule_lines
+
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
-#: under verify's tables: why "timm err" and "patched err" can differ beside a 0 difference
-ERROR_COLUMNS = ("err: vs float64; timm err is the larger of two timm runs (the second on images moved by one ulp), "
-                 "so it can differ from patched err where patched vs timm is 0")
+
+
+def error_columns(library: str = "timm") -> str:
+    """Under verify's tables: why "timm err" and "patched err" can differ beside a 0 difference."""
+    return (f"err: vs float64; {library} err is the larger of two {library} runs (the second on images moved by one "
+            f"ulp), so it can differ from patched err where patched vs {library} is 0")
+
+
+ERROR_COLUMNS = error_columns()
 
 
 # Argument types: a bad value is a usage problem (exit 2, argparse's one line naming the
@@ -83,18 +93,56 @@ def _model_name(args) -> str:
     return args.name if args.hf is None else HF_PREFIX + args.hf
 
 
+class _Versions(argparse.Action):
+    """--version: this package's and the libraries' versions it runs with (read from their
+    installed metadata, nothing imported)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="show the versions of timm-flashwin, torch, triton, "
+                                                               "timm and transformers, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib import metadata
+
+        from .. import __version__
+        found = []
+        for name in ("torch", "triton", "timm", "transformers"):
+            try:
+                found.append(f"{name} {metadata.version(name)}")
+            except metadata.PackageNotFoundError:
+                found.append(f"{name} not installed")
+        print(f"timm-flashwin {__version__} ({', '.join(found)})")  # stdout, as argparse's version action
+        parser.exit()
+
+
+VERIFY_DESCRIPTION = (
+    "Compare a patched model with the unpatched one, each against a float64 copy of the unpatched model: every "
+    "window-attention layer's output, the model's output and, with --train, every parameter's gradient. "
+    f"The rule: {rule()}; the unpatched model runs twice (the second time on images moved by one ulp) and its "
+    f"larger error counts. Default rtol / atol by --dtype: {defaults()}. Exit code 0 when every tensor passes, 1 "
+    "when one does not, 2 for a usage problem. Random weights are perturbed so that attention matters "
+    "(--pretrained or --checkpoint for real ones).")
+BENCH_DESCRIPTION = (
+    "Time the unpatched model and the patched one, one after the other: inference, or AMP training steps with "
+    "--train; eager, or torch.compile with --compile / --compile-mode. Prints images/s, the median step, the peak "
+    "memory and the first iteration's time. Needs a CUDA GPU (on a CPU it exits 2). Several rounds, host and GPU "
+    "time side by side: benchmarks/bench_train.py in the repository.")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="timm-flashwin", description="Fused Triton window attention for timm's "
                                      "window-attention models (Swin, SwinV2, MaxViT, CoAtNet, ...; `list` shows them). "
                                      "On a CPU, patched models compute in PyTorch (TRITON_INTERPRET=1: the kernels, "
                                      "slowly).")
+    parser.add_argument("--version", action=_Versions)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    v = sub.add_parser("verify", help="compare a patched timm model with the unpatched one, layer by layer")
+    v = sub.add_parser("verify", help="compare a patched model with the unpatched one, layer by layer",
+                       description=VERIFY_DESCRIPTION)
     v.add_argument("name", nargs="?", help="timm model name (or --hf)")
     v.add_argument("--hf", metavar="CONFIG", help=HF_HELP)
     v.add_argument("--img-size", type=_img_size, default=None, help="N or H,W (default: the model's)")
-    v.add_argument("--batch", type=_positive_int, default=2)
+    v.add_argument("--batch", type=_positive_int, default=2, help="images per forward (default: 2)")
     v.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="float16/bfloat16 run under autocast with float32 weights")
     v.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda when available, "
@@ -104,20 +152,26 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--pretrained", action="store_true", help="timm's hub weights")
     v.add_argument("--seed", type=_count, default=0,
                    help="random init, perturbation, images and dropout: the same seed, the same run")
-    v.add_argument("--rtol", type=_tolerance, default=None, help="default per dtype (README)")
-    v.add_argument("--atol", type=_tolerance, default=None, help="default per dtype (README)")
+    v.add_argument("--rtol", type=_tolerance, default=None, help=f"relative tolerance (default by dtype: {defaults()}, "
+                                                                   "rtol / atol)")
+    v.add_argument("--atol", type=_tolerance, default=None, help="absolute floor, relative to the float64 tensor's "
+                                                                   "rms (default by dtype, as --rtol says)")
     v.add_argument("--json", action="store_true", help="print one JSON object")
 
-    ls = sub.add_parser("list", help="timm models whose window attention is patched")
+    ls = sub.add_parser("list", help="timm models whose window attention is patched",
+                        description="The timm models (matching PATTERN) whose window-attention modules patch_model "
+                                    "serves: family, windows per stage, module count. Exit code 1 when none matches.")
     ls.add_argument("pattern", nargs="?", default="*", help="as timm.list_models, e.g. 'swinv2*'")
     ls.add_argument("--json", action="store_true")
 
-    b = sub.add_parser("bench", help="images/s and peak memory, unpatched against patched (GPU)")
+    b = sub.add_parser("bench", help="images/s and peak memory, unpatched against patched (needs a CUDA GPU)",
+                       description=BENCH_DESCRIPTION)
     b.add_argument("name", nargs="?", help="timm model name (or --hf)")
     b.add_argument("--hf", metavar="CONFIG", help=HF_HELP)
-    b.add_argument("--batch", type=_positive_int, default=64)
-    b.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
-    b.add_argument("--img-size", type=_img_size, default=None)
+    b.add_argument("--batch", type=_positive_int, default=64, help="images per step (default: 64)")
+    b.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16",
+                   help="weights (inference) or autocast (training) dtype (default: bfloat16)")
+    b.add_argument("--img-size", type=_img_size, default=None, help="N or H,W (default: the model's)")
     b.add_argument("--train", action="store_true", help="AMP training steps instead of inference")
     b.add_argument("--compile", action="store_true", help="torch.compile both sides")
     b.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune"], default=None,
@@ -127,8 +181,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also the model patched with recompute_qkv=True (less training memory, a third row); "
                         "with names, only for the attention modules whose qualified names start with one "
                         "(e.g. layers.1.; give the model's name before this option)")
-    b.add_argument("--warmup", type=_count, default=10)
-    b.add_argument("--repeats", type=_positive_int, default=30)
+    b.add_argument("--warmup", type=_count, default=10, help="steps before timing (default: 10)")
+    b.add_argument("--repeats", type=_positive_int, default=30, help="timed steps (default: 30)")
     b.add_argument("--json", action="store_true")
 
     r = sub.add_parser("run", help="run a Python script or module (-m) as python would, every model timm's "
@@ -141,7 +195,21 @@ def _parser() -> argparse.ArgumentParser:
                                                          "module the op cannot serve raises PatchError in the script")
     r.add_argument("target", nargs=argparse.REMAINDER, help="SCRIPT or -m MODULE, then its arguments "
                                                             "(options of run go before it)")
+    parser.commands = dict(verify=v, list=ls, bench=b, run=r)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: List[str]) -> argparse.Namespace:
+    """``parser.parse_args``, with an unknown option of a subcommand reported by that
+    subcommand (its usage, not the top level's) with the nearest option it has."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser.commands[args.command]
+        options = [o for action in command._actions for o in action.option_strings]
+        hints = [f"{word}: did you mean {close[0]}?" for word in unknown if word.startswith("-")
+                 for close in [difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.6)] if close]
+        command.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
+    return args
 
 
 def _console():
@@ -172,36 +240,40 @@ def _verify(args) -> int:
         return EXIT_OK if result.passed else EXIT_MISMATCH
     console = _console()
     s = result.settings
+    library = s.get("library", "timm")  # what the unpatched model is: timm's or transformers'
     console.print(f"[bold]{result.model}[/bold]  img {s['img_size'][0]}x{s['img_size'][1]}  batch {s['batch']}  "
-                  f"{s['dtype']}  {s['device']}  {'train' if s['train'] else 'eval'}  attention: {result.backend}  "
-                  f"rtol {s['rtol']:.0e} atol {s['atol']:.0e}")
+                  f"{s['dtype']}  {s['device']}  {'train' if s['train'] else 'eval'}  attention: {result.backend}")
+    for line in rule_lines(f"{s['rtol']:.0e}", f"{s['atol']:.0e}", library):
+        console.print(line, markup=False)
     if result.perturbed:
         console.print("weights: random init, perturbed so that attention matters (LayerNorm weights, logit scales "
                       "across the clamp, bias tables); pass --pretrained or --checkpoint for real weights")
     table = Table(title="window-attention layers (error vs a float64 copy of the unpatched model)")
-    for col in ("layer", "timm err", "patched err", "patched vs timm", "max |diff|", "ok"):
+    for col in ("layer", f"{library} err", "patched err", f"patched vs {library}", "max |diff|", "ok"):
         table.add_column(col, justify="left" if col == "layer" else "right", overflow="fold")
     rows = result.layers + [result.output]
     for c in rows:
         table.add_row(c.name, _fmt(c.err_timm), _fmt(c.err_ours), _fmt(c.diff), _fmt(c.max_abs), _ok(c))
     console.print(table)
-    console.print(ERROR_COLUMNS)
-    console.print(f"top-1 agreement: patched vs timm {result.top1_agreement:.1%}, timm vs float64 "
+    console.print(error_columns(library))
+    console.print(f"top-1 agreement: patched vs {library} {result.top1_agreement:.1%}, {library} vs float64 "
                   f"{result.top1_timm_vs_float64:.1%}, patched vs float64 {result.top1_ours_vs_float64:.1%}"
                   + (f"   (float16 loss scale {result.loss_scale:g})" if result.loss_scale != 1.0 else ""))
     if result.grads:
         worst = sorted(result.grads, key=lambda c: (c.passed, c.ill_conditioned,
                                                     -(c.err_ours if not math.isnan(c.err_ours) else 1e9)))
         gt = Table(title=f"gradients: {sum(c.passed for c in result.grads)}/{len(result.grads)} within tolerance "
-                         f"(10 largest errors)")
-        for col in ("parameter", "timm err", "patched err", "patched vs timm", "ok"):
+                         f"(10 largest errors; {possessive(library)} error over all gradients "
+                         f"{_fmt(result.gradient_floor)})")
+        for col in ("parameter", f"{library} err", "patched err", f"patched vs {library}", "ok"):
             gt.add_column(col, justify="left" if col == "parameter" else "right", overflow="fold")
         for c in worst[:10]:
             gt.add_row(c.name, _fmt(c.err_timm), _fmt(c.err_ours), _fmt(c.diff), _ok(c))
         console.print(gt)
         ill = sum(c.ill_conditioned for c in result.grads)
         if ill:
-            console.print(f"{ill} gradient(s) ill-conditioned at this precision (timm's own error >= 100 %): "
+            console.print(f"{ill} gradient(s) ill-conditioned at this precision ({possessive(library)} own error "
+                          ">= 100 %): "
                           "reported, not judged")
     console.print(("[green]" if result.passed else "[red]") + result.verdict())
     return EXIT_OK if result.passed else EXIT_MISMATCH
@@ -218,6 +290,12 @@ def _list(args) -> int:
         task = bar.add_task("building timm's candidate models on the meta device", total=None)
         infos = supported_models(args.pattern, progress=lambda done, total: bar.update(task, completed=done,
                                                                                         total=total))
+    if not infos:
+        if args.json:
+            print("[]")
+        print(f"timm-flashwin list: no timm model matching {args.pattern!r} has window attention that timm_flashwin "
+              "patches (timm-flashwin list shows them all)", file=sys.stderr)
+        return EXIT_MISMATCH
     if args.json:
         print(json.dumps([dict(name=i.name, families=i.families, stage_windows=[list(w) if w else None for w in i.stage_windows],
                                modules=i.modules) for i in infos]))
@@ -270,7 +348,7 @@ def _bench(args) -> int:
 def _run(parser: argparse.ArgumentParser, argv: List[str]) -> int:
     from .runner import run, split_argv
     own, target = split_argv(argv)
-    args = parser.parse_args(["run", *own])  # --help and unknown options exit here
+    args = _parse(parser, ["run", *own])  # --help and unknown options exit here
     if target is None:
         parser.error("run: a script or -m MODULE is required")
     return run(target, report=args.report, strict=args.strict, recompute_qkv=args.recompute_qkv,
@@ -282,7 +360,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     if argv[:1] == ["run"]:  # the script's arguments are not ours to parse
         return _run(parser, argv[1:])
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     from .verify import UsageError
     try:
         return {"verify": _verify, "list": _list, "bench": _bench}[args.command](args)

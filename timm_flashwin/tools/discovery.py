@@ -16,7 +16,7 @@ from ..patching.model import _attention_modules
 @dataclass
 class ModelInfo:
     name: str
-    families: List[str]  # adapter families of its window-attention modules
+    families: List[str]  # model families of its window-attention modules (``model_family``: ten in all)
     stage_windows: List[Optional[Tuple[int, int]]]  # window size of each stage, in order (None: any; a
     # model without stage containers: each of its windows once)
     modules: int  # window-attention modules patched by patch_model
@@ -40,6 +40,7 @@ def describe(name: str) -> ModelInfo:
         if adapter is None or adapter.unsupported(module) is not None:
             continue
         count += 1
+        family = adapter.model_family or family
         if family not in families:
             families.append(family)
         window = adapter.window_size(module)

@@ -49,18 +49,13 @@ import torch
 from torch import nn
 
 from .comparison import Comparison, compare, group_error, jitter_images, larger_error
-from ..ops.window import uses_kernels
+from ..ops.dispatch import road
 from ..patching.factory import timm_create_model
 from .hf_models import HF_PREFIX, build_hf_model
 from ..patching.model import _attention_modules, patch_model, patch_report
+from .tolerances import ATOL, GRADIENT_FACTOR, RTOL, possessive  # the rule (the module docstring says why)
 
-#: Default relative tolerances per dtype (the README states them), and absolute floors.
-RTOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
-ATOL = {"float32": 1e-6, "bfloat16": 1e-4, "float16": 1e-5}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: A gradient may be this many times as far from float64 as timm's own gradient of the
-#: same tensor (forward tensors: 2x); the module docstring says why.
-GRADIENT_FACTOR = 4.0
 
 
 class UsageError(Exception):
@@ -146,6 +141,7 @@ class VerifyResult:
     top1_ours_vs_float64: float = float("nan")
     loss_scale: float = 1.0  # float16 training (see the module docstring)
     grads: List[Comparison] = field(default_factory=list)
+    gradient_floor: float = float("nan")  # the unpatched model's error over all gradients together
 
     @property
     def passed(self) -> bool:
@@ -163,7 +159,8 @@ class VerifyResult:
     def verdict(self) -> str:
         what = "forward" + (" and gradients" if self.settings.get("train") else "")
         if self.passed:
-            return (f"PASS {self.model}: {what} of the patched model match timm "
+            library = self.settings.get("library", "timm")
+            return (f"PASS {self.model}: {what} of the patched model match the unpatched {library} model "
                     f"({self.patched_modules} attention modules patched, {self.settings['dtype']}, {self.backend})")
         return (f"FAIL {self.model}: {len(self.failures())} of {len(self.layers) + len(self.grads) + 1} compared "
                 f"tensors beyond tolerance ({self.settings['dtype']}, {self.backend})")
@@ -246,10 +243,16 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
             state = load_file(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            for key in ("state_dict", "model", "state_dict_ema"):
-                if isinstance(state, dict) and key in state and isinstance(state[key], dict):
-                    state = state[key]
-                    break
+    except Exception as exc:  # not a checkpoint at all (torch.load reads /etc/passwd as "list index out of range")
+        raise UsageError(f"--checkpoint {path}: not a checkpoint torch.load (weights only) or safetensors can read "
+                         f"({type(exc).__name__}: {_first_line(exc)})") from None
+    for key in ("state_dict", "model", "state_dict_ema"):
+        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict):
+        raise UsageError(f"--checkpoint {path}: holds a {type(state).__name__}, not a state dict")
+    try:
         model.load_state_dict(state, strict=True)
     except Exception as exc:
         # load_state_dict lists every problem on its own line after a header: name the first
@@ -259,10 +262,8 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
 
 
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
-    probe = torch.empty(0, device=device, dtype=dtype) if device.type != "meta" else None
-    if probe is None or not uses_kernels(probe):
-        return "pytorch"
-    return "triton" if device.type == "cuda" else "triton-interpreter"
+    """What computes the patched attention: "triton", "triton-interpreter" or "pytorch"."""
+    return road(device, dtype)
 
 
 # --------------------------------------------------------------------------- verify
@@ -297,6 +298,7 @@ def verify_model(
                         model_kwargs=model_kwargs)
     if not any(adapter is not None for _, _, adapter, _ in _attention_modules(model)):
         raise UsageError(f"{name} ({type(model).__name__}) has no timm window attention to patch")
+    library = "transformers" if name.startswith(HF_PREFIX) else "timm"  # what the unpatched model is
     perturbed = not (pretrained or checkpoint)
     if perturbed:
         perturb_(model, seed)
@@ -343,8 +345,8 @@ def verify_model(
         try:
             ref_out = run(reference, True)
         except (RuntimeError, AssertionError, ValueError) as exc:  # timm's own model, before any patched call
-            raise UsageError(f"{name} (timm's own model, unpatched) cannot run images of {size[0]}x{size[1]}: "
-                             f"{_first_line(exc)}") from None
+            raise UsageError(f"{name} ({possessive(library)} own model, unpatched) cannot run images of "
+                             f"{size[0]}x{size[1]}: {_first_line(exc)}") from None
         timm_out = run(timm_model, False)
         while train and dtype == "float16" and loss_scale > 2.0 ** -32 and not all(
                 torch.isfinite(p.grad).all() for p in timm_model.parameters() if p.grad is not None):
@@ -357,7 +359,8 @@ def verify_model(
         our_out = run(ours, False, loss_scale)
 
     settings = dict(img_size=list(size), batch=batch, dtype=dtype, device=str(dev), train=train, seed=seed,
-                    rtol=rtol, atol=atol, checkpoint=checkpoint, pretrained=pretrained, model_kwargs=model_kwargs or {})
+                    rtol=rtol, atol=atol, checkpoint=checkpoint, pretrained=pretrained, model_kwargs=model_kwargs or {},
+                    library=library)
     result = VerifyResult(name, settings, backend_name(dev, DTYPES[dtype]), perturbed, len(report.patched),
                           loss_scale=loss_scale)
     for key in ref_out:
@@ -379,8 +382,9 @@ def verify_model(
             for pname in set().union(*grads) - set.intersection(*(set(g) for g in grads)):
                 result.grads.append(Comparison(pname, math.nan, math.nan, math.nan, math.nan, False))
         shared = [n for n in ref_grads if n in our_grads and n in timm_grads and n in timm_again_grads]
-        floor = larger_error(*(group_error({n: g[n] for n in shared}, {n: ref_grads[n] for n in shared})
-                               for g in (timm_grads, timm_again_grads)))
+        floor = result.gradient_floor = larger_error(*(group_error({n: g[n] for n in shared},
+                                                                   {n: ref_grads[n] for n in shared})
+                                                       for g in (timm_grads, timm_again_grads)))
         for pname in shared:
             result.grads.append(compare(pname, our_grads[pname], timm_grads[pname], ref_grads[pname], rtol, atol,
                                         floor, GRADIENT_FACTOR, timm_again_grads[pname]))

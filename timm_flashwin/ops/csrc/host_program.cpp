@@ -14,6 +14,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -64,6 +65,8 @@ const Driver& driver() {
   return d;
 }
 
+constexpr CUresult_t kCudaOutOfMemory = 2;  // CUDA_ERROR_OUT_OF_MEMORY
+
 void check_cuda(CUresult_t code, const char* what) {
   if (code != 0) {
     const char* message = "unknown error";
@@ -98,6 +101,7 @@ struct Param {
 
 struct Launch {
   uint64_t function;  // CUfunction of the compiled kernel, loaded by Triton
+  std::string name;   // the kernel's, for error messages
   unsigned grid[3];
   unsigned threads;
   unsigned shared;
@@ -120,6 +124,29 @@ struct Program {
   int64_t num_slots = 0;
   std::vector<Step> steps;
 };
+
+// A failed launch, as kernels/launch_errors.py words Triton's: the kernel, its grid and its
+// tensors named; out of memory (after the retry) as torch.OutOfMemoryError, which
+// batch-size finders look for.
+[[noreturn]] void launch_failed(const Launch& launch, const std::vector<at::Tensor>& slots, CUresult_t code) {
+  const char* message = "unknown error";
+  driver().error_string(code, &message);
+  std::string tensors;
+  std::vector<int64_t> seen;  // a slot once (unused pointers repeat an input)
+  for (const Param& p : launch.params) {
+    if (p.kind != kSlot || std::find(seen.begin(), seen.end(), p.slot_or_int) != seen.end()) continue;
+    seen.push_back(p.slot_or_int);
+    const at::Tensor& t = slots[p.slot_or_int];
+    if (!tensors.empty()) tensors += ", ";
+    tensors += c10::str(t.sizes(), " ", t.scalar_type());
+  }
+  const std::string call = c10::str("the Triton kernel ", launch.name, " (grid (", launch.grid[0], ", ", launch.grid[1],
+                                    ", ", launch.grid[2], "); tensors ", tensors.empty() ? "none" : tensors,
+                                    ") replayed by a host program");
+  TORCH_CHECK_WITH(OutOfMemoryError, code != kCudaOutOfMemory, "CUDA out of memory. timm_flashwin: launching ", call,
+                   " failed (", message, "), also after torch.cuda.empty_cache()");
+  TORCH_CHECK(false, "timm_flashwin: ", call, " failed: ", message);
+}
 
 void run_launch(const Launch& launch, const std::vector<at::Tensor>& slots, void* stream) {
   constexpr size_t kMaxParams = 160;
@@ -163,9 +190,21 @@ void run_launch(const Launch& launch, const std::vector<at::Tensor>& slots, void
   if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) {
     return;
   }
-  check_cuda(driver().launch(reinterpret_cast<void*>(launch.function), launch.grid[0], launch.grid[1],
-                             launch.grid[2], launch.threads, 1, 1, launch.shared, stream, params, nullptr),
-             "cuLaunchKernel");
+  auto go = [&] {
+    return driver().launch(reinterpret_cast<void*>(launch.function), launch.grid[0], launch.grid[1], launch.grid[2],
+                           launch.threads, 1, 1, launch.shared, stream, params, nullptr);
+  };
+  CUresult_t code = go();
+  if (code == kCudaOutOfMemory) {
+    // as for Triton's launches (kernels/launch_errors.py): PyTorch's cached blocks given
+    // back once, and the launch tried again
+    {
+      py::gil_scoped_acquire gil;
+      py::module_::import("torch.cuda").attr("empty_cache")();
+    }
+    code = go();
+  }
+  if (code != 0) launch_failed(launch, slots, code);
 }
 
 void run_call(const Call& call, std::vector<at::Tensor>& slots) {
@@ -219,13 +258,14 @@ Program build_program(int64_t num_slots, const py::list& steps) {
     const std::string kind = step[0].cast<std::string>();
     Step s;
     if (kind == "launch") {
-      // ("launch", function, (gx, gy, gz), threads, shared, [(kind, int, float), ...])
+      // ("launch", function, (gx, gy, gz), threads, shared, [(kind, int, float), ...], name)
       Launch launch;
       launch.function = step[1].cast<uint64_t>();
       py::tuple grid = step[2].cast<py::tuple>();
       for (int i = 0; i < 3; ++i) launch.grid[i] = grid[i].cast<unsigned>();
       launch.threads = step[3].cast<unsigned>();
       launch.shared = step[4].cast<unsigned>();
+      launch.name = step.size() > 6 ? step[6].cast<std::string>() : std::string("?");
       for (const py::handle& p : step[5].cast<py::list>()) {
         py::tuple param = py::reinterpret_borrow<py::tuple>(p);
         launch.params.push_back(Param{static_cast<ParamKind>(param[0].cast<int64_t>()), param[1].cast<int64_t>(),

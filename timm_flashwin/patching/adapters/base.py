@@ -33,6 +33,9 @@ class WindowAttentionAdapter:
 
     #: short name used in reports: "swin", "swinv2", "swinv2_cr", "maxxvit", "tiny_vit", ...
     family: str = ""
+    #: the model family ``timm-flashwin list`` and the README name, where it is not ``family``
+    #: (MaxxViT's channels-first modules, "maxxvit_2d", are of the "maxxvit" family)
+    model_family: str = ""
     #: attributes the forward reads; a timm version without them is not patched
     required: Sequence[str] = ()
     #: the name of the second argument of timm's forward, None where it takes x alone (the

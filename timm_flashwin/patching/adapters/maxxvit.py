@@ -133,6 +133,7 @@ class MaxxVit2dAdapter(MaxxVitAdapter):
     """``Attention2d``: x (B, C, H, W), qkv and proj 1x1 convolutions."""
 
     family = "maxxvit_2d"
+    model_family = "maxxvit"
 
     @staticmethod
     def module_type() -> Type[nn.Module]:
