@@ -62,7 +62,15 @@ def patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
             return timm_forward(self, x, shared_rel_pos)
         return adapter.forward(self, x, shared_rel_pos)
 
-    # x alone (TinyViT, DaViT, NesT, Hiera)
+    # BEiT's Attention: x and the model's shared relative-position bias
+    def forward_shared_rel_pos_bias(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None):
+        if torch.jit.is_scripting():
+            return self._flashwin_timm_forward(x, shared_rel_pos_bias)
+        if runs_timm(x):
+            return timm_forward(self, x, shared_rel_pos_bias)
+        return adapter.forward(self, x, shared_rel_pos_bias)
+
+    # x alone (TinyViT, DaViT, NesT, Hiera; torchvision's Swin modules, x the block's map)
     def forward_x(self, x: torch.Tensor) -> torch.Tensor:
         if torch.jit.is_scripting():
             return self._flashwin_timm_forward(x)
@@ -88,7 +96,8 @@ def patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
 
     forwards = {"mask": forward, "shared_rel_pos": _renamed(forward_shared_rel_pos, "forward"),
                 None: _renamed(forward_x, "forward"), "size": _renamed(forward_size, "forward"),
-                "q_global": _renamed(forward_q_global, "forward")}
+                "q_global": _renamed(forward_q_global, "forward"),
+                "shared_rel_pos_bias": _renamed(forward_shared_rel_pos_bias, "forward")}
 
     def extra_repr(self) -> str:
         text = timm_class.extra_repr(self)
@@ -148,8 +157,12 @@ for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSw
                        ("maxxvit", "FlashMaxxVitAttentionCl"), ("maxxvit_2d", "FlashMaxxVitAttention2d"),
                        ("tiny_vit", "FlashTinyVitAttention"), ("davit", "FlashDaVitWindowAttention"),
                        ("twins", "FlashTwinsLocallyGroupedAttn"), ("nest", "FlashNestAttention"),
-                       ("hiera", "FlashHieraMaskUnitAttention"), ("gcvit", "FlashGcVitWindowAttentionGlobal")):
-    PATCHED_CLASSES[_family] = globals()[_name] = patched_class(ADAPTERS[_family], _name)
+                       ("hiera", "FlashHieraMaskUnitAttention"), ("gcvit", "FlashGcVitWindowAttentionGlobal"),
+                       ("beit", "FlashTimmBeitAttention"), ("tv_swin", "FlashTvShiftedWindowAttention"),
+                       ("tv_swinv2", "FlashTvShiftedWindowAttentionV2"),
+                       ("tv_swin3d", "FlashTvShiftedWindowAttention3d")):
+    if ADAPTERS[_family].module_type() is not None:  # torchvision's, where it is installed
+        PATCHED_CLASSES[_family] = globals()[_name] = patched_class(ADAPTERS[_family], _name)
 
 
 register_fx_leaves(PATCHED_CLASSES.values())
