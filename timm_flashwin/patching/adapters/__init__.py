@@ -7,6 +7,7 @@ from .base import WindowAttentionAdapter
 from .beit import BeitAdapter
 from .davit import DaVitAdapter
 from .gcvit import GcVitAdapter
+from .hf_beit import HfBeitAdapter, HfData2VecVisionAdapter
 from .hf_swin import HfDonutSwinAdapter, HfMaskFormerSwinAdapter, HfSwinAdapter
 from .hf_swinv2 import HfSwin2SRAdapter, HfSwinv2Adapter
 from .hiera import HieraAdapter
@@ -30,7 +31,8 @@ ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
 #: family name -> adapter of a Hugging Face transformers class (``patching.hf``); its
 #: ``module_type()`` is None until transformers' modeling module is imported
 HF_ADAPTERS: Dict[str, WindowAttentionAdapter] = {a.family: a for a in (
-    HfSwinAdapter(), HfSwinv2Adapter(), HfDonutSwinAdapter(), HfMaskFormerSwinAdapter(), HfSwin2SRAdapter())}
+    HfSwinAdapter(), HfSwinv2Adapter(), HfDonutSwinAdapter(), HfMaskFormerSwinAdapter(), HfSwin2SRAdapter(),
+    HfBeitAdapter(), HfData2VecVisionAdapter())}
 
 
 def adapter_for(module: nn.Module) -> Optional[WindowAttentionAdapter]:
