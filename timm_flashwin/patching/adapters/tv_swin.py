@@ -75,19 +75,22 @@ def shift_mask_2d(height: int, width: int, window: Tuple[int, int], shift: Tuple
 
 @torch.compiler.assume_constant_result
 def _constant_mask_2d(height: int, width: int, wh: int, ww: int, sh: int, sw: int,
-                      device: torch.device) -> torch.Tensor:
-    """``shift_mask_2d`` as a constant of a graph torch.compile traces (dynamo calls it with
-    the ints), so that a compiled step does not build it."""
-    return shift_mask_2d(height, width, (wh, ww), (sh, sw), device)
+                      device: torch.device) -> Tuple[torch.Tensor]:
+    """``(shift_mask_2d(...),)`` as a constant of a graph torch.compile traces (dynamo calls it
+    with the ints), so that a compiled step does not build it. A tuple: dynamo names a tuple
+    constant apart in each call, a lone tensor by the function, which a second call in one
+    graph then shares (torch 2.14: AOTAutograd stops, "already in seen_sources";
+    ``rel_pos._traced_one_hot_rows``)."""
+    return (shift_mask_2d(height, width, (wh, ww), (sh, sw), device),)
 
 
 def module_shift_mask(module: nn.Module, build: Callable, constant: Callable, size: Tuple[int, ...],
                       window: Tuple[int, ...], shift: Tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The shift mask ``build(*size, window, shift, device)`` for this call: kept on the module
     in eager mode, a constant of the graph under torch.compile (``constant(*size, *window,
-    *shift, device)``), computed in the graph under torch.export."""
+    *shift, device)[0]``), computed in the graph under torch.export."""
     if torch.compiler.is_compiling():
-        return build(*size, window, shift, device) if exporting() else constant(*size, *window, *shift, device)
+        return build(*size, window, shift, device) if exporting() else constant(*size, *window, *shift, device)[0]
     return kept_for_shape(module, "shift_mask", (size, window, shift, device),
                           lambda: build(*size, window, shift, device))
 

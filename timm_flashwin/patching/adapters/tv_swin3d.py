@@ -49,16 +49,17 @@ def shift_mask_3d(frames: int, height: int, width: int, window: Tuple[int, int, 
 
 @torch.compiler.assume_constant_result
 def _constant_mask_3d(frames: int, height: int, width: int, wd: int, wh: int, ww: int, sd: int, sh: int, sw: int,
-                      device: torch.device) -> torch.Tensor:
-    """``shift_mask_3d`` as a constant of a graph torch.compile traces."""
-    return shift_mask_3d(frames, height, width, (wd, wh, ww), (sd, sh, sw), device)
+                      device: torch.device) -> Tuple[torch.Tensor]:
+    """``(shift_mask_3d(...),)`` as a constant of a graph torch.compile traces (a tuple:
+    ``tv_swin._constant_mask_2d`` says why)."""
+    return (shift_mask_3d(frames, height, width, (wd, wh, ww), (sd, sh, sw), device),)
 
 
 @torch.compiler.assume_constant_result
-def _constant_index_slice(index: torch.Tensor, tokens: int) -> torch.Tensor:
-    """``index[:tokens, :tokens]`` as a constant of a graph torch.compile traces (dynamo calls
-    it with the index buffer's value), whose pairs are then sorted when it traces."""
-    return index[:tokens, :tokens].contiguous()
+def _constant_index_slice(index: torch.Tensor, tokens: int) -> Tuple[torch.Tensor]:
+    """``(index[:tokens, :tokens],)`` as a constant of a graph torch.compile traces (dynamo
+    calls it with the index buffer's value), whose pairs are then sorted when it traces."""
+    return (index[:tokens, :tokens].contiguous(),)
 
 
 class TvSwin3dAdapter(TvSwinAdapter):
@@ -86,7 +87,7 @@ class TvSwin3dAdapter(TvSwinAdapter):
         constant = not exporting()
         if tokens != index.shape[0]:
             if torch.compiler.is_compiling() and constant:
-                index = _constant_index_slice(index, tokens)
+                index = _constant_index_slice(index, tokens)[0].view(tokens, tokens)
             else:
                 full = index
                 index = _kept(module, f"index_{tokens}", (full,), lambda: full[:tokens, :tokens].contiguous())
