@@ -194,6 +194,30 @@ def test_transformers_beit_keeps_its_path(monkeypatch):
         calls.clear()
 
 
+def test_transformers4():
+    """This file's transformers tests again on a transformers 4.x (BEiT in the
+    "attention_output" layout, as Data2VecVision in 5.x), in a subprocess whose path puts it
+    first (test_hf_swin.py's test_transformers4 says where it comes from)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    where = os.environ.get("TIMM_FLASHWIN_TRANSFORMERS4")
+    if not where or not (Path(where) / "transformers").is_dir():
+        pytest.skip("TIMM_FLASHWIN_TRANSFORMERS4 does not name a directory holding transformers 4.x")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([where, str(root), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TIMM_FLASHWIN_TRANSFORMERS4")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                             "--override-ini=addopts=", __file__, "-k", "transformers and not gpu and not transformers4",
+                             "-W", "ignore::DeprecationWarning"], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1].startswith("5 passed"), (
+        result.stdout[-4000:] + result.stderr[-2000:])
+    assert subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"], env=env,
+                          capture_output=True, text=True).stdout.startswith("4.")
+
+
 # ------------------------------------------------------------------------ GPU only
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["beit_base_patch16_224", "beit_base_patch16_384", "beit_large_patch16_512"])
