@@ -81,15 +81,15 @@ MODULE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(MODULE_CASES))
-def test_module_matches_torchvision(case):
+@pytest.mark.parametrize("case, recompute_qkv", [(case, False) for case in MODULE_CASES] + [("v2", True)])
+def test_module_matches_torchvision(case, recompute_qkv):
     """Each class alone in training mode: its output, the input's gradient and every
     parameter's (qkv, proj, the table; V2's cpb_mlp and logit_scale) against torchvision's
-    module in float32 and float64, verify's rule."""
+    module in float32 and float64, verify's rule; V2 with recompute_qkv too."""
     make, shape = MODULE_CASES[case]
     torch.manual_seed(0)
     module = perturb_(make())
-    ours = patch_model(copy.deepcopy(module), strict=True)
+    ours = patch_model(copy.deepcopy(module), strict=True, recompute_qkv=recompute_qkv)
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     grad = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
     results = []
