@@ -228,11 +228,15 @@ def test_gpu_full_resolution_autocast(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("spec", ["beit", "data2vec-vision"])
-def test_gpu_transformers_default_configs(spec):
-    """transformers' default BEiT and Data2VecVision configs (base, 224), AMP bf16 training
-    through verify."""
-    full_resolution_passes(HF_PREFIX + spec, "bfloat16")
+@pytest.mark.parametrize("spec, tables", [
+    ("beit", dict(use_relative_position_bias=True)),
+    ("data2vec-vision", dict(use_relative_position_bias=True, use_shared_relative_position_bias=True))])
+def test_gpu_transformers_base_configs(spec, tables):
+    """transformers' default BEiT and Data2VecVision configs (base, 224) with their
+    relative-position tables, AMP bf16 training through verify's rule."""
+    result = verify_model(HF_PREFIX + spec, batch=2, dtype="bfloat16", device="cuda", train=True, model_kwargs=tables)
+    assert result.passed, "\n".join(map(str, result.failures()[:10]))
+    assert result.backend == "triton" and result.patched_modules == len(result.layers) == 12
 
 
 @pytest.mark.cuda

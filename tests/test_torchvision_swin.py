@@ -21,12 +21,12 @@ from torchvision.models.video import swin_transformer as tv3d
 
 from conftest import KERNEL_DEVICE
 from model_cases import flashwin_ops, recording_backend
-from model_checks import full_resolution_passes, judge, patched_in_place, training_step_runs
+from model_checks import compiled_against_timm, full_resolution_passes, judge, patched_in_place, training_step_runs
 from timm_flashwin import PatchError, patch_model, patch_report, unpatch_model
 from timm_flashwin.kernels.window.bias_mask import mask_structure
 from timm_flashwin.patching.adapters.rel_pos import KEPT_ATTR
 from timm_flashwin.tools.comparison import compare
-from timm_flashwin.tools.verify import perturb_
+from timm_flashwin.tools.verify import build_model, perturb_
 
 V2 = dict(block=tv2d.SwinTransformerBlockV2, downsample_layer=tv2d.PatchMergingV2)
 
@@ -219,3 +219,14 @@ def test_gpu_full_size_autocast(name):
     """torchvision's models as it makes them, AMP bf16 training, forward and every gradient:
     verify's rule against a float64 copy (swin3d_t on two clips of 16 x 224 x 224)."""
     full_resolution_passes(f"tv:{name}", "bfloat16", batch=2 if name != "swin3d_t" else 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["swin_t", "swin_v2_t", "swin3d_t"])
+def test_gpu_compiled_matches_torchvision(name):
+    """torch.compile(fullgraph=True, inductor) of the patched model (float32, perturbed): one op
+    call per module in every graph, eval output and a training step's gradients judged
+    against torchvision's (swin3d_t on clips of 16 x 112 x 112)."""
+    model = build_model(f"tv:{name}", img_size=112 if name == "swin3d_t" else None, train=True)
+    failed = compiled_against_timm(perturb_(model, 0))
+    assert not failed, "\n".join(map(str, failed))
