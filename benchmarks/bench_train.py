@@ -1,7 +1,9 @@
-"""Whole timm models, timm against patched: training steps (or inference, ``--task infer``),
-eager, torch.compile and CUDA graphs, with the host's and the GPU's time per step.
+"""Whole timm models (and torchvision's, ``tv:NAME``), unpatched against patched: training steps
+(or inference, ``--task infer``), eager, torch.compile and CUDA graphs, with the host's and
+the GPU's time per step.
 
     python benchmarks/bench_train.py --models swin_tiny_patch4_window7_224 --modes eager compile --batches 64 128
+    python benchmarks/bench_train.py --models tv:swin_t tv:swin_v2_t tv:swin3d_t beit_base_patch16_224
     python benchmarks/bench_train.py --task infer --modes eager compile          # every model, batch 128
     python benchmarks/bench_train.py --models gcvit_tiny --modes compile --batches 64 \\
         --variants timm flashwin attention-free --top 8                          # against the bound
@@ -65,6 +67,11 @@ MODELS = {  # name: (inference batch, training batch)
     "twins_svt_small": (128, 64),
     "nest_tiny": (128, 64),
     "hiera_tiny_224": (128, 64),
+    "beit_base_patch16_224": (128, 64),
+    # torchvision's (timm_flashwin.tools.tv_models): swin3d_t on clips of 16 x 224 x 224
+    "tv:swin_t": (128, 64),
+    "tv:swin_v2_t": (128, 64),
+    "tv:swin3d_t": (8, 4),
     "samvit_base_patch16": (4, 4),  # 1024 px: 64 x 64 tokens, global and 14 x 14 window blocks
     "hf:SamVisionConfig": (4, 4),  # transformers' SAM ViT-B image encoder, 1024 px
 }
@@ -224,7 +231,8 @@ def report_host_programs(group: list) -> None:
 
 def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="*", default=SWIN, help=f"default: the Swin tiny models; any of {list(MODELS)}")
+    parser.add_argument("--models", nargs="*", default=SWIN, help=f"default: the Swin tiny models; any of {list(MODELS)} "
+                        "(or another timm or tv: name with --batches)")
     parser.add_argument("--task", default="train", choices=["train", "infer"])
     parser.add_argument("--modes", nargs="*", default=["eager", "compile"], choices=list(MODES))
     parser.add_argument("--batches", nargs="*", type=int, default=None,

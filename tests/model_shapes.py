@@ -1,9 +1,11 @@
 """Write tests/model_shapes.json: the (N, head_dim, cosine) of every window-attention call of
-every served timm model at its default input size, with up to three models each, found by
-running each patched model once on the meta device (no memory, no weights) and recording
-what the op validates. tests/plan_fits.py checks the plans chosen for these shapes.
+every served timm and torchvision model at its default input size (torchvision's video
+models on 16-frame clips), with up to three models each, found by running each patched
+model once on the meta device (no memory, no weights) and recording what the op validates.
+tests/plan_fits.py checks the plans chosen for these shapes. (The file also keeps the shapes of
+timm's own test_* models, which the listing now leaves out: 25 and 100 tokens.)
 
-    python tests/model_shapes.py [tests/model_shapes.json]     # about 80 s on 2 cores
+    python tests/model_shapes.py [tests/model_shapes.json]     # about 2 minutes on 2 cores
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import torch
 
 import timm_flashwin
 from timm_flashwin.ops import window as op
-from timm_flashwin.tools.discovery import supported_models
+from timm_flashwin.tools.discovery import supported_models, supported_tv_models
+from timm_flashwin.tools.tv_models import build_tv_model
 
 
 def main(path: Path) -> None:
@@ -30,10 +33,12 @@ def main(path: Path) -> None:
         return found
     op.validate = recording
     try:
-        for info in supported_models():
-            model_name[0] = info.name
+        models = [(info.name, timm.create_model) for info in supported_models()]
+        models += [(info.name, build_tv_model) for info in supported_tv_models()]
+        for name, build in models:
+            model_name[0] = name if build is timm.create_model else f"tv:{name}"
             with torch.device("meta"):
-                model = timm_flashwin.patch_model(timm.create_model(info.name))
+                model = timm_flashwin.patch_model(build(name))
                 size = model.pretrained_cfg.get("input_size", (3, 224, 224))
                 with torch.no_grad():
                     model(torch.empty(1, *size))

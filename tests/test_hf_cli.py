@@ -77,7 +77,7 @@ def test_verify_hf_config(tmp_path, capsys):
     assert "timm" not in out.replace(str(tmp_path), "") and "match the unpatched transformers model" in out
     for argv in (["verify"], ["verify", "swin_tiny_patch4_window7_224", "--hf", "swin"]):
         assert main(argv) == EXIT_USAGE
-        assert "give a timm model name or --hf CONFIG" in capsys.readouterr().err
+        assert "give a timm model name, --hf CONFIG or --tv NAME, one of them" in capsys.readouterr().err
 
 
 def test_hf_config_names():

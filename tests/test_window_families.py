@@ -118,7 +118,7 @@ def test_module_matches_timm(case, recompute_qkv, monkeypatch):
     in the backward). Hiera's global case with recompute_qkv as if its 36 tokens were more
     than the window kernels take: the local operator's road, as the pooling cases'."""
     if (case, recompute_qkv) == ("hiera_global", True):
-        monkeypatch.setattr(hiera_adapter, "MAX_TOKENS", 16)
+        monkeypatch.setattr(hiera_adapter, "WINDOW_OP_TOKENS", 16)
     module = module_case(case)
     ours = patch_model(copy.deepcopy(module), strict=True, recompute_qkv=recompute_qkv)
     results = []

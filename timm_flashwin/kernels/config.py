@@ -19,7 +19,7 @@ from .arch import Arch
 #: Set before triton is imported: the kernels then run on CPU tensors through numpy.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-MAX_TOKENS = 1024
+MAX_TOKENS = 2048
 MAX_HEAD_DIM = 256
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
@@ -43,17 +43,18 @@ def _make_class(adapter: HfAttentionAdapter) -> type:
     hf_forward = hf_class.forward
     if hasattr(adapter, "patched_forward"):  # a forward of another signature than the Swin family's
         return _subclass(adapter, hf_class, adapter.patched_forward(hf_forward))
-    # the names of the positional arguments after (hidden_states, attention_mask): 4.x's
-    # (head_mask, output_attentions), 5.x's self_output layout's (output_attentions,), none in
-    # 5.x's SwinAttention (**kwargs)
+    # the names of the positional arguments after hidden_states: the Swin family's
+    # attention_mask, then 4.x's (head_mask, output_attentions), 5.x's self_output layout's
+    # (output_attentions,), none more in 5.x's SwinAttention (**kwargs); Data2VecVision's
+    # (output_attentions, relative_position_bias, interpolate_pos_encoding, resolution)
     positional = [p.name for p in inspect.signature(hf_forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][3:]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][2:]
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *args, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         arguments = dict(zip(positional, args), **kwargs)
-        if runs_timm(hidden_states) or adapter.keeps_transformers(self, attention_mask, arguments):
-            return hf_forward(self, hidden_states, attention_mask, *args, **kwargs)
-        return adapter.hf_forward(self, hidden_states, attention_mask)
+        if runs_timm(hidden_states) or adapter.keeps_transformers(self, hidden_states, arguments):
+            return hf_forward(self, hidden_states, *args, **kwargs)
+        return adapter.hf_forward(self, hidden_states, arguments)
     return _subclass(adapter, hf_class, forward)
 
 

@@ -1,9 +1,9 @@
 """Patching timm models: which modules are routed through the op, and how.
 
 Mechanism: patching swaps a module's ``__class__`` to a subclass of its timm class
-defined here (``FlashSwinWindowAttention``, ``FlashSwinV2WindowAttention``,
+(``FlashSwinWindowAttention``, ``FlashSwinV2WindowAttention``,
 ``FlashSwinV2CrWindowMultiHeadAttention``, ``FlashMaxxVitAttentionCl``,
-``FlashMaxxVitAttention2d``, ``FlashTinyVitAttention``, ...; ``PATCHED_CLASSES``) whose
+``FlashMaxxVitAttention2d``, ``FlashTinyVitAttention``, ...; ``classes.PATCHED_CLASSES``) whose
 ``forward`` calls the family's adapter.
 The subclass adds no state (``recompute_qkv`` sets one plain instance attribute, a bool): it
 survives ``copy.deepcopy``,
@@ -11,9 +11,12 @@ survives ``copy.deepcopy``,
 round trips, adds no parameter or buffer, shows in ``repr``, and unpatching (restoring
 timm's class) restores timm's forward exactly.
 
-Why not a wrapt wrapper on timm's ``forward``: torch.compile does not call it; dynamo compiles
-timm's attention silently (docs/design.md; ``tests/test_patching_compile.py::test_why_not_wrapt``).
-A method of a subclass is what dynamo traces, and dynamo guards on module types.
+Why not a wrapt wrapper on timm's ``forward``: torch.compile does not call it. When a module
+is called by its parent, dynamo calls the function the wrapper wraps (timm's forward) and
+compiles timm's attention with no graph break and no error (torch 2.11 and 2.14.1, wrapt
+2.1.2; ``tests/test_patching_compile.py::test_why_not_wrapt`` checks it on the versions that run the
+tests). A method of a subclass is what dynamo traces, and as dynamo guards on module types, a
+patched and an unpatched copy of one model never share a graph.
 
 Hugging Face transformers' Swin-family attention classes are patched the same way, by
 subclasses made when first needed (``hf``; their adapters in ``adapters/hf_*.py``).
@@ -31,26 +34,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import types
 import warnings
-from typing import Callable, Dict, Iterator, Optional, Tuple, Union
+from typing import Callable, Iterator, Optional, Tuple, Union
 
-import torch
 from torch import nn
 
 from . import hf as patching_hf
 from .adapters import ADAPTERS, HF_ADAPTERS, WindowAttentionAdapter
 from .adapters.base import BLOCK_GRID_ATTR, RECOMPUTE_QKV_ATTR
 from .adapters.rel_pos import KEPT_ATTR
+from .classes import BLOCK_FAMILY_ATTR as _BLOCK_FAMILY_ATTR, FAMILY_ATTR as _FAMILY_ATTR
+from .classes import PATCHED_BLOCK_CLASSES, PATCHED_CLASSES
 from ..ops.dispatch import model_road, unserved_device
-from ..ops.hooks import runs_hooks
 from .report import ModuleStatus, PatchError, PatchReport
-from .tracing import register_fx_leaves, runs_timm
 
 logger = logging.getLogger("timm_flashwin")
 
-_FAMILY_ATTR = "_flashwin_family"  # class attribute of the patched subclasses: the family
-_BLOCK_FAMILY_ATTR = "_flashwin_block_family"  # the same, of the patched block subclasses
+# the patched classes under this module's names too: pickles made before they moved to
+# ``classes`` name them here
+globals().update({cls.__name__: cls for cls in (*PATCHED_CLASSES.values(), *PATCHED_BLOCK_CLASSES.values())})
+
 _SKIP_ATTR = "_flashwin_skipped"  # set on instances patch_model left alone: the reason
 _CACHE_ATTR = "_flashwin_bias_cache"  # adapters.base.inference_cache
 
@@ -60,155 +63,30 @@ FilterFn = Callable[[nn.Module, str], bool]
 RecomputeQkv = Union[bool, FilterFn]
 
 
-# ------------------------------------------------------------------- patched classes
-def _renamed(function: Callable, name: str) -> Callable:
-    """A copy of ``function`` under another ``__name__``: TorchScript compiles a method
-    under its function's name, and a class's ``forward`` can name timm's only so."""
-    copy = types.FunctionType(function.__code__, function.__globals__, name, function.__defaults__,
-                              function.__closure__)
-    copy.__kwdefaults__, copy.__annotations__ = function.__kwdefaults__, dict(function.__annotations__)
-    copy.__qualname__, copy.__module__, copy.__doc__ = name, function.__module__, function.__doc__
-    return copy
-
-
-def _patched_class(adapter: WindowAttentionAdapter, name: str) -> type:
-    timm_class = adapter.module_type()
-    timm_forward = timm_class.forward
-
-    # timm's signature, which TorchScript compiles: torch.jit.is_scripting() is resolved
-    # when it compiles, so that only the first branch is compiled (timm's forward); the
-    # rest must only parse (no *args, **kwargs). tracing.py says what each tool gets.
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if torch.jit.is_scripting():
-            return self._flashwin_timm_forward(x, mask)
-        if runs_timm(x):
-            return timm_forward(self, x, mask)
-        return adapter.forward(self, x, mask)
-
-    # the same under MaxViT's name of the second argument (its blocks pass it by keyword)
-    def forward_shared_rel_pos(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None):
-        if torch.jit.is_scripting():
-            return self._flashwin_timm_forward(x, shared_rel_pos)
-        if runs_timm(x):
-            return timm_forward(self, x, shared_rel_pos)
-        return adapter.forward(self, x, shared_rel_pos)
-
-    # x alone (TinyViT, DaViT, NesT, Hiera)
-    def forward_x(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.jit.is_scripting():
-            return self._flashwin_timm_forward(x)
-        if runs_timm(x):
-            return timm_forward(self, x)
-        return adapter.forward(self, x)
-
-    # Twins' LocallyGroupedAttn: x and its map's (H, W)
-    def forward_size(self, x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
-        if torch.jit.is_scripting():
-            return self._flashwin_timm_forward(x, size)
-        if runs_timm(x):
-            return timm_forward(self, x, size)
-        return adapter.forward(self, x, size)
-
-    # GCViT's WindowAttentionGlobal: x and its image's global query
-    def forward_q_global(self, x: torch.Tensor, q_global: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if torch.jit.is_scripting():
-            return self._flashwin_timm_forward(x, q_global)
-        if runs_timm(x):
-            return timm_forward(self, x, q_global)
-        return adapter.forward(self, x, q_global)
-
-    forwards = {"mask": forward, "shared_rel_pos": _renamed(forward_shared_rel_pos, "forward"),
-                None: _renamed(forward_x, "forward"), "size": _renamed(forward_size, "forward"),
-                "q_global": _renamed(forward_q_global, "forward")}
-
-    def extra_repr(self) -> str:
-        text = timm_class.extra_repr(self)
-        return f"{text}, flashwin={adapter.family}" if text else f"flashwin={adapter.family}"
-
-    return type(name, (timm_class,), {
-        "forward": forwards[adapter.forward_arg],
-        "_flashwin_timm_forward": _renamed(timm_forward, "_flashwin_timm_forward"),
-        "extra_repr": extra_repr, _FAMILY_ATTR: adapter.family,
-        "__module__": __name__, "__qualname__": name,
-        "__doc__": f"timm's {timm_class.__module__}.{timm_class.__qualname__}, patched by timm_flashwin.",
-    })
-
-
-def _patched_block_class(adapter: WindowAttentionAdapter, name: str) -> type:
-    timm_class = adapter.block_type()
-    timm_method = getattr(timm_class, adapter.block_method)
-
-    def window_attention(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.jit.is_scripting():  # as the module's forward
-            return self._flashwin_timm_window_attention(x)
-        grid = _feature_map_grid(self, adapter, x)
-        if grid is None:
-            return timm_method(self, x)
-        return adapter.block_attention(self, x, grid)
-
-    window_attention.__name__ = window_attention.__qualname__ = adapter.block_method
-    window_attention.__doc__ = (f"timm's {adapter.block_method}, with the op reading the windows from the map "
-                                "(``WindowAttentionAdapter.block_attention``) where it can.")
-    return type(name, (timm_class,), {
-        adapter.block_method: window_attention,
-        "_flashwin_timm_window_attention": _renamed(timm_method, "_flashwin_timm_window_attention"),
-        _BLOCK_FAMILY_ATTR: adapter.family,
-        "__module__": __name__, "__qualname__": name,
-        "__doc__": f"timm's {timm_class.__module__}.{timm_class.__qualname__}, its windows read in place by "
-                   "timm_flashwin.",
-    })
-
-
-def _feature_map_grid(block: nn.Module, adapter: WindowAttentionAdapter, x: torch.Tensor):
-    """The block's window grid where its patched module's attention can run on the map
-    (``adapter.block_grid``), else None: the module not patched (filtered out, unpatched),
-    torch.compile tracing, a tool that runs timm's code (``tracing.runs_timm``), hooks on
-    the module that calling it would run."""
-    attn = getattr(block, "attn", None)
-    if (type(attn) is not PATCHED_CLASSES[adapter.family] or torch.compiler.is_compiling() or runs_timm(x)
-            or runs_hooks(attn)):
-        return None
-    return adapter.block_grid(block, x)
-
-
-#: family -> the class patched instances take (module-level names, so that pickle finds them)
-PATCHED_CLASSES: Dict[str, type] = {}
-for _family, _name in (("swin", "FlashSwinWindowAttention"), ("swinv2", "FlashSwinV2WindowAttention"),
-                       ("swinv2_cr", "FlashSwinV2CrWindowMultiHeadAttention"),
-                       ("maxxvit", "FlashMaxxVitAttentionCl"), ("maxxvit_2d", "FlashMaxxVitAttention2d"),
-                       ("tiny_vit", "FlashTinyVitAttention"), ("davit", "FlashDaVitWindowAttention"),
-                       ("twins", "FlashTwinsLocallyGroupedAttn"), ("nest", "FlashNestAttention"),
-                       ("hiera", "FlashHieraMaskUnitAttention"), ("gcvit", "FlashGcVitWindowAttentionGlobal"),
-                       ("samvit", "FlashSamVitAttention")):
-    PATCHED_CLASSES[_family] = globals()[_name] = _patched_class(ADAPTERS[_family], _name)
-
-
-register_fx_leaves(PATCHED_CLASSES.values())
-
-#: family -> the class the block holding a patched module takes (``adapter.block_type``)
-PATCHED_BLOCK_CLASSES: Dict[str, type] = {}
-for _family, _name in (("swin", "FlashSwinTransformerBlock"), ("swinv2", "FlashSwinTransformerV2Block"),
-                       ("swinv2_cr", "FlashSwinTransformerV2CrBlock"), ("maxxvit", "FlashMaxxVitPartitionAttentionCl")):
-    PATCHED_BLOCK_CLASSES[_family] = globals()[_name] = _patched_block_class(ADAPTERS[_family], _name)
-
-
 # --------------------------------------------------------------------------- helpers
 def _attention_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, Optional[WindowAttentionAdapter], str]]:
-    """(name, module, adapter or None, family) for every timm (or transformers')
-    window-attention module. Subclasses of their classes get no adapter: their forward
-    may differ. What is not a module (a model's name, a state_dict) is a TypeError saying
-    what is expected."""
+    """(name, module, adapter or None, family) for every timm (or torchvision's, or
+    transformers') window-attention module. Subclasses of their classes get no adapter:
+    their forward may differ (a served class that subclasses another, torchvision's
+    ShiftedWindowAttentionV2, is its own family). What is not a module (a model's name, a
+    state_dict) is a TypeError saying what is expected."""
     if not isinstance(model, nn.Module):
         hint = f"; build the model first, e.g. timm.create_model({model!r})" if isinstance(model, str) else ""
         raise TypeError(f"timm_flashwin expects a torch.nn.Module, got {type(model).__name__}{hint}")
-    served = [(adapter, cls) for adapter in (*ADAPTERS.values(), *HF_ADAPTERS.values())
-              if (cls := adapter.module_type()) is not None]
+    adapters = {**ADAPTERS, **HF_ADAPTERS}
+    served = sorted(((adapter, cls) for adapter in adapters.values() if (cls := adapter.module_type()) is not None),
+                    key=lambda served_class: -len(served_class[1].__mro__))  # subclasses before their bases
+    exact = {cls: adapter for adapter, cls in served}
     for name, module in model.named_modules():
-        # the most derived class first: SAM's SDPA attention class subclasses its eager one
-        matches = sorted(((a, c) for a, c in served if isinstance(module, c)), key=lambda m: -len(m[1].__mro__))
-        own = [a for a, c in matches if type(module) is c or type(module) is _patched_class_of(a.family)]
-        if matches:
-            yield name, module, (own[0] if own else None), (own[0] if own else matches[0][0]).family
+        cls = type(module)
+        family = cls.__dict__.get(_FAMILY_ATTR)  # a patched class's own, not a subclass's of it
+        adapter = adapters[family] if family is not None else exact.get(cls)
+        if adapter is not None:
+            yield name, module, adapter, adapter.family
+            continue
+        subclassed = next((adapter for adapter, served_class in served if isinstance(module, served_class)), None)
+        if subclassed is not None:
+            yield name, module, None, subclassed.family
 
 
 #: the reason of the modules filter_fn opted out of: a choice, which strict does not count

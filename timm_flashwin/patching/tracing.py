@@ -10,7 +10,7 @@ eager, torch.compile,       the op (``timm_flashwin::window_attention_fwd`` / ``
 torch.export                registered operators: in the compiled or exported graph)
 torch.jit.script            timm's forward, compiled by TorchScript (the patched class's
                             forward names it behind ``torch.jit.is_scripting()``, which
-                            TorchScript resolves statically; ``patching._patched_class``)
+                            TorchScript resolves statically; ``patching.classes.patched_class``)
 torch.jit.trace             timm's forward (``torch.jit.is_tracing()``): the traced graph
                             is the unpatched model's
 torch.fx symbolic tracing   timm's fx feature extraction (its tracer's leaf modules):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..patching.model import patch_model, patch_report
+from .tv_models import TV_PREFIX
 from .verify import DTYPES, UsageError, build_model
 
 
@@ -150,7 +151,8 @@ def benchmark_model(
     torch_dtype = DTYPES[dtype]
     base = build_model(name, img_size=img_size)
     cfg = getattr(base, "pretrained_cfg", {}) or {}
-    size = img_size or cfg.get("input_size", (3, 224, 224))[1:]
+    # a torchvision model's input size is its own (its img_size applied: a video model's frames too)
+    size = cfg["input_size"][1:] if name.startswith(TV_PREFIX) else img_size or cfg.get("input_size", (3, 224, 224))[1:]
     size = (size, size) if isinstance(size, int) else tuple(size)
     images = torch.randn(batch, 3, *size, device="cuda")
     runs = []

@@ -84,13 +84,20 @@ HF_HELP = ("a transformers model: a model type (swin, swinv2, donut-swin, maskfo
            "weights unless --pretrained (verify) reads them from that directory")
 
 
+#: --tv: a torchvision model instead of a timm one (timm_flashwin/tools/tv_models.py)
+TV_HELP = ("a torchvision model (swin_t, swin_v2_t, swin3d_t, ...: `list --tv` shows them), random weights unless "
+           "--pretrained; video models take clips of 16 frames")
+
+
 def _model_name(args) -> str:
-    """The timm model name, or --hf's CONFIG as verify_model and benchmark_model take it."""
+    """The timm model name, or --hf's CONFIG or --tv's NAME as verify_model and benchmark_model take it."""
     from .hf_models import HF_PREFIX
+    from .tv_models import TV_PREFIX
     from .verify import UsageError
-    if (args.name is None) == (args.hf is None):
-        raise UsageError("give a timm model name or --hf CONFIG, one of them")
-    return args.name if args.hf is None else HF_PREFIX + args.hf
+    given = [value for value in (args.name, args.hf, args.tv) if value is not None]
+    if len(given) != 1:
+        raise UsageError("give a timm model name, --hf CONFIG or --tv NAME, one of them")
+    return HF_PREFIX + args.hf if args.hf is not None else TV_PREFIX + args.tv if args.tv is not None else args.name
 
 
 class _Versions(argparse.Action):
@@ -141,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
                        description=VERIFY_DESCRIPTION)
     v.add_argument("name", nargs="?", help="timm model name (or --hf)")
     v.add_argument("--hf", metavar="CONFIG", help=HF_HELP)
+    v.add_argument("--tv", metavar="NAME", help=TV_HELP)
     v.add_argument("--img-size", type=_img_size, default=None, help="N or H,W (default: the model's)")
     v.add_argument("--batch", type=_positive_int, default=2, help="images per forward (default: 2)")
     v.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
@@ -162,12 +170,14 @@ def _parser() -> argparse.ArgumentParser:
                         description="The timm models (matching PATTERN) whose window-attention modules patch_model "
                                     "serves: family, windows per stage, module count. Exit code 1 when none matches.")
     ls.add_argument("pattern", nargs="?", default="*", help="as timm.list_models, e.g. 'swinv2*'")
+    ls.add_argument("--tv", action="store_true", help="torchvision's models instead of timm's")
     ls.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="images/s and peak memory, unpatched against patched (needs a CUDA GPU)",
                        description=BENCH_DESCRIPTION)
     b.add_argument("name", nargs="?", help="timm model name (or --hf)")
     b.add_argument("--hf", metavar="CONFIG", help=HF_HELP)
+    b.add_argument("--tv", metavar="NAME", help=TV_HELP)
     b.add_argument("--batch", type=_positive_int, default=64, help="images per step (default: 64)")
     b.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16",
                    help="weights (inference) or autocast (training) dtype (default: bfloat16)")
@@ -240,8 +250,8 @@ def _verify(args) -> int:
         return EXIT_OK if result.passed else EXIT_MISMATCH
     console = _console()
     s = result.settings
-    library = s.get("library", "timm")  # what the unpatched model is: timm's or transformers'
-    console.print(f"[bold]{result.model}[/bold]  img {s['img_size'][0]}x{s['img_size'][1]}  batch {s['batch']}  "
+    library = s.get("library", "timm")  # what the unpatched model is: timm's, torchvision's or transformers'
+    console.print(f"[bold]{result.model}[/bold]  img {'x'.join(map(str, s['img_size']))}  batch {s['batch']}  "
                   f"{s['dtype']}  {s['device']}  {'train' if s['train'] else 'eval'}  attention: {result.backend}")
     for line in rule_lines(f"{s['rtol']:.0e}", f"{s['atol']:.0e}", library):
         console.print(line, markup=False)
@@ -284,27 +294,28 @@ def _list(args) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from .discovery import supported_models
+    from .discovery import supported_models, supported_tv_models
+    library = "torchvision" if args.tv else "timm"
     # building every candidate takes a while: a bar on a terminal's stderr (transient), else nothing
     with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
-        task = bar.add_task("building timm's candidate models on the meta device", total=None)
-        infos = supported_models(args.pattern, progress=lambda done, total: bar.update(task, completed=done,
-                                                                                        total=total))
+        task = bar.add_task(f"building {library}'s candidate models on the meta device", total=None)
+        infos = (supported_tv_models if args.tv else supported_models)(
+            args.pattern, progress=lambda done, total: bar.update(task, completed=done, total=total))
     if not infos:
         if args.json:
             print("[]")
-        print(f"timm-flashwin list: no timm model matching {args.pattern!r} has window attention that timm_flashwin "
-              "patches (timm-flashwin list shows them all)", file=sys.stderr)
+        print(f"timm-flashwin list: no {library} model matching {args.pattern!r} has window attention that "
+              "timm_flashwin patches (timm-flashwin list shows them all)", file=sys.stderr)
         return EXIT_MISMATCH
     if args.json:
         print(json.dumps([dict(name=i.name, families=i.families, stage_windows=[list(w) if w else None for w in i.stage_windows],
                                modules=i.modules) for i in infos]))
         return EXIT_OK
-    table = Table(title=f"{len(infos)} timm models with patched window attention ({args.pattern})")
+    table = Table(title=f"{len(infos)} {library} models with patched window attention ({args.pattern})")
     for col in ("model", "family", "windows per stage", "modules"):
         table.add_column(col)
     for i in infos:
-        windows = " ".join(f"{w[0]}x{w[1]}" if w else "any" for w in i.stage_windows)
+        windows = " ".join("x".join(map(str, w)) if w else "any" for w in i.stage_windows)
         table.add_row(i.name, ",".join(i.families), windows, str(i.modules))
     _console().print(table)
     return EXIT_OK

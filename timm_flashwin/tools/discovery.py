@@ -16,8 +16,8 @@ from ..patching.model import _attention_modules
 @dataclass
 class ModelInfo:
     name: str
-    families: List[str]  # model families of its window-attention modules (``model_family``: ten in all)
-    stage_windows: List[Optional[Tuple[int, int]]]  # window size of each stage, in order (None: any; a
+    families: List[str]  # model families of its attention modules (``model_family``)
+    stage_windows: List[Optional[Tuple[int, ...]]]  # window size of each stage, in order (None: any; a
     # model without stage containers: each of its windows once)
     modules: int  # window-attention modules patched by patch_model
 
@@ -29,10 +29,11 @@ def _stage(name: str) -> Optional[str]:
     return match.group(1) if match else None
 
 
-def describe(name: str) -> ModelInfo:
-    """Build ``name`` on the meta device (no memory, no weights) and describe it."""
+def describe(name: str, build: Optional[Callable[[str], torch.nn.Module]] = None) -> ModelInfo:
+    """Build ``name`` on the meta device (no memory, no weights; ``build``, timm's factory
+    unless given) and describe it."""
     with torch.device("meta"):
-        model = timm_create_model()(name)
+        model = (build or timm_create_model())(name)
     families: List[str] = []
     stages: dict = {}
     count = 0
@@ -81,6 +82,22 @@ def supported_models(pattern: str = "*", progress: Optional[Callable[[int, int],
             info = describe(name)
         except Exception:  # a model that cannot build on meta has nothing to offer here
             continue
+        if info.modules:
+            found.append(info)
+    return found
+
+
+def supported_tv_models(pattern: str = "*", progress: Optional[Callable[[int, int], None]] = None) -> List[ModelInfo]:
+    """``supported_models`` of torchvision's registry (``tv_models.served_tv_models``' candidates,
+    built on the meta device by ``torchvision.models.get_model``)."""
+    import torchvision
+    from .tv_models import served_tv_models
+    names = served_tv_models(pattern)
+    found = []
+    for done, name in enumerate(names):
+        if progress is not None:
+            progress(done, len(names))
+        info = describe(name, lambda n: torchvision.models.get_model(n, weights=None))
         if info.modules:
             found.append(info)
     return found

@@ -52,6 +52,7 @@ from .comparison import Comparison, compare, group_error, jitter_images, larger_
 from ..ops.dispatch import road
 from ..patching.factory import timm_create_model
 from .hf_models import HF_PREFIX, build_hf_model
+from .tv_models import TV_PREFIX, build_tv_model
 from ..patching.model import _attention_modules, patch_model, patch_report
 from .tolerances import ATOL, GRADIENT_FACTOR, RTOL, possessive  # the rule (the module docstring says why)
 
@@ -192,7 +193,14 @@ def build_model(name: str, *, img_size=None, pretrained: bool = False, checkpoin
     """timm.create_model(name, **model_kwargs), its random init drawn from ``seed`` (the same
     seed, the same model: a failure can be rerun) without touching the caller's RNG state.
     A name starting with "hf:" is a transformers CONFIG (``hf_models``; ``model_kwargs``
-    then set config attributes)."""
+    then set config attributes), one starting with "tv:" a torchvision model (``tv_models``;
+    ``model_kwargs`` go to its builder)."""
+    if name.startswith(TV_PREFIX):
+        model = build_tv_model(name[len(TV_PREFIX):], img_size=img_size, pretrained=pretrained, train=train,
+                               seed=seed, overrides=model_kwargs)
+        if checkpoint is not None:
+            load_checkpoint(model.model, checkpoint)
+        return model
     if name.startswith(HF_PREFIX):
         model = build_hf_model(name[len(HF_PREFIX):], img_size=img_size, pretrained=pretrained, train=train,
                                seed=seed, overrides=model_kwargs)
@@ -310,7 +318,8 @@ def verify_model(
     report = patch_report(ours)
 
     cfg = timm_model.pretrained_cfg if hasattr(timm_model, "pretrained_cfg") else {}
-    size = img_size or cfg.get("input_size", (3, 224, 224))[1:]
+    # a torchvision model's input size is its own (its img_size applied: a video model's frames too)
+    size = cfg["input_size"][1:] if name.startswith(TV_PREFIX) else img_size or cfg.get("input_size", (3, 224, 224))[1:]
     size = (size, size) if isinstance(size, int) else tuple(size)
     gen = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, 3, *size, generator=gen).to(dev)

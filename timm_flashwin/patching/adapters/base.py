@@ -4,6 +4,7 @@ the same on the block's unpartitioned feature map (``block_attention``)."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Dict, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -40,7 +41,7 @@ class WindowAttentionAdapter:
     required: Sequence[str] = ()
     #: the name of the second argument of timm's forward, None where it takes x alone (the
     #: patched forward keeps timm's signature: blocks pass it by keyword, TorchScript compiles
-    #: it; ``patching._patched_class`` has one forward per name)
+    #: it; ``patching.classes.patched_class`` has one forward per name)
     forward_arg: Optional[str] = "mask"
     #: the method of the family's block (``block_type``) that rolls, partitions, calls the
     #: module, merges and rolls back; ``block_attention`` does its work on the feature map
@@ -59,9 +60,9 @@ class WindowAttentionAdapter:
         return None
 
     # -- geometry ---------------------------------------------------------------------
-    def window_size(self, module: nn.Module) -> Optional[Tuple[int, int]]:
-        """The module's window (tokens = its product); None where any number of tokens
-        comes (the op checks it at call time)."""
+    def window_size(self, module: nn.Module) -> Optional[Tuple[int, ...]]:
+        """The module's window (tokens = its product; (T, H, W) for video windows); None where
+        any number of tokens comes (the op checks it at call time)."""
         return tuple(module.window_size)
 
     def num_heads(self, module: nn.Module) -> int:
@@ -101,8 +102,9 @@ class WindowAttentionAdapter:
         if not 1 <= head_dim <= MAX_HEAD_DIM:
             return f"head_dim {head_dim} is not in [1, {MAX_HEAD_DIM}]"
         window = self.window_size(module)
-        if window is not None and window[0] * window[1] > MAX_TOKENS:
-            return f"window {window[0]}x{window[1]} has {window[0] * window[1]} tokens, more than {MAX_TOKENS}"
+        if window is not None and math.prod(window) > MAX_TOKENS:
+            return (f"window {'x'.join(map(str, window))} has {math.prod(window)} tokens, "
+                    f"more than {MAX_TOKENS}")
         if not 0.0 <= self.attn_drop(module) < 1.0:
             return f"attn_drop={self.attn_drop(module)} is not in [0, 1)"
         return None

@@ -116,13 +116,14 @@ class HfAttentionAdapter(WindowAttentionAdapter):
         return module.output.dropout(module.output.dense(y))
 
     # -- call time --------------------------------------------------------------------
-    def keeps_transformers(self, module: nn.Module, mask: Optional[torch.Tensor], arguments: Dict[str, Any]) -> bool:
+    def keeps_transformers(self, module: nn.Module, hidden_states: torch.Tensor, arguments: Dict[str, Any]) -> bool:
         """Whether this call runs transformers' own forward: attention weights asked for
         (``output_attentions``, which only transformers' path computes), a head mask (4.x),
         a mask other than the (nW, N, N) shift mask, or hooks on a submodule whose forward
-        the op replaces. ``arguments``: the call's arguments after the mask, by name."""
+        the op replaces. ``arguments``: the call's arguments after hidden_states, by name."""
         if arguments.get("output_attentions") or arguments.get("head_mask") is not None:
             return True
+        mask = arguments.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 3):
             return True
         if self.call_layout(module) == SELF_OUTPUT:
@@ -130,9 +131,10 @@ class HfAttentionAdapter(WindowAttentionAdapter):
         return False
 
     def hf_forward(self, module: nn.Module, hidden_states: torch.Tensor,
-                   mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+                   arguments: Dict[str, Any]) -> Tuple[torch.Tensor, ...]:
         """Replacement of the module's forward: hidden_states (B_, N, C) and the shift mask
-        (nW, N, N) or None -> what transformers' forward returns without attention weights:
-        ((B_, N, C), None) in the "projections" layout, ((B_, N, C),) in "self_output"."""
-        out = self.forward(module, hidden_states, mask)
+        (nW, N, N) or None (``arguments["attention_mask"]``) -> what transformers' forward
+        returns without attention weights: ((B_, N, C), None) in the "projections" layout,
+        ((B_, N, C),) in "self_output"."""
+        out = self.forward(module, hidden_states, arguments.get("attention_mask"))
         return (out, None) if self.call_layout(module) == PROJECTIONS else (out,)

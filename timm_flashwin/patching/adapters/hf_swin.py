@@ -66,7 +66,7 @@ class HfSwinAdapter(HfAttentionAdapter):
     def project(self, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
         return module.o_proj(y) if self.call_layout(module) == PROJECTIONS else super().project(module, y)
 
-    def keeps_transformers(self, module: nn.Module, mask: Optional[torch.Tensor], arguments: Dict[str, Any]) -> bool:
+    def keeps_transformers(self, module: nn.Module, hidden_states: torch.Tensor, arguments: Dict[str, Any]) -> bool:
         if self.call_layout(module) == PROJECTIONS:
             config = module.config
             # 5.x records attention weights (hooks on the stages) where the call or, failing
@@ -76,7 +76,7 @@ class HfSwinAdapter(HfAttentionAdapter):
             if (config._attn_implementation not in SERVED_IMPLEMENTATIONS
                     or runs_hooks(module.relative_position_bias)):  # its forward is not called
                 return True
-        return super().keeps_transformers(module, mask, arguments)
+        return super().keeps_transformers(module, hidden_states, arguments)
 
     # -- what the op takes ---------------------------------------------------------------
     def position_bias(self, module: nn.Module) -> Union[TableBias, torch.Tensor]:

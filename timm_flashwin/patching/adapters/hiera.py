@@ -27,10 +27,15 @@ from typing import Optional, Tuple, Type
 import torch
 from torch import nn
 
-from ...kernels.config import MAX_TOKENS
 from ...ops.local import sliding_window_attention
 from ...ops.window_grid import WindowGrid
 from .base import UnbiasedAdapter, WithoutDropout
+
+#: the most tokens of a window (a mask unit, or the whole map) the window operator takes
+#: here; more go to the local operator, unbiased and made for long rows (from 1024 to the
+#: window operator's limit, ``config.MAX_TOKENS``, either serves; which is faster there is
+#: not measured)
+WINDOW_OP_TOKENS = 1024
 
 
 class HieraAdapter(WithoutDropout, UnbiasedAdapter):
@@ -75,7 +80,7 @@ class HieraAdapter(WithoutDropout, UnbiasedAdapter):
         (no pooling, windows it takes), else the local one on views of qkv (the module
         docstring)."""
         tokens = _unit_tokens(module) if module.use_mask_unit_attn else x.shape[1]
-        if module.q_stride == 1 and tokens <= MAX_TOKENS:
+        if module.q_stride == 1 and tokens <= WINDOW_OP_TOKENS:
             return super()._attention(module, x, bias, mask, dropout_p, grid)
         qkv = self.qkv(module, x)
         windows, heads, head_dim = qkv.shape[0], module.heads, module.head_dim
