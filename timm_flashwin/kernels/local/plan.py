@@ -323,14 +323,15 @@ def _bias_tiles(kind: str, tiles: Plan, call: LocalCall) -> Plan:
     width is one of ``ROW_TILE_WIDTHS``, fitted again to the architecture (where that halves
     the key tiles, the gathering layout serves); for the gathering layout's dq kernel, whose
     accumulators grow with the padded grid sides, query tiles of 32 rows beyond sides of 64;
-    8 warps where 16-bit tiles of the bias make the 4-warp builds spill (sm_90 builds,
-    ``tests/local_arch_build.py --bias``: the gathering dq kernel 255 registers at 4 warps,
-    222 at 8; the forward at head_dim 80 24 B of stack, none; rows of 128 keys, whose
-    (BLOCK_M, 128) rel_w tile each kernel keeps: 416 to 1552 B of stack at 4 warps). Not the
-    dkdv kernel of 64-key rows
-    layout, which 8 warps slow (SAM ViT-B's global block, H200: 7.8 -> 6.3 ms f+b at 4 warps),
-    nor float32 inputs (triton 3.6 builds their dkdv kernel of 16 query rows at 8 warps into
-    an illegal memory access: ``_PLANS_32BIT``)."""
+    the gathering dkdv kernel, and rows of 128 keys (2048 px; their (BLOCK_M, 128) rel_w tiles
+    spill 0.8 to 1.5 KB of stack per thread at 4 warps, sm_90 builds), at 8 warps. The plans'
+    own warps elsewhere: at 8 warps SAM
+    ViT-B's global block (64 x 64 keys, row layout) took 9.9 ms f+b with the forward's, 9.4
+    with the dq kernel's and 8.2 with the dkdv kernel's, against 8.1, 8.3 and 6.3 at 4 (H200,
+    bf16, ``bench_rel_pos.py --tune global64``, 13338db); 14 x 14 windows read 4.0 ms with the
+    gathering dkdv kernel at 8 warps, 4.5 at 4. Not float32 inputs at 8 warps (triton 3.6
+    builds their dkdv kernel of 16 query rows at 8 warps into an illegal memory access:
+    ``_PLANS_32BIT``)."""
     if call.bias != DECOMPOSED or config.INTERPRET:
         return tiles
     if call.key_w in ROW_TILE_WIDTHS and tiles.block_n != call.key_w:
@@ -339,8 +340,7 @@ def _bias_tiles(kind: str, tiles: Plan, call: LocalCall) -> Plan:
     gathers = tiles.block_n != call.key_w
     if kind == "dq" and gathers and max(call.key_h, call.key_w) > 64 and tiles.block_m > 32:
         tiles = Plan(32, tiles.block_n, tiles.num_warps, tiles.num_stages)
-    wider = (gathers and kind != "fwd") or (kind == "fwd" and call.head_dim > 64) or tiles.block_n > 64
-    if wider and call.dtype != torch.float32:
+    if ((kind == "dkdv" and gathers) or tiles.block_n > 64) and call.dtype != torch.float32:
         tiles = Plan(tiles.block_m, tiles.block_n, max(tiles.num_warps, 8), tiles.num_stages)
     return tiles
 
