@@ -66,7 +66,7 @@ def local_call(inputs: LocalInputs, pattern: Pattern, scale: float, dropout_p: f
     keys = k.shape[2]
     biased = inputs.rel_h is not None
     return LocalCall(batch, heads, k.shape[1], queries, keys, head_dim, q.dtype, tensor_arch(q), pattern,
-                     dropout_p > 0, scale > 0, DECOMPOSED if biased else NO_BIAS,
+                     bool(dropout_p > 0), bool(scale > 0), DECOMPOSED if biased else NO_BIAS,
                      keys // key_w if biased else 0, key_w if biased else 0)
 
 

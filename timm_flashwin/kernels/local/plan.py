@@ -273,9 +273,10 @@ _CALL_PLANS: Dict[LocalCall, LocalPlan] = {}
 
 def call_plan(call: LocalCall, counts: bool = False) -> LocalPlan:
     """The launches of ``call`` (kept per call; not with ``counts``, the tests' tile counts,
-    nor while a launch is traced for torch.compile (its sizes may be symbolic, and its
-    options differ: ``launcher.compiler_options``) or ``OVERRIDES`` holds a plan)."""
-    if counts or OVERRIDES or traced_launch():
+    nor while a launch is traced for torch.compile (its options differ:
+    ``launcher.compiler_options``), a size is symbolic (a SymInt of the operators'
+    dynamic-shape dispatch cannot be hashed) or ``OVERRIDES`` holds a plan)."""
+    if counts or OVERRIDES or traced_launch() or not all(type(size) is int for size in call[:6]):
         return _call_plan(call, counts)
     found = _CALL_PLANS.get(call)
     if found is None:
