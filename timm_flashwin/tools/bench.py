@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from ..patching.model import patch_model, patch_report
-from .verify import DTYPES, UsageError, build_model
+from .usage import UsageError
+from .verify import DTYPES, build_model
 
 
 @dataclass

@@ -77,7 +77,7 @@ HF_HELP = ("a transformers model: a model type (swin, swinv2, donut-swin, maskfo
 def _model_name(args) -> str:
     """The timm model name, or --hf's CONFIG as verify_model and benchmark_model take it."""
     from .hf_models import HF_PREFIX
-    from .verify import UsageError
+    from .usage import UsageError
     if (args.name is None) == (args.hf is None):
         raise UsageError("give a timm model name or --hf CONFIG, one of them")
     return args.name if args.hf is None else HF_PREFIX + args.hf
@@ -283,7 +283,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["run"]:  # the script's arguments are not ours to parse
         return _run(parser, argv[1:])
     args = parser.parse_args(argv)
-    from .verify import UsageError
+    from .usage import UsageError
     try:
         return {"verify": _verify, "list": _list, "bench": _bench}[args.command](args)
     except UsageError as exc:

@@ -53,6 +53,7 @@ from ..ops.window import uses_kernels
 from ..patching.factory import timm_create_model
 from .hf_models import HF_PREFIX, build_hf_model
 from ..patching.model import _attention_modules, patch_model, patch_report
+from .usage import UsageError
 
 #: Default relative tolerances per dtype (the README states them), and absolute floors.
 RTOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
@@ -61,10 +62,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: A gradient may be this many times as far from float64 as timm's own gradient of the
 #: same tensor (forward tensors: 2x); the module docstring says why.
 GRADIENT_FACTOR = 4.0
-
-
-class UsageError(Exception):
-    """A problem with what was asked (unknown model, no GPU, unusable checkpoint...)."""
 
 
 # --------------------------------------------------------------------------- perturb
