@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 # run from a checkout as well as after `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from timm_flashwin.kernels.window import backward, backward_dkdv, backward_dq_dbias
-from timm_flashwin.kernels import config  # noqa: E402
+from timm_flashwin.kernels.window import config  # noqa: E402
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
 from timm_flashwin.kernels.window.bias_copy import float16_bias_copy_kernel  # noqa: E402
 from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402

@@ -36,7 +36,9 @@ import arch_build  # noqa: E402
 import local_arch_build  # noqa: E402
 from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
 from timm_flashwin.kernels.window import backward, backward_dkdv, backward_dq_dbias
-from timm_flashwin.kernels import budget, config
+from timm_flashwin.kernels import budget  # noqa: E402
+from timm_flashwin.kernels.sizes import tile_side  # noqa: E402
+from timm_flashwin.kernels.window import config  # noqa: E402
 from timm_flashwin.kernels.local import launch as local_launch  # noqa: E402,E501
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
 from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402
@@ -113,7 +115,7 @@ def _window_builds(n: int, head_dim: int, cosine: bool, dtype: torch.dtype, drop
 
 
 def _local_builds(head_dim: int, dtype: torch.dtype, arch: Arch) -> List[Build]:
-    flags = dict(D=head_dim, BLOCK_D=config.tile_side(head_dim), PERIODIC=True, HAS_SINK=True, HAS_DROPOUT=True,
+    flags = dict(D=head_dim, BLOCK_D=tile_side(head_dim), PERIODIC=True, HAS_SINK=True, HAS_DROPOUT=True,
                  PRECISION=local_launch.precision(dtype), COUNT_TILES=False)
     builds = []
     for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
@@ -188,7 +190,7 @@ def estimate(build: Build) -> int:
     and sm_120)."""
     kernel, dtype, constexprs, options = build
     name = kernel.fn.__name__
-    tiles = (constexprs.get("BLOCK_M", constexprs["BLOCK_N"]), constexprs["BLOCK_N"], config.tile_side(constexprs["D"]),
+    tiles = (constexprs.get("BLOCK_M", constexprs["BLOCK_N"]), constexprs["BLOCK_N"], tile_side(constexprs["D"]),
              options["num_stages"], dtype.itemsize)
     if name.startswith("local_"):
         return budget.local_shared_bytes(name.split("_")[-2], *tiles)

@@ -10,7 +10,9 @@ from conftest import KERNEL_DEVICE
 from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from plan_fits import LOCAL_HEAD_DIMS, window_shapes
 from timm_flashwin import window_attention
-from timm_flashwin.kernels import arch, budget, config
+from timm_flashwin.kernels import arch, budget
+from timm_flashwin.kernels.sizes import tile_side
+from timm_flashwin.kernels.window import config
 from timm_flashwin.kernels.local import launch as local_launch
 from timm_flashwin.kernels.window import plan
 
@@ -36,6 +38,7 @@ def gpu_defaults(monkeypatch):
     """The configurations a GPU gets (the interpreter's tiles aside: ``config._streamed_block``,
     ``local_launch._default_plan``)."""
     monkeypatch.setattr(config, "INTERPRET", False)
+    monkeypatch.setattr(local_launch, "INTERPRET", False)
     _clear_configurations()
     yield
     monkeypatch.undo()
@@ -93,7 +96,7 @@ def test_every_plan_fits_the_estimate_of_its_architecture(target, gpu_defaults):
                     if not local_launch.fits(head_dim, dtype, target):
                         assert target.shared_memory < 99 * 1024 and dtype == torch.float32, (kind, head_dim)
                         continue
-                    need = budget.local_shared_bytes(kind, tiles.block_m, tiles.block_n, config.tile_side(head_dim),
+                    need = budget.local_shared_bytes(kind, tiles.block_m, tiles.block_n, tile_side(head_dim),
                                                      tiles.num_stages, dtype.itemsize)
                     assert need <= target.shared_memory, (kind, head_dim, dtype, rows, tiles)
 

@@ -19,7 +19,7 @@ from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
                      relative_error)
 from timm_flashwin import window_attention
-from timm_flashwin.kernels import config
+from timm_flashwin.kernels.window import config
 from timm_flashwin.ops.dispatch import uses_kernels
 from timm_flashwin.kernels.window.bias_mask import mask_structure
 from timm_flashwin.kernels.window.plan import dbias_slots, dbias_sum_by_atomic_adds, dq_by_atomic_adds

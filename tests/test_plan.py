@@ -6,7 +6,7 @@ import torch
 from conftest import KERNEL_DEVICE
 from opcases import make_case
 from timm_flashwin import window_attention
-from timm_flashwin.kernels import config
+from timm_flashwin.kernels.window import config
 from timm_flashwin.kernels.window import plan
 from timm_flashwin.kernels.window.bias_mask import streamed_bias
 

@@ -8,10 +8,14 @@ from typing import Tuple
 import torch
 
 from .dispatch import KERNEL_DTYPES
-from ..kernels import config
 from ..kernels.window.plan import windows_tokens_channels
 from .position_bias import TableBias, check_sigmoid_scale
 from .window_grid import WindowGrid
+
+#: the op's limits: tokens per window and head dims that its kernels' plans take (the adapters
+#: leave modules beyond them to timm's forward)
+MAX_TOKENS = 1024
+MAX_HEAD_DIM = 256
 
 
 def _fail(exc, argument: str, expected: str, got) -> None:
@@ -68,11 +72,11 @@ def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=Non
         _fail(ValueError, "qkv", f"a last dim divisible by {projections} * num_heads = {projections * num_heads}",
               channels)
     head_dim = channels // (projections * num_heads)
-    if not 1 <= head_dim <= config.MAX_HEAD_DIM:
-        _fail(ValueError, "qkv", f"a head_dim (last dim / ({projections} * num_heads)) in [1, {config.MAX_HEAD_DIM}]",
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        _fail(ValueError, "qkv", f"a head_dim (last dim / ({projections} * num_heads)) in [1, {MAX_HEAD_DIM}]",
               head_dim)
-    if not 1 <= n <= config.MAX_TOKENS:
-        _fail(ValueError, "qkv", f"a token count N in [1, {config.MAX_TOKENS}]", n)
+    if not 1 <= n <= MAX_TOKENS:
+        _fail(ValueError, "qkv", f"a token count N in [1, {MAX_TOKENS}]", n)
     if query is not None:
         _check_query(query, qkv, num_windows, n, num_heads * head_dim)
     # Parameters may stay float32 under autocast, or match qkv's dtype.

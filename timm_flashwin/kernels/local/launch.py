@@ -26,11 +26,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import budget, config
-from ..arch import Arch, tensor_arch
+from .. import budget
+from ..arch import INTERPRET, Arch, tensor_arch
 from ..launcher import compiler_options, launcher, traced_launch, unused_pointer
 from .backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel
 from .forward import local_attention_fwd_kernel, local_dropout_factor_kernel
+from ..sizes import cdiv, tile_side
 from .tiles import IEEE, NATIVE, TF32X3
 
 LOG2E = 1.0 / math.log(2.0)
@@ -97,7 +98,7 @@ def tall_tiles(pattern: Pattern, queries: int, keys: int, batch_heads: int, sm_c
     if period > 1 and period % TALL_BLOCK_M:
         return False
     width = min(keys, _window_keys(pattern, keys))
-    programs = config.cdiv(queries, TALL_BLOCK_M) * batch_heads
+    programs = cdiv(queries, TALL_BLOCK_M) * batch_heads
     return width >= TALL_MIN_KEYS and programs >= TALL_MIN_PROGRAMS_PER_SM * sm_count
 
 
@@ -110,7 +111,7 @@ def row_class(pattern: Pattern, queries: int, keys: int, batch_heads: int, arch:
     spills 336 B per thread (16 B without; tests/local_arch_build.py), not timed."""
     if long_rows(pattern, keys):
         return LONG
-    if not (config.INTERPRET or dropout) and tall_tiles(pattern, queries, keys, batch_heads, arch.sm_count):
+    if not (INTERPRET or dropout) and tall_tiles(pattern, queries, keys, batch_heads, arch.sm_count):
         return TALL
     return SHORT
 
@@ -122,10 +123,10 @@ def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT, querie
     ``budget.local_fit``), its tiles fitted to ``queries`` and ``keys`` where given
     (``fitted``)."""
     found = OVERRIDES.get((kind, int(head_dim), dtype, rows))
-    tiles = found if found is not None else _fitted_plan(kind, config.tile_side(head_dim), dtype, rows, arch)
+    tiles = found if found is not None else _fitted_plan(kind, tile_side(head_dim), dtype, rows, arch)
     if queries is None:
         return tiles
-    return fitted(tiles, config.tile_side(queries), config.tile_side(keys))
+    return fitted(tiles, tile_side(queries), tile_side(keys))
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,7 +137,7 @@ def _fitted_plan(kind: str, width: int, dtype: torch.dtype, rows: str, arch: Opt
 def fits(head_dim: int, dtype: torch.dtype, arch: Arch) -> bool:
     """Whether every kernel's plan, in every class of rows, fits ``arch`` (else PyTorch
     computes: float32 at head_dim above 128 on a 64 KB GPU)."""
-    width = config.tile_side(head_dim)
+    width = tile_side(head_dim)
     return all(_fitted_plan(kind, width, dtype, rows, arch) is not None
                for kind in ("fwd", "dq", "dkdv") for rows in (SHORT, LONG, TALL))
 
@@ -200,7 +201,7 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype, rows: str) -> Plan:
     float32 inputs spill a few hundred bytes per thread in every plan tried (not a
     performance target: correct, slower). ``benchmarks/bench_local.py --tune`` times others
     (``OVERRIDES``)."""
-    if config.INTERPRET:
+    if INTERPRET:
         return Plan(16, 16, 4, 1)
     key = kind, max(64, width)
     if dtype == torch.float32:
@@ -211,7 +212,7 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype, rows: str) -> Plan:
 def precision(dtype: torch.dtype) -> int:
     """How the kernels multiply (``local.tiles.product``): exact fp32 under the interpreter
     (its bf16 dot is wrong), 3xTF32 for float32 inputs on the GPU, else the inputs' dtype."""
-    if config.INTERPRET:
+    if INTERPRET:
         return IEEE
     return TF32X3 if dtype == torch.float32 else NATIVE
 
@@ -220,7 +221,7 @@ def _flags(head_dim: int, pattern: Pattern, dropout_p: float, dtype: torch.dtype
            counts: Optional[torch.Tensor]) -> dict:
     """The constexprs the forward, dkdv and dq kernels share: a build per head dim, dtype,
     kind of pattern (a sliding window, or blocks), with or without sink and dropout."""
-    return dict(D=head_dim, BLOCK_D=config.tile_side(head_dim), PERIODIC=pattern[0] != 1, HAS_SINK=pattern[3] > 0,
+    return dict(D=head_dim, BLOCK_D=tile_side(head_dim), PERIODIC=pattern[0] != 1, HAS_SINK=pattern[3] > 0,
                 HAS_DROPOUT=dropout_p > 0, PRECISION=precision(dtype), COUNT_TILES=counts is not None)
 
 
@@ -234,7 +235,7 @@ def fold_scale(scale: float, head_dim: int) -> bool:
     causal (B 2, H 16) at S 16384 2.774 -> 2.607 ms, S 4096 0.238 -> 0.228; 16-frame windows
     at S 65536 2.122 -> 2.024. At head_dim 128 it measured neutral (global attention at S
     16384 4.558 -> 4.580 ms, 4 rounds), and is left off."""
-    return scale > 0 and config.tile_side(head_dim) <= 64
+    return scale > 0 and tile_side(head_dim) <= 64
 
 
 def _options(tiles: Plan) -> dict:
@@ -255,7 +256,7 @@ def local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pa
     tiles = plan("fwd", D, q.dtype, row_class(pattern, S, S_k, B * H, arch, dropout_p > 0), S, S_k, arch)
     out = torch.empty_like(q)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
-    grid = (config.cdiv(S, tiles.block_m) * B * H,)
+    grid = (cdiv(S, tiles.block_m) * B * H,)
     launcher(local_attention_fwd_kernel)[grid](
         q, k, v, out, lse, seed if dropout_p > 0 else unused_pointer(q, traced_launch()), counts,
         scale * LOG2E, dropout_p, S, S_k, H, H // k.shape[1], *pattern,
@@ -283,14 +284,14 @@ def local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     flags = _flags(D, pattern, dropout_p, q.dtype, counts)
     seed_ptr = seed if dropout_p > 0 else unused_pointer(q, traced_launch())
     # dq first: it also stores each row's delta, which the dkdv kernel reads
-    launcher(local_attention_bwd_dq_kernel)[(config.cdiv(S, rows.block_m) * B * H,)](
+    launcher(local_attention_bwd_dq_kernel)[(cdiv(S, rows.block_m) * B * H,)](
         q, k, v, out, dout, lse, delta, dq, seed_ptr, counts[2:] if counts is not None else None,
         scale * LOG2E, scale, dropout_p, S, S_k, H, H // H_kv, *pattern,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(), *dq.stride(),
         BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, **flags, **_options(rows),
     )
     cols = plan("dkdv", D, q.dtype, rows_class, S, S_k, arch)
-    launcher(local_attention_bwd_dkdv_kernel)[(config.cdiv(S_k, cols.block_n) * B * H_kv,)](
+    launcher(local_attention_bwd_dkdv_kernel)[(cdiv(S_k, cols.block_n) * B * H_kv,)](
         q, k, v, dout, lse, delta, dk, dv, seed_ptr, counts,
         scale * LOG2E, scale, dropout_p, S, S_k, H_kv, H // H_kv, *pattern,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
@@ -307,6 +308,6 @@ def dropout_factors(seed: torch.Tensor, batch: int, heads: int, queries: int, dr
     keys = queries if keys is None else keys
     out = torch.empty((batch, heads, queries, keys), dtype=torch.float32, device=seed.device)
     block = 32
-    launcher(local_dropout_factor_kernel)[(batch * heads, config.cdiv(queries, block), config.cdiv(keys, block))](
+    launcher(local_dropout_factor_kernel)[(batch * heads, cdiv(queries, block), cdiv(keys, block))](
         seed, out, dropout_p, queries, keys, BLOCK=block, **compiler_options())
     return out

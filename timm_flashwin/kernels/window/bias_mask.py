@@ -21,7 +21,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import config, fast_launch
+from .. import fast_launch
+from . import config
 from .bias_copy import float16_bias_copy_kernel
 from ..launcher import compiler_options, launcher, traced_launch
 from ..tensor_cache import kept, kept_on

@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import config
+from . import config
 from ..arch import Arch, tensor_arch
 from .bias_mask import StreamedFlags, reads_mask_apart, streamed_flags
 from .layout import OWN_QUERY, FeatureMap, grid_args, layout_flags, windows_tokens_channels

@@ -27,8 +27,8 @@ from typing import Optional, Tuple, Type
 import torch
 from torch import nn
 
-from ...kernels.config import MAX_TOKENS
 from ...ops.local import sliding_window_attention
+from ...ops.window_checks import MAX_TOKENS
 from ...ops.window_grid import WindowGrid
 from .base import UnbiasedAdapter, WithoutDropout
 

@@ -7,20 +7,14 @@ never recompiles a kernel (the window split is a run-time argument).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import budget
-from .arch import Arch
-
-#: Set before triton is imported: the kernels then run on CPU tensors through numpy.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-MAX_TOKENS = 1024
-MAX_HEAD_DIM = 256
+from .. import budget
+from ..arch import INTERPRET, Arch
+from ..sizes import cdiv, tile_side
 
 
 @dataclass(frozen=True)
@@ -78,12 +72,6 @@ MASK_REGIONS = True
 #: 2% (V1) and 4% (cosine) off the f+b but made the forward 3% slower (the copy)
 #: and the f+b's peak 37.6 MiB higher, above FlexAttention's.
 FOLDED_MASK_MAX_BYTES = 16 << 20
-
-
-def tile_side(x: int) -> int:
-    """The smallest power of two that holds ``x`` (rows, tokens or a head's dims), at least 16
-    (tl.dot's smallest)."""
-    return max(16, 1 << (int(x) - 1).bit_length())
 
 
 def _streamed_block(n: int, block: int) -> int:
@@ -356,16 +344,6 @@ def fits(n: int, head_dim: int, dtype: torch.dtype, cosine: bool, dropout: bool,
 def target_programs(arch: Arch, per_sm: int) -> int:
     """How many programs keep the device busy (a handful under the interpreter)."""
     return 4 if INTERPRET or arch.backend == "interpreter" else per_sm * arch.sm_count
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) of ints. Not ``triton.cdiv``: from Triton 3.8 it (and
-    ``triton.next_power_of_2``) is a ``ConstexprFunction`` whose every call on the host costs
-    microseconds, about 10 us on a CPU of CI's kind (local attention: its 10 such calls per
-    forward + backward were about 100 us of host time, ``host_floor.py (removed at fc2fe00, in git)``'s
-    method). Written as symbolic sizes (torch.compile's dynamic shapes) have traced through
-    ``split_windows``."""
-    return (a + b - 1) // b
 
 
 #: The fewest windows one program takes (where there are that many): a program reads its
