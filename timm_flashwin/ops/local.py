@@ -24,7 +24,7 @@ from ..kernels.arch import tensor_arch
 from ..kernels.local.launch import fits, local_backward, local_forward
 from .local_reference import (LocalPattern, Visible, block_window_visible, local_attention_reference,
                               sliding_window_visible)
-from .window import draw_dropout_seed
+from .dropout_seed import draw_dropout_seed
 
 #: the longest sequence and the largest head_dim the kernels take
 MAX_TOKENS = 1 << 20

@@ -24,6 +24,7 @@ from ..kernels.window.bias_mask import kept_mask_structure, kept_streamed_bias
 from ..kernels.window.launch import attention_backward, attention_forward
 from ..kernels.window.plan import CallPlan, call_plan
 from . import host_program
+from .dropout_seed import draw_dropout_seed
 from .dispatch import call_operator, direct_launches, dispatch_free, served, uses_kernels
 from .position_bias import TableBias, TableGather
 from .reference import shared_query_qkv, window_attention_reference
@@ -31,13 +32,6 @@ from .window_checks import keys_values_query, validate
 from .window_grid import WindowGrid
 from .window_operators import (backward_outputs, input_grads, operator_table_args, query_grads, setup_context,
                                window_attention_fwd)
-
-
-def draw_dropout_seed(device: torch.device) -> torch.Tensor:
-    """The seed of one call's attention dropout: a one-element int64 tensor drawn from
-    torch's default generator of ``device``, so that ``torch.manual_seed`` reproduces a
-    run (and activation checkpointing, which restores the RNG state, redraws it)."""
-    return torch.randint(0, 2 ** 62, (1,), device=device, dtype=torch.int64)
 
 
 def window_attention(
