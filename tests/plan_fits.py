@@ -39,6 +39,7 @@ from timm_flashwin.kernels.window import backward, backward_dkdv, backward_dq_db
 from timm_flashwin.kernels import budget  # noqa: E402
 from timm_flashwin.kernels.sizes import tile_side  # noqa: E402
 from timm_flashwin.kernels.window import config  # noqa: E402
+from timm_flashwin.kernels.window.call import DENSE_BIAS, LOG2E_COPY  # noqa: E402
 from timm_flashwin.kernels.local import launch as local_launch  # noqa: E402,E501
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
 from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402
@@ -78,20 +79,20 @@ def window_shapes() -> List[Tuple[int, int, bool]]:
 def _window_builds(n: int, head_dim: int, cosine: bool, dtype: torch.dtype, dropout: bool, reads_mask: bool,
                    arch: Arch) -> List[Build]:
     """The builds of what the plans choose for one signature on ``arch``."""
-    flags = dict(H=1, N=n, D=head_dim, HAS_BIAS=True, COSINE=cosine, FP32_DOT=dtype == torch.float32,
+    flags = dict(H=1, N=n, D=head_dim, BIAS=DENSE_BIAS, COSINE=cosine, FP32_DOT=dtype == torch.float32,
                  HAS_DROPOUT=dropout, GLOBAL_QUERY=0)
-    bias_log2e = dtype != torch.float32  # a float16 bias copy where 16-bit inputs stream key blocks
-    streaming = dict(HAS_MASK=reads_mask, MASK_REGIONS=reads_mask, BIAS_LOG2E=bias_log2e)
+    # a float16 bias copy where 16-bit inputs stream key blocks
+    streaming = dict(HAS_MASK=reads_mask, MASK_REGIONS=reads_mask,
+                     BIAS=LOG2E_COPY if dtype != torch.float32 else DENSE_BIAS)
     fwd = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask, arch)
     bwd = config.backward_config(n, head_dim, dtype, cosine, arch)
-    layout = dict(MAPPED=0, WINDOW_W=1, BIAS_TABLE=False, BIAS_SIGMOID=0.0)
+    layout = dict(MAPPED=0, WINDOW_W=1, BIAS_SIGMOID=0.0)
     builds = []
     streamed = n > fwd.block_n
     fwd_flags = dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
                      ONE_REGION_LOOP=fwd.one_region_loop, FLAT_LOOP=fwd.flat_loop, STORE_STATS=not bwd.single_tile(n),
                      **layout)
-    fwd_flags.update(streaming if streamed else dict(HAS_MASK=True, MASK_REGIONS=False, BIAS_LOG2E=False),
-                     FROM_REGIONS=False)
+    fwd_flags.update(streaming if streamed else dict(HAS_MASK=True, MASK_REGIONS=False), FROM_REGIONS=False)
     builds.append((window_attention_fwd_kernel, dtype, fwd_flags, launch_options(fwd, dropout)))
     if dropout:  # the backward's configuration does not depend on dropout: built without it
         return builds

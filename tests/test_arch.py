@@ -15,6 +15,7 @@ from timm_flashwin.kernels.sizes import tile_side
 from timm_flashwin.kernels.window import config
 from timm_flashwin.kernels.local import launch as local_launch
 from timm_flashwin.kernels.window import plan
+from window_calls import window_call
 
 FITTED = [a for a in arch.KNOWN.values() if not budget.keeps_tuned(a)]
 
@@ -125,8 +126,8 @@ def test_smaller_gpus_take_fewer_stages_then_smaller_tiles(gpu_defaults):
     assert tuned.num_stages == 3 and config.backward_config(64, 32, torch.float32, True, sm86).num_stages == 2
     assert config.backward_config(64, 64, torch.float32, True, sm86).single_tile(64)
     assert not config.backward_config(64, 64, torch.float32, True, sm75).single_tile(64)
-    call = plan.call_plan(64, 64, torch.float32, True, False, sm75)
-    assert not call.reads_table and call.stats_shape(4, 2, True) == (4, 4, 2, 64)
+    call = window_call(64, 64, torch.float32, True, arch=sm75, windows=4, heads=2)
+    assert not plan.call_plan(call).reads_table and plan.call_plan(call).stats_shape(call) == (4, 4, 2, 64)
     assert config.backward_config(49, 256, torch.float32, True, sm80).block_n < 32
     assert local_launch.plan("dq", 128, torch.bfloat16, arch=sm86) != local_launch.plan("dq", 128, torch.bfloat16)
 
@@ -139,9 +140,8 @@ def test_a_plan_fitted_to_another_road_computes_the_same(monkeypatch):
     case = make_case(2, 1, 1, 64, 64, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     results = forward_backward(window_attention, case)
     assert_matches_reference(results, reference_forward_backward(case), tol=2e-5)
-    backward = plan.backward_plan(case.qkv, 1, True, case.mask, True, True, True, False, None, False, 0.0,
-                                  traced=False)
-    assert not backward.single_tile
+    assert not plan.backward_plan(window_call(64, 64, torch.float32, True, arch=arch.KNOWN["sm_75"]), True,
+                                  True).single_tile
 
 
 def test_an_unserved_device_computes_with_pytorch_and_warns_once(monkeypatch):

@@ -233,7 +233,7 @@ class TableBias(NamedTuple):
     autograd node: no node, no torch.autograd.Function call and no autograd bookkeeping of
     a gather of its own (host time, which eager training steps of the tiny models are bound
     by); where a window is one tile of the kernels (N <= 64) they read the table themselves
-    (``kernels.bias_mask_tiles.load_table_bias_mask``: no gather launched, no dense bias kept between
+    (``kernels.window.bias_mask_tiles.table_bias``: no gather launched, no dense bias kept between
     the passes), else a gather kernel writes the bias for them. Under torch.compile, dispatch
     modes and for tensor subclasses the registered operators read the table of one-tile
     windows the same way (12 gather launches fewer per compiled swin_tiny training step),

@@ -355,13 +355,15 @@ def target_programs(arch: Arch, per_sm: int) -> int:
 MIN_WINDOWS_PER_PROGRAM = 6
 
 
-def split_windows(windows: int, parallel: int, target: int) -> Tuple[int, int]:
+def split_windows(windows: int, parallel: int, target: int, min_windows: Optional[int] = None) -> Tuple[int, int]:
     """Split ``windows`` into chunks so that ``parallel * chunks`` is about ``target``,
-    with at least MIN_WINDOWS_PER_PROGRAM windows per chunk where there are that many.
+    with at least ``min_windows`` (the call's MIN_WINDOWS_PER_PROGRAM, this module's where
+    None) windows per chunk where there are that many.
 
     Integer arithmetic only, so that a symbolic window count traces under torch.compile.
     Returns (chunks, windows_per_chunk).
     """
+    fewest = MIN_WINDOWS_PER_PROGRAM if min_windows is None else min_windows
     chunks = min(max(1, cdiv(target, max(parallel, 1))), max(windows, 1))
-    per_chunk = max(cdiv(windows, chunks), min(MIN_WINDOWS_PER_PROGRAM, windows), 1)
+    per_chunk = max(cdiv(windows, chunks), min(fewest, windows), 1)
     return max(cdiv(windows, per_chunk), 1), per_chunk
