@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
+from opcases import assert_matches_reference, forward_backward, kernels_launched, make_case, reference_forward_backward
 from plan_fits import LOCAL_HEAD_DIMS, window_shapes
 from timm_flashwin import window_attention
 from timm_flashwin.kernels import arch, budget
@@ -148,14 +148,13 @@ def test_an_unserved_device_computes_with_pytorch_and_warns_once(monkeypatch):
     """A T4 (sm_75) has no bfloat16 tensor cores: bf16 calls compute with PyTorch (the
     reference math, as timm's), with one RuntimeWarning; float16 calls keep the kernels."""
     monkeypatch.setenv(arch.ASSUME_ENV, "sm_75")
-    launched = []
-    monkeypatch.setattr("timm_flashwin.ops.window._eager_call", lambda *a, **k: launched.append(1) or pytest.fail("launched"))
     case = make_case(2, 1, 1, 16, 16, cosine=False, masked=False, dtype=torch.bfloat16, device=KERNEL_DEVICE)
-    with pytest.warns(RuntimeWarning, match="sm_75 has no bfloat16 tensor cores.*computes with PyTorch"):
-        out = window_attention(case.qkv, case.num_heads, **case.kwargs())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        again = window_attention(case.qkv, case.num_heads, **case.kwargs())
+    with kernels_launched() as launched:
+        with pytest.warns(RuntimeWarning, match="sm_75 has no bfloat16 tensor cores.*computes with PyTorch"):
+            out = window_attention(case.qkv, case.num_heads, **case.kwargs())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = window_attention(case.qkv, case.num_heads, **case.kwargs())
     assert not launched and torch.equal(out, again)
     assert arch.unserved_reason(arch.KNOWN["sm_75"], torch.float16) is None
     assert arch.unserved_reason(arch.KNOWN["sm_80"], torch.bfloat16) is None

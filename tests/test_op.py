@@ -16,11 +16,10 @@ import triton
 import triton.language as tl
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
-from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
-                     relative_error)
+from opcases import (TOLERANCE, assert_matches_reference, forward_backward, kernels_launched, make_case,
+                     reference_forward_backward, relative_error)
 from timm_flashwin import window_attention
 from timm_flashwin.kernels.window import config
-from timm_flashwin.ops.dispatch import uses_kernels
 from timm_flashwin.kernels.window.bias_mask import mask_structure
 from timm_flashwin.kernels.window.call import DENSE_BIAS
 from timm_flashwin.kernels.window.plan import backward_plan
@@ -37,8 +36,12 @@ HEAD_DIMS = [16, 32, 48] if HAS_CUDA else [32, 48]
 
 
 def test_kernels_are_what_runs():
+    """The op's calls in these tests run the attention kernels (on the GPU, or in Triton's
+    interpreter on the CPU), not PyTorch's math: every result below is the kernels'."""
     case = make_case(2, 1, 2, 4, 8, cosine=False, masked=False, dtype=torch.float32, device=KERNEL_DEVICE)
-    assert uses_kernels(case.qkv)
+    with kernels_launched() as launched:
+        forward_backward(window_attention, case)
+    assert launched == ["window_attention_fwd_kernel", "window_attention_bwd_fused_kernel"]
 
 
 @triton.jit
