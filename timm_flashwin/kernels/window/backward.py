@@ -1,5 +1,7 @@
-"""Backward kernels. They recompute the probabilities from q, k, bias, mask and the
-row log-sum-exp saved by the forward; nothing of size N x N is kept between passes.
+"""Backward kernels. They recompute the probabilities from q, k, bias and mask: windows of
+one tile renormalize their rows themselves, larger ones take the row max and 1 / row sum the
+forward saved (two numbers rather than a log-sum-exp: ``forward.py`` says why); nothing of
+size N x N is kept between passes.
 
 With logits Z = S + B + M and P = softmax(Z):
     dV = P^T dO,   dP = dO V^T,   dZ = P * (dP - rowsum(P * dP)),
@@ -20,8 +22,8 @@ Two paths, picked by the launcher:
   windows sharing (head, mask window); it sums dZ over those windows in registers and
   writes one partial bias gradient per program, summed afterwards by the launcher. It also
   reads and writes the feature-map layout (MAPPED, ``tiles.window_rows``).
-* Larger N (kernels/backward_dkdv.py, kernels/backward_dq_dbias.py, which take this
-  file's tile helpers): ``delta`` (rowsum(dO * O)), then a ``dkdv`` kernel over key blocks. dQ is
+* Larger N (``backward_dkdv.py``, ``backward_dq_dbias.py``, which take this file's tile
+  helpers): ``delta`` (rowsum(dO * O)), then a ``dkdv`` kernel over key blocks. dQ is
   either added by the ``dkdv`` kernel, tile by tile, into an fp32 buffer with atomic adds
   and finished (scaled, normalized, cast) by ``dq_finish``, or computed by its own ``dq``
   kernel, which recomputes every tile of P once more. The bias gradient is either added by

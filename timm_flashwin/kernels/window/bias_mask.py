@@ -75,20 +75,19 @@ def streamed_bias(call: WindowCall, bias: Optional[torch.Tensor], mask: Optional
 
     Those kernels read a tile of the bias for every (window, query block, key block): on
     window 16 (512, 3, 256, 32) 400 MB of reads per forward from L2. Read as float16 (H100,
-    bf16, kernels alone, tune_op.py --bias-dtype, 2026-11-23), the forward took 153 -> 111
+    bf16, kernels alone, 2026-11-23), the forward took 153 -> 111
     us on window 16 V1, 179 -> 139 cosine, 422 -> 302 and 492 -> 385 us on window 24 (no
     bias at all: 97, 122, 260, 333 us); the backward, whose heavy part is the bias
     gradient, not the bias reads, 1 to 4% less. Times log2(e), the kernels add it to their
     log2-domain logits as it is: one multiply per logit fewer.
 
-    With the mask folded in, the kernels spend nothing on it per logit (timm's region mask
-    took a compare and a predicated multiply-add per logit: 194 of a 64x128 step's 835
-    instructions on window 16, ncu), for a copy of nW * H * N * N float16 values per bias
-    (inference with a cached bias: once). H200, bf16, kernels alone (tune_op.py
-    --only-default, 2026-11-24), forward / backward us, region ids -> folded: window 16 V1
-    87.9 / 307.7 -> 82.2 / 290.0, cosine 120.7 / 374.7 -> 116.4 / 368.5; window 24 V1 272.6
-    / 863.0 -> 263.5 / 832.1, cosine 356.0 / 1114.6 -> 341.7 / 1023.5 (the whole op, the
-    copy included: H200, 2026-11-24, e358ac1).
+    With the mask folded in, the kernels spend nothing on it per logit (timm's region mask took a
+    compare and a predicated multiply-add per logit: 194 of a 64x128 step's 835 instructions
+    on window 16, ncu), for a copy of nW * H * N * N float16 values per bias (inference with a
+    cached bias: once). H200, bf16, kernels alone (2026-11-24), forward / backward us, region
+    ids -> folded: window 16 V1 87.9 / 307.7 -> 82.2 / 290.0, cosine 120.7 / 374.7 -> 116.4 /
+    368.5; window 24 V1 272.6 / 863.0 -> 263.5 / 832.1, cosine 356.0 / 1114.6 -> 341.7 /
+    1023.5 (the whole op, the copy included: H200, 2026-11-24, e358ac1).
 
     Precision: float16 keeps 11 bits, |error| <= |(bias + mask) * log2(e)| * 2^-12, below
     the bfloat16 rounding of P that the P V product takes anyway, and finer than timm's
@@ -173,7 +172,7 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Whether the mask is timm's kind, M[w, i, j] = value * [region_i != region_j]: then
     the kernels that stream key blocks compute it from (nW, N) region ids instead of
     reading 4 * N * N bytes per window, head and query block. Measured on an H200
-    (window 24, bf16, tune_op.py --dense mask, 2026-11-22): the multi-block backward
+    (window 24, bf16, 2026-11-22): the multi-block backward
     1.11x faster (1741 -> 1572 us), the forward 1.03x slower (700 -> 719 us), this check
     included; with the forward's branch moved around its loops since, the forward reading
     region ids takes 635 us and reading the dense mask 843 us (same run, H200, V1).

@@ -162,7 +162,7 @@ def attention_backward(call: WindowCall, plan: BackwardPlan, saved: WindowSaved,
     # kernel's slots, or the dbias kernel's one (H, N, N) sum (``BackwardPlan.atomic_sum``).
     # The backward then launches none of the four fill kernels it did (the other three were
     # autograd's zero gradients of the statistics outputs, no longer materialized:
-    # op._setup_context): H200, f+b us (3 alternated rounds), window 16 V1 409.8 -> 403.3,
+    # window_operators.save): H200, f+b us (3 alternated rounds), window 16 V1 409.8 -> 403.3,
     # cosine 520.5 -> 511.4; window 12 357.6 -> 351.0, 462.5 -> 455.7; window 24 1147.3 ->
     # 1138.9, 1487.1 -> 1476.6.
     dbias_sums = qkv.new_empty(plan.dbias_sums_shape, dtype=torch.float32)
