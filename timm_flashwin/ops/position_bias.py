@@ -110,7 +110,7 @@ class _GatherFromTable(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        table = ctx.saved_tensors[0] if ctx.table_gather.sigmoid_scale else None
+        (table,) = ctx.saved_tensors if ctx.table_gather.sigmoid_scale else (None,)
         with direct_launches():
             return ctx.table_gather.table_grad(grad, ctx.table_dtype, table), None
 
