@@ -29,13 +29,15 @@ from triton.compiler import ASTSource
 # run from a checkout as well as after `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from timm_flashwin.kernels.window import backward, backward_dkdv, backward_dq_dbias
-from timm_flashwin.kernels import config  # noqa: E402
+from timm_flashwin.kernels.window import config  # noqa: E402
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
 from timm_flashwin.kernels.window.bias_copy import float16_bias_copy_kernel  # noqa: E402
 from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402
 from timm_flashwin.kernels.window.bias_mask import folds_mask  # noqa: E402
+from timm_flashwin.kernels.window.call import DENSE_BIAS, LOG2E_COPY, TABLE_BIAS  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options, launch_options  # noqa: E402
 from timm_flashwin.kernels.window.plan import call_plan  # noqa: E402
+from window_calls import window_call  # noqa: E402
 from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
 
 #: the architecture the builds are for (``main``'s --arch), and its target
@@ -194,19 +196,21 @@ def main(selected: list) -> int:
         # the partitioned layout (MAPPED 0), or the feature-map layout of square windows (every
         # case's N is a square): block windows (1), MaxViT's strided grid windows (2)
         layout = lambda mapped: dict(MAPPED=int(mapped), WINDOW_W=math.isqrt(n) if mapped else 1)  # noqa: E731
-        # V1's table read as it is, SwinV2's through 16 * sigmoid
-        bias_table = lambda table: dict(BIAS_TABLE=table, BIAS_SIGMOID=16.0 if table and cosine else 0.0)  # noqa: E731
+        # a dense bias, or a table: V1's read as it is, SwinV2's through 16 * sigmoid
+        bias_table = lambda table: dict(BIAS=TABLE_BIAS if table else DENSE_BIAS,  # noqa: E731
+                                        BIAS_SIGMOID=16.0 if table and cosine else 0.0)
         print(f"N={n} head_dim={head_dim} {TRITON_TYPES[dtype]} {'cosine' if cosine else 'v1'}"
               f"{' dropout' if dropout else ''}")
-        flags = dict(H=3, N=n, D=head_dim, HAS_BIAS=True, HAS_MASK=True, COSINE=cosine,
+        flags = dict(H=3, N=n, D=head_dim, BIAS=DENSE_BIAS, HAS_MASK=True, COSINE=cosine,
                      FP32_DOT=dtype == torch.float32, HAS_DROPOUT=dropout)
-        folded = folds_mask(dtype, 3, 16, n)  # as for 16 mask windows of 3 heads
+        call = window_call(n, head_dim, dtype, cosine, dropout, ARCH, heads=3, periods=16)  # 16 mask windows, 3 heads
+        folded = folds_mask(call)
         fwd = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask=not folded, arch=ARCH)
         bwd = config.backward_config(n, head_dim, dtype, cosine, ARCH)
         streamed = n > fwd.block_n
         # the partitioned and the feature-map layout, and where the kernels of both passes read a
         # position bias from its table (CallPlan.reads_table), the latter with the table too
-        table = call_plan(n, head_dim, dtype, cosine, dropout, ARCH).reads_table
+        table = call_plan(call).reads_table
         layouts = ((0, False), (1, False)) + (((1, True),) if table else ())
         if n in (49, 64) and head_dim == 32:  # MaxViT's windows: its grid windows too
             layouts += ((2, table),)
@@ -215,7 +219,8 @@ def main(selected: list) -> int:
         # else the bias (float16 copy with 16-bit inputs) and the mask's region ids, one build
         # per kind of mask
         streamed_bias = torch.float16 if dtype != torch.float32 else torch.float32
-        streaming = dict(HAS_MASK=not folded, MASK_REGIONS=not folded, BIAS_LOG2E=dtype != torch.float32)
+        streaming = dict(HAS_MASK=not folded, MASK_REGIONS=not folded,
+                         BIAS=LOG2E_COPY if dtype != torch.float32 else DENSE_BIAS)
         kinds = (False,) if folded else (True, False)
         fwd_blocks = dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
                           ONE_REGION_LOOP=fwd.one_region_loop, FLAT_LOOP=fwd.flat_loop)
@@ -223,17 +228,17 @@ def main(selected: list) -> int:
             for from_regions in kinds:
                 build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, **streaming, FROM_REGIONS=from_regions,
                                                                STORE_STATS=not bwd.single_tile(n), **layout(False),
-                                                               **bias_table(False)),
+                                                               BIAS_SIGMOID=0.0),
                       fwd, streamed_bias, query if from_regions == kinds[0] else 0)
             if not dropout:  # inference: no statistics (cosine: no mean score), either layout
                 for mapped in (False, True):
                     build(window_attention_fwd_kernel, dtype,
                           dict(fwd_blocks, **streaming, FROM_REGIONS=kinds[0], STORE_STATS=False, **layout(mapped),
-                               **bias_table(False)), fwd, streamed_bias)
+                               BIAS_SIGMOID=0.0), fwd, streamed_bias)
         else:
             for mapped, table in layouts:
                 build(window_attention_fwd_kernel, dtype, dict(fwd_blocks, STORE_STATS=not bwd.single_tile(n),
-                                                               MASK_REGIONS=False, FROM_REGIONS=False, BIAS_LOG2E=False,
+                                                               MASK_REGIONS=False, FROM_REGIONS=False,
                                                                **layout(mapped), **bias_table(table)), fwd,
                       shared_query=query if not mapped and not table else 0)
         if bwd.single_tile(n):

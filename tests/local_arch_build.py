@@ -25,7 +25,7 @@ from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
 from timm_flashwin.kernels.local import plan as local_plan  # noqa: E402
 from timm_flashwin.kernels.local.bias import DECOMPOSED, NO_BIAS  # noqa: E402
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
-from timm_flashwin.kernels.config import tile_side  # noqa: E402
+from timm_flashwin.kernels.sizes import tile_side  # noqa: E402
 from timm_flashwin.kernels.launcher import compiler_options  # noqa: E402
 from timm_flashwin.kernels.local.backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel  # noqa: E402,E501
 from timm_flashwin.kernels.local.forward import local_attention_fwd_kernel  # noqa: E402

@@ -7,8 +7,9 @@ import contextlib
 import copy
 import io
 from collections import Counter
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Iterable, List, Optional, Tuple, Type, Union
 
+import timm
 import torch
 from torch import nn
 
@@ -152,3 +153,26 @@ def full_resolution_passes(name: str, dtype: str, batch: int = 2, kept: Optional
     if kept is not None:
         assert result.patched_modules == len(result.layers) - kept > 0
     assert result.top1_ours_vs_float64 >= result.top1_timm_vs_float64 - 0.5
+
+
+def every_model_patched(names: Iterable[str], attention: Union[Type[nn.Module], Tuple[Type[nn.Module], ...]],
+                        families: Iterable[str]) -> Iterator[Tuple[str, nn.Module]]:
+    """Each model ``names`` names that has modules of the ``attention`` classes, built on the
+    meta device and patched strictly: every such module patched, of one of ``families``,
+    nothing skipped, and unpatched again to timm's own classes. Yields (name, patched model)
+    for a family's own checks; at least one model of the names must have the modules (what we
+    serve, not how many models timm has)."""
+    names, families, served = list(names), set(families), 0
+    for name in names:
+        with torch.device("meta"):
+            model = timm.create_model(name)
+        if not any(isinstance(m, attention) for m in model.modules()):
+            continue
+        report = patch_report(patch_model(model, strict=True))
+        assert report.modules and not report.skipped, name
+        assert {m.family for m in report.modules} <= set(families), name
+        assert all(is_patched(m) for m in model.modules() if isinstance(m, attention)), name
+        yield name, model
+        assert not any(is_patched(m) for m in unpatch_model(model).modules()), name
+        served += 1
+    assert served, f"no model among {names} has {attention} modules"

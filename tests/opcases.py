@@ -1,6 +1,7 @@
 """Inputs for the op tests and the comparison against the float64 reference."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -10,11 +11,13 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from timm_flashwin.kernels.arch import INTERPRETER
+from timm_flashwin.kernels import fast_launch
 from timm_flashwin.kernels.window.plan import call_plan
+from timm_flashwin.ops import host_program
 from timm_flashwin.kernels.window.tiles import CLAMP_GRADIENT_AT_BOUND_VALUE as CLAMP_GRADIENT_AT_BOUND
 from timm_flashwin.kernels.window.tiles import LOGIT_SCALE_MAX_VALUE as LOGIT_SCALE_MAX
 from timm_flashwin.ops.reference import window_attention_reference
+from window_calls import window_call
 
 #: Relative error bound (||x - ref|| / ||ref||) against the float64 reference, for the
 #: output and every gradient. These are the numbers the README and docs/support.md state.
@@ -109,7 +112,7 @@ def bias_as_read(case: Case) -> Case:
     if case.bias is None or case.qkv.dtype not in (torch.float16, torch.bfloat16):
         return case
     n, head_dim = case.qkv.shape[1], case.qkv.shape[2] // (3 * case.num_heads)
-    if not call_plan(n, head_dim, case.qkv.dtype, case.logit_scale is not None, False, INTERPRETER).streams:
+    if not call_plan(window_call(n, head_dim, case.qkv.dtype, case.logit_scale is not None)).streams:
         return case
     log2e = 1.0 / math.log(2.0)
     return replace(case, bias=(case.bias.float() * log2e).half().double() / log2e)
@@ -217,3 +220,17 @@ def assert_matches_reference(results, reference, tol: float, names=("out", "d_qk
         if not err <= tol:  # also catches NaN
             torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=0,
                                        msg=lambda m: f"{name}: relative error {err:.2e} > {tol:.0e}\n{m}")
+
+
+@contextlib.contextmanager
+def kernels_launched():
+    """Yields the list of the names of the kernels launched in the block, as
+    ``fast_launch.RECORD`` sees every direct launch and every interpreted one; host programs
+    are switched off (a replay launches from C++, and a recording takes the hook)."""
+    names = []
+    with host_program.switched_off():
+        fast_launch.RECORD = lambda kernel, compiled, grid, args: names.append(kernel.__name__)
+        try:
+            yield names
+        finally:
+            fast_launch.RECORD = None

@@ -36,7 +36,10 @@ import arch_build  # noqa: E402
 import local_arch_build  # noqa: E402
 from timm_flashwin.ops.dispatch import direct_launches  # noqa: E402
 from timm_flashwin.kernels.window import backward, backward_dkdv, backward_dq_dbias
-from timm_flashwin.kernels import budget, config
+from timm_flashwin.kernels import budget  # noqa: E402
+from timm_flashwin.kernels.sizes import tile_side  # noqa: E402
+from timm_flashwin.kernels.window import config  # noqa: E402
+from timm_flashwin.kernels.window.call import DENSE_BIAS, LOG2E_COPY  # noqa: E402
 from timm_flashwin.kernels.local import plan as local_plan  # noqa: E402,E501
 from timm_flashwin.kernels.arch import KNOWN, Arch  # noqa: E402
 from timm_flashwin.kernels.window.forward import window_attention_fwd_kernel  # noqa: E402
@@ -76,20 +79,20 @@ def window_shapes() -> List[Tuple[int, int, bool]]:
 def _window_builds(n: int, head_dim: int, cosine: bool, dtype: torch.dtype, dropout: bool, reads_mask: bool,
                    arch: Arch) -> List[Build]:
     """The builds of what the plans choose for one signature on ``arch``."""
-    flags = dict(H=1, N=n, D=head_dim, HAS_BIAS=True, COSINE=cosine, FP32_DOT=dtype == torch.float32,
+    flags = dict(H=1, N=n, D=head_dim, BIAS=DENSE_BIAS, COSINE=cosine, FP32_DOT=dtype == torch.float32,
                  HAS_DROPOUT=dropout, GLOBAL_QUERY=0)
-    bias_log2e = dtype != torch.float32  # a float16 bias copy where 16-bit inputs stream key blocks
-    streaming = dict(HAS_MASK=reads_mask, MASK_REGIONS=reads_mask, BIAS_LOG2E=bias_log2e)
+    # a float16 bias copy where 16-bit inputs stream key blocks
+    streaming = dict(HAS_MASK=reads_mask, MASK_REGIONS=reads_mask,
+                     BIAS=LOG2E_COPY if dtype != torch.float32 else DENSE_BIAS)
     fwd = config.forward_config(n, head_dim, dtype, cosine, dropout, reads_mask, arch)
     bwd = config.backward_config(n, head_dim, dtype, cosine, arch)
-    layout = dict(MAPPED=0, WINDOW_W=1, BIAS_TABLE=False, BIAS_SIGMOID=0.0)
+    layout = dict(MAPPED=0, WINDOW_W=1, BIAS_SIGMOID=0.0)
     builds = []
     streamed = n > fwd.block_n
     fwd_flags = dict(flags, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_D=fwd.block_d,
                      ONE_REGION_LOOP=fwd.one_region_loop, FLAT_LOOP=fwd.flat_loop, STORE_STATS=not bwd.single_tile(n),
                      **layout)
-    fwd_flags.update(streaming if streamed else dict(HAS_MASK=True, MASK_REGIONS=False, BIAS_LOG2E=False),
-                     FROM_REGIONS=False)
+    fwd_flags.update(streaming if streamed else dict(HAS_MASK=True, MASK_REGIONS=False), FROM_REGIONS=False)
     builds.append((window_attention_fwd_kernel, dtype, fwd_flags, launch_options(fwd, dropout)))
     if dropout:  # the backward's configuration does not depend on dropout: built without it
         return builds
@@ -113,7 +116,7 @@ def _window_builds(n: int, head_dim: int, cosine: bool, dtype: torch.dtype, drop
 
 
 def _local_builds(head_dim: int, dtype: torch.dtype, arch: Arch) -> List[Build]:
-    flags = dict(D=head_dim, BLOCK_D=config.tile_side(head_dim), PERIODIC=True, HAS_SINK=True, HAS_DROPOUT=True,
+    flags = dict(D=head_dim, BLOCK_D=tile_side(head_dim), PERIODIC=True, HAS_SINK=True, HAS_DROPOUT=True,
                  PRECISION=local_plan.precision(dtype), COUNT_TILES=False, BIAS=0, ROW_TILE=False)
     builds = []
     for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
@@ -190,7 +193,7 @@ def estimate(build: Build) -> int:
     and sm_120)."""
     kernel, dtype, constexprs, options = build
     name = kernel.fn.__name__
-    tiles = (constexprs.get("BLOCK_M", constexprs["BLOCK_N"]), constexprs["BLOCK_N"], config.tile_side(constexprs["D"]),
+    tiles = (constexprs.get("BLOCK_M", constexprs["BLOCK_N"]), constexprs["BLOCK_N"], tile_side(constexprs["D"]),
              options["num_stages"], dtype.itemsize)
     if name.startswith("local_"):
         return budget.local_shared_bytes(name.split("_")[-2], *tiles)

@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
+from opcases import assert_matches_reference, forward_backward, kernels_launched, make_case, reference_forward_backward
 from plan_fits import LOCAL_HEAD_DIMS, window_shapes
 from timm_flashwin import window_attention
-from timm_flashwin.kernels import arch, budget, config
+from timm_flashwin.kernels import arch, budget
+from timm_flashwin.kernels.sizes import tile_side
+from timm_flashwin.kernels.window import config
 from timm_flashwin.kernels.local import plan as local_plan
 from timm_flashwin.kernels.window import plan
+from window_calls import window_call
 
 FITTED = [a for a in arch.KNOWN.values() if not budget.keeps_tuned(a)]
 
@@ -36,6 +39,7 @@ def gpu_defaults(monkeypatch):
     """The configurations a GPU gets (the interpreter's tiles aside: ``config._streamed_block``,
     ``local_plan._default_plan``)."""
     monkeypatch.setattr(config, "INTERPRET", False)
+    monkeypatch.setattr(local_plan, "INTERPRET", False)
     _clear_configurations()
     yield
     monkeypatch.undo()
@@ -93,7 +97,7 @@ def test_every_plan_fits_the_estimate_of_its_architecture(target, gpu_defaults):
                     if not local_plan.fits(head_dim, dtype, target):
                         assert target.shared_memory < 99 * 1024 and dtype == torch.float32, (kind, head_dim)
                         continue
-                    need = budget.local_shared_bytes(kind, tiles.block_m, tiles.block_n, config.tile_side(head_dim),
+                    need = budget.local_shared_bytes(kind, tiles.block_m, tiles.block_n, tile_side(head_dim),
                                                      tiles.num_stages, dtype.itemsize)
                     assert need <= target.shared_memory, (kind, head_dim, dtype, rows, tiles)
 
@@ -122,8 +126,8 @@ def test_smaller_gpus_take_fewer_stages_then_smaller_tiles(gpu_defaults):
     assert tuned.num_stages == 3 and config.backward_config(64, 32, torch.float32, True, sm86).num_stages == 2
     assert config.backward_config(64, 64, torch.float32, True, sm86).single_tile(64)
     assert not config.backward_config(64, 64, torch.float32, True, sm75).single_tile(64)
-    call = plan.call_plan(64, 64, torch.float32, True, False, sm75)
-    assert not call.reads_table and call.stats_shape(4, 2, True) == (4, 4, 2, 64)
+    call = window_call(64, 64, torch.float32, True, arch=sm75, windows=4, heads=2)
+    assert not plan.call_plan(call).reads_table and plan.call_plan(call).stats_shape(call) == (4, 4, 2, 64)
     assert config.backward_config(49, 256, torch.float32, True, sm80).block_n < 32
     assert local_plan.plan("dq", 128, torch.bfloat16, arch=sm86) != local_plan.plan("dq", 128, torch.bfloat16)
 
@@ -136,23 +140,21 @@ def test_a_plan_fitted_to_another_road_computes_the_same(monkeypatch):
     case = make_case(2, 1, 1, 64, 64, cosine=True, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     results = forward_backward(window_attention, case)
     assert_matches_reference(results, reference_forward_backward(case), tol=2e-5)
-    backward = plan.backward_plan(case.qkv, 1, True, case.mask, True, True, True, False, None, False, 0.0,
-                                  traced=False)
-    assert not backward.single_tile
+    assert not plan.backward_plan(window_call(64, 64, torch.float32, True, arch=arch.KNOWN["sm_75"]), True,
+                                  True).single_tile
 
 
 def test_an_unserved_device_computes_with_pytorch_and_warns_once(monkeypatch):
     """A T4 (sm_75) has no bfloat16 tensor cores: bf16 calls compute with PyTorch (the
     reference math, as timm's), with one RuntimeWarning; float16 calls keep the kernels."""
     monkeypatch.setenv(arch.ASSUME_ENV, "sm_75")
-    launched = []
-    monkeypatch.setattr("timm_flashwin.ops.window._eager_call", lambda *a, **k: launched.append(1) or pytest.fail("launched"))
     case = make_case(2, 1, 1, 16, 16, cosine=False, masked=False, dtype=torch.bfloat16, device=KERNEL_DEVICE)
-    with pytest.warns(RuntimeWarning, match="sm_75 has no bfloat16 tensor cores.*computes with PyTorch"):
-        out = window_attention(case.qkv, case.num_heads, **case.kwargs())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        again = window_attention(case.qkv, case.num_heads, **case.kwargs())
+    with kernels_launched() as launched:
+        with pytest.warns(RuntimeWarning, match="sm_75 has no bfloat16 tensor cores.*computes with PyTorch"):
+            out = window_attention(case.qkv, case.num_heads, **case.kwargs())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = window_attention(case.qkv, case.num_heads, **case.kwargs())
     assert not launched and torch.equal(out, again)
     assert arch.unserved_reason(arch.KNOWN["sm_75"], torch.float16) is None
     assert arch.unserved_reason(arch.KNOWN["sm_80"], torch.bfloat16) is None

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from model_cases import images, tiny_swin
 from timm_flashwin import is_patched, patch_model, patch_report
-from timm_flashwin.kernels import config
+from timm_flashwin.kernels.arch import INTERPRET
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import fully_shard
@@ -96,7 +96,7 @@ def exact_float32() -> None:
 def worker(rank: int, init_file: str, out_dir: str, interpret: bool, device_type: str) -> None:
     """One process: for each wrapper, a fresh model, half of the global batch, one step;
     results saved for the test. device_type "cuda": NCCL, GPU ``rank``; "cpu": gloo."""
-    assert config.INTERPRET == interpret, "TRITON_INTERPRET did not reach the worker"
+    assert INTERPRET == interpret, "TRITON_INTERPRET did not reach the worker"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         exact_float32()
@@ -126,7 +126,7 @@ def run_and_compare(tmp_path, device_type: str) -> None:
     """DDP and FSDP2 (one pair of processes for both, to start them once): every attention
     module inside the wrapper is patched, and each process's gradients and updated weights
     are those of one process (on GPU 0, for "cuda") on the whole batch."""
-    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path), config.INTERPRET, device_type), nprocs=WORLD_SIZE)
+    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path), INTERPRET, device_type), nprocs=WORLD_SIZE)
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         exact_float32()

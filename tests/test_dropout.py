@@ -10,7 +10,7 @@ from conftest import KERNEL_DEVICE
 from opcases import TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from timm_flashwin import window_attention, window_attention_reference
 from timm_flashwin.kernels.window.dropout import dropout_factors
-from timm_flashwin.ops.window import draw_dropout_seed
+from timm_flashwin.ops.dropout_seed import draw_dropout_seed
 
 
 def rng_state():

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from model_checks import compiled_against_timm, full_resolution_passes, judge, patched_in_place, training_step_runs
+from model_checks import (compiled_against_timm, every_model_patched, full_resolution_passes, judge, patched_in_place,
+                          training_step_runs)
 from model_cases import flashwin_ops, images, recording_backend
 from opcases import relative_error
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
@@ -120,19 +121,10 @@ def test_an_unknown_order_is_reported(monkeypatch):
 
 # ----------------------------------------------------------------------- every model's modules
 def test_every_registered_model_is_fully_patched_on_meta():
-    """Every attention module of the five gcvit models (built on the meta device), strict:
-    123 modules, every other one global."""
-    names = timm.list_models(module="gcvit")
-    total = []
-    for name in names:
-        with torch.device("meta"):
-            model = timm.create_model(name)
-        report = patch_report(patch_model(model, strict=True))
-        assert report.modules and not report.skipped and {m.family for m in report.modules} == {"gcvit"}, name
-        assert all(is_patched(m) for m in model.modules() if isinstance(m, ATTENTION)), name
-        total += [m.use_global for m in model.modules() if isinstance(m, ATTENTION)]
-        assert not is_patched(unpatch_model(model))
-    assert len(names) == 5 and len(total) == 123 and sum(total) == 56
+    """Every attention module of every gcvit model (built on the meta device), strict: each
+    model's local and global ones."""
+    for name, model in every_model_patched(timm.list_models(module="gcvit"), ATTENTION, ("gcvit",)):
+        assert {m.use_global for m in model.modules() if isinstance(m, ATTENTION)} == {False, True}, name
 
 
 def test_list_shows_family_and_windows():

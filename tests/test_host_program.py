@@ -13,7 +13,10 @@ from timm_flashwin import TableBias, window_attention
 from timm_flashwin.kernels.local.launch import LocalInputs
 from timm_flashwin.ops import host_program, native
 from timm_flashwin.ops.host_recorder import Recorder
-from timm_flashwin.ops.position_bias import TableGather
+from timm_flashwin.kernels.window.call import DENSE_BIAS, TABLE_BIAS, WindowTensors
+from timm_flashwin.kernels.window.plan import call_plan
+from timm_flashwin.ops.position_bias import TableRows
+from window_calls import window_call
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -119,20 +122,20 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
     randn = lambda *shape: torch.randn(*shape, generator=generator).to(KERNEL_DEVICE).requires_grad_()  # noqa: E731
     if op == "window":
         qkv, bias = randn(4, 9, 3 * 2 * 8), randn(2, 9, 9)
-        inputs = (qkv, 2, bias, None, None, 0.3, False, 0.0, None, True)
-        tensors = [qkv, bias]
-        road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, None, None, False)[0]  # noqa: E731
-        forward_alone = lambda: window_op._forward_without_grad(  # noqa: E731
-            *inputs[:-1], False, None, None, None, False)[0]
+        call = window_call(9, 8, torch.float32, False, windows=4, heads=2, bias=DENSE_BIAS, scale=0.3)
+        inputs = WindowTensors(qkv, None, bias, None, None, None, None, None, None)
     elif op == "window_gathered_table":
         qkv = torch.randn(2, 144, 3 * 2 * 16, generator=generator).to(KERNEL_DEVICE, torch.bfloat16).requires_grad_()
         table = randn(23 * 23, 2)
-        table_gather = TableGather.of(TableBias(table, relative_position_index(12, 12).to(KERNEL_DEVICE)), False)
-        inputs = (qkv, 2, table, None, None, 0.25, False, 0.0, None, True)
-        tensors = [qkv, table, *window_op._host_tensors(table_gather)]
-        road = lambda: window_op._EagerWindowAttention.apply(*inputs, None, table_gather, None, False)[0]  # noqa: E731
-        forward_alone = lambda: window_op._forward_without_grad(  # noqa: E731
-            *inputs[:-1], False, None, table_gather, None, False)[0]
+        rows = TableRows.of(relative_position_index(12, 12).to(KERNEL_DEVICE), table.shape[0])
+        call = window_call(144, 16, torch.bfloat16, False, windows=2, heads=2, bias=TABLE_BIAS, scale=0.25)
+        inputs = WindowTensors(qkv, None, table, None, None, None, rows.index32, rows.order, rows.offsets)
+    if op != "local":
+        plan = call_plan(call)
+        tensors = [t for t in inputs if t is not None]
+        road = lambda: window_op._EagerWindowAttention.apply(call, plan, *inputs)[0]  # noqa: E731
+        forward_alone = lambda: window_op._forward_without_grad(call._replace(save_stats=False), plan,  # noqa: E731
+                                                                inputs)
     else:
         q, k, v = (randn(1, 2, 20, 16) for _ in range(3))
         bias = (randn(1, 2, 20, 4), randn(1, 2, 20, 5)) if op == "local_decomposed_bias" else (None, None)

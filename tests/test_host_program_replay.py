@@ -210,3 +210,56 @@ def test_aliased_and_distinct_inputs_replay_apart():
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
         for got, expected in zip(run((q, k, v), (q, k, v)), want):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@cuda
+@needs_cuda
+def test_a_setting_changed_after_a_shape_was_recorded_is_followed(monkeypatch):
+    """A call's key holds every setting its plans read: once its shape is recorded and
+    replayed, ``config.FOLDED_MASK_MAX_BYTES`` set to 0 makes the next call of that shape
+    another key, run (and recorded) on the Python road, whose launches read the mask apart
+    (its region ids) instead of folded into the float16 bias copy; it gives that road's bits,
+    and so does its replay."""
+    if native.module() is None:
+        pytest.skip("the host-program extension cannot be built here")
+    from timm_flashwin.kernels.window import config, launch
+    from timm_flashwin.kernels import launcher as launcher_module
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(8, 144, 3 * 3 * 16, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+    bias = torch.randn(3, 144, 144, generator=generator).to("cuda").requires_grad_()
+    mask = shift_mask(4, 144).to("cuda")
+
+    def run():
+        out = window_attention(qkv, 3, bias=bias, mask=mask, scale=0.25)
+        return [out.detach(), *torch.autograd.grad(out, (qkv, bias), torch.ones_like(out))]
+    launches, real = [], launcher_module.launcher
+
+    def recording(kernel):
+        launch_of = real(kernel)
+
+        class Recorded:
+            def __getitem__(self, grid):
+                def go(*args, **kwargs):
+                    launches.append((kernel.__name__, kwargs.get("HAS_MASK"), kwargs.get("MASK_REGIONS")))
+                    return launch_of[grid](*args, **kwargs)
+                return go
+        return Recorded()
+    monkeypatch.setattr(launch, "launcher", recording)
+    ready = ready_programs()
+    run()
+    run()  # recorded, then replayed
+    assert ready_programs() == ready + 1
+    launches.clear()
+    run()
+    assert not launches  # replayed from C++
+    monkeypatch.setattr(config, "FOLDED_MASK_MAX_BYTES", 0)
+    apart = run()
+    forward = [flags for flags in launches if flags[0] == "window_attention_fwd_kernel"]
+    assert forward and all(has_mask and regions for _, has_mask, regions in forward)
+    assert ready_programs() == ready + 2
+    with host_program.switched_off():
+        python_road = run()
+    for got, want in zip(apart, python_road):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(run(), apart):  # the new key's replay
+        torch.testing.assert_close(got, want)

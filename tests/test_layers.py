@@ -3,7 +3,8 @@
 kernels (Triton kernels, their plans and launchers) < ops (the public operators, their
 references, checks and roads) < patching (models: adapters, factories) < tools (CLI,
 verify, bench). A module may import its own layer and those below; the package's
-``__init__`` (lazy public names) and ``__main__`` sit above all.
+``__init__`` (lazy public names) and ``__main__`` sit above all. No modules import each
+other, directly or around a circle, not even inside a function.
 """
 import ast
 import os
@@ -23,16 +24,20 @@ def _modules():
                 yield path, os.path.relpath(path, PACKAGE).replace(os.sep, "/")
 
 
-def _imported(path: str, rel: str):
-    """The package-relative dotted names ``path`` imports (relative and absolute imports)."""
+def _imported(path: str, rel: str, modules=()):
+    """The package-relative dotted names ``path`` imports (relative and absolute imports); a
+    name imported from a package that is one of ``modules`` (dotted) is that module."""
     package = rel.rsplit("/", 1)[0].split("/") if "/" in rel else []
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - (node.level - 1)]
-                yield ".".join(base + ([node.module] if node.module else []))
+                base = ".".join(package[:len(package) - (node.level - 1)] + ([node.module] if node.module else []))
             elif node.module and node.module.startswith("timm_flashwin."):
-                yield node.module[len("timm_flashwin."):]
+                base = node.module[len("timm_flashwin."):]
+            else:
+                continue
+            for alias in node.names:
+                yield f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("timm_flashwin."):
@@ -56,3 +61,23 @@ def test_no_module_imports_from_a_layer_above():
 def test_no_file_over_400_lines():
     long = {rel: n for path, rel in _modules() if (n := sum(1 for _ in open(path))) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_no_import_circle():
+    def dotted(rel):
+        return rel[:-len(".py")].replace("/", ".").removesuffix(".__init__")
+    paths = {dotted(rel): path for path, rel in _modules()}
+    imports = {name: {t for t in _imported(path, path[len(PACKAGE) + 1:].replace(os.sep, "/"), paths)
+                      if t in paths and t != name} for name, path in paths.items()}
+
+    def back_to_itself(name):
+        seen, todo = set(), [name]
+        while todo:
+            for target in imports[todo.pop()] - seen:
+                if target == name:
+                    return True
+                seen.add(target)
+                todo.append(target)
+        return False
+    circles = sorted(filter(back_to_itself, imports))
+    assert not circles, f"modules that import themselves around a circle: {circles}"

@@ -71,7 +71,7 @@ def test_row_class_plans():
     assert local_plan.row_class(causal, 4096, 4096, 1 << 12, INTERPRETER) == local_plan.SHORT
     default_plan = local_plan._default_plan.__wrapped__
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(local_plan.config, "INTERPRET", False)
+        patch.setattr(local_plan, "INTERPRET", False)
         tall = default_plan("fwd", 64, torch.bfloat16, local_plan.TALL)
         assert (tall.block_m, tall.block_n) == (local_plan.TALL_BLOCK_M, 64)
         for kind, width, dtype in (("dq", 64, torch.bfloat16), ("dkdv", 64, torch.bfloat16),
@@ -102,7 +102,7 @@ def test_short_sequences_take_tiles_fitted_to_them():
     (powers of two, at least 16), at most 4 warps where fitted; long sequences keep the
     class's plan (on the GPU's tables). Hiera's pooling blocks: 4 or 16 queries, 16 or 64 keys."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(local_plan.config, "INTERPRET", False)
+        patch.setattr(local_plan, "INTERPRET", False)
         local_plan._default_plan.cache_clear()
         try:
             for kind in ("fwd", "dq", "dkdv"):

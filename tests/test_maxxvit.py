@@ -16,7 +16,7 @@ from timm.layers import RelPosBias, RelPosBiasTf, RelPosMlp
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from model_checks import compiled_against_timm, full_resolution_passes, judge, patched_in_place
+from model_checks import compiled_against_timm, every_model_patched, full_resolution_passes, judge, patched_in_place
 from model_cases import flashwin_ops, images, maps_read_in_place, recording_backend
 from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.tools.comparison import compare
@@ -109,20 +109,10 @@ def test_module_matches_timm(cls, head_first, rel_pos):
 # ----------------------------------------------------------------------- every model's modules
 @pytest.mark.long
 def test_every_registered_model_is_fully_patched_on_meta():
-    """Every attention module of every maxxvit.py model (built on the meta device), strict:
-    56 models and 1310 modules on timm 1.0.29 and 1.0.31, besides timm's tiny test models."""
+    """Every attention module of every maxxvit.py model (built on the meta device), strict,
+    besides timm's tiny test models."""
     names = [name for name in timm.list_models(module="maxxvit") if not name.startswith("test_")]
-    total = 0
-    for name in names:
-        with torch.device("meta"):
-            model = timm.create_model(name)
-        patch_model(model, strict=True)
-        report = patch_report(model)
-        assert report.modules and not report.skipped, name
-        assert all(is_patched(m) for m in model.modules() if isinstance(m, ATTENTION)), name
-        assert {m.family for m in report.modules} <= {"maxxvit", "maxxvit_2d"}, name
-        total += len(report.modules)
-    assert len(names) == 56 and total == 1310
+    list(every_model_patched(names, ATTENTION, ("maxxvit", "maxxvit_2d")))
 
 
 # ------------------------------------------------------------------------ behaviour

@@ -16,14 +16,15 @@ import triton
 import triton.language as tl
 
 from conftest import HAS_CUDA, KERNEL_DEVICE
-from opcases import (TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward,
-                     relative_error)
+from opcases import (TOLERANCE, assert_matches_reference, forward_backward, kernels_launched, make_case,
+                     reference_forward_backward, relative_error)
 from timm_flashwin import window_attention
-from timm_flashwin.kernels import config
-from timm_flashwin.ops.dispatch import uses_kernels
+from timm_flashwin.kernels.window import config
 from timm_flashwin.kernels.window.bias_mask import mask_structure
-from timm_flashwin.kernels.window.plan import dbias_slots, dbias_sum_by_atomic_adds, dq_by_atomic_adds
+from timm_flashwin.kernels.window.call import DENSE_BIAS
+from timm_flashwin.kernels.window.plan import backward_plan
 from timm_flashwin.ops.reference import window_attention_reference
+from window_calls import window_call
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (N, head_dim) from the issue's grid; N=42 is a 6x7 window, 144 runs the multi-block path.
@@ -35,8 +36,12 @@ HEAD_DIMS = [16, 32, 48] if HAS_CUDA else [32, 48]
 
 
 def test_kernels_are_what_runs():
+    """The op's calls in these tests run the attention kernels (on the GPU, or in Triton's
+    interpreter on the CPU), not PyTorch's math: every result below is the kernels'."""
     case = make_case(2, 1, 2, 4, 8, cosine=False, masked=False, dtype=torch.float32, device=KERNEL_DEVICE)
-    assert uses_kernels(case.qkv)
+    with kernels_launched() as launched:
+        forward_backward(window_attention, case)
+    assert launched == ["window_attention_fwd_kernel", "window_attention_bwd_fused_kernel"]
 
 
 @triton.jit
@@ -118,7 +123,7 @@ def test_multi_block_dq_paths_match_reference(cosine, dtype, dq_atomic, monkeypa
     key = ("bwd", 144, 32, dtype, cosine)
     monkeypatch.setitem(config.OVERRIDES, key, config.with_changes(config.backward_config(*key[1:]),
                                                                    dq_atomic=dq_atomic))
-    assert dq_by_atomic_adds(config.backward_config(*key[1:])) == dq_atomic
+    assert backward_plan(window_call(144, 32, dtype, cosine, windows=4, heads=3), True, True).dq_atomic == dq_atomic
     case = make_case(4, 2, 3, 144, 32, cosine=cosine, masked=True, dtype=dtype, device=KERNEL_DEVICE, seed=7)
     assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
                              TOLERANCE[dtype])
@@ -133,7 +138,8 @@ def test_multi_block_bias_gradient_by_atomic_adds_matches_reference(cosine, slot
     key = ("bwd", 144, 32, torch.float32, cosine)
     tiles = config.with_changes(config.backward_config(*key[1:]), dbias_slots=slots, dq_atomic=True)
     monkeypatch.setitem(config.OVERRIDES, key, tiles)
-    assert dbias_slots(config.backward_config(*key[1:])) == slots
+    call = window_call(144, 32, torch.float32, cosine, windows=4, heads=3, bias=DENSE_BIAS)
+    assert backward_plan(call, True, True).slots == slots
     case = make_case(4, 2, 3, 144, 32, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE, seed=9)
     assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
                              TOLERANCE[torch.float32])
@@ -226,8 +232,9 @@ def test_deterministic_mode_takes_the_dq_kernel(deterministic_algorithms, monkey
     kernels instead, and the dbias kernel writes partials rather than adding its sums."""
     tiles = config.with_changes(config.backward_config(144, 32, torch.bfloat16, False), dbias_slots=4)
     monkeypatch.setitem(config.OVERRIDES, ("bwd", 144, 32, torch.bfloat16, False), tiles)
-    assert tiles.dq_atomic and not dq_by_atomic_adds(tiles) and dbias_slots(tiles) == 0
-    assert not dbias_sum_by_atomic_adds()  # the dbias kernel writes partials
+    plan = backward_plan(window_call(144, 32, torch.bfloat16, False, windows=4, heads=3, bias=DENSE_BIAS), True, False)
+    assert tiles.dq_atomic and not plan.dq_atomic and plan.slots == 0
+    assert not plan.atomic_sum  # the dbias kernel writes partials
     case = make_case(4, 2, 3, 144, 32, cosine=False, masked=True, dtype=torch.bfloat16, device=KERNEL_DEVICE, seed=8)
     assert_matches_reference(forward_backward(window_attention, case), reference_forward_backward(case),
                              TOLERANCE[torch.bfloat16])

@@ -304,8 +304,12 @@ def test_masks_fold_into_the_bias_copy_where_it_is_small():
     (16 mask windows, 3 heads, 256 tokens: 6.3 MB) does, window 24 (16, 4, 576: 42.5 MB)
     reads the mask's region ids; float32 inputs always do."""
     from timm_flashwin.kernels.window.bias_mask import folds_mask
-    assert folds_mask(torch.bfloat16, 3, 16, 256) and folds_mask(torch.float16, 4, 16, 144)
-    assert not folds_mask(torch.bfloat16, 4, 16, 576) and not folds_mask(torch.float32, 3, 16, 256)
+    from window_calls import window_call
+
+    def folds(dtype, heads, periods, n):
+        return folds_mask(window_call(n, 32, dtype, False, heads=heads, periods=periods))
+    assert folds(torch.bfloat16, 3, 16, 256) and folds(torch.float16, 4, 16, 144)
+    assert not folds(torch.bfloat16, 4, 16, 576) and not folds(torch.float32, 3, 16, 256)
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])

@@ -32,7 +32,6 @@ def test_forward_saves_softmax_statistics_only_for_a_backward(cosine, monkeypatc
     """Windows over 64 tokens: the forward saves the softmax statistics (and, for cosine
     attention, sums the rows' mean score) only where a gradient can follow; the output is
     the same either way, and a backward without them is refused by name."""
-    from timm_flashwin.kernels.window.launch import attention_backward, attention_forward
     shapes = _record_stats_shapes(monkeypatch)
     case = make_case(4, 2, 3, 144, 16, cosine=cosine, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
     saved = (4 if cosine else 2, 4, 3, 144)
@@ -47,15 +46,41 @@ def test_forward_saves_softmax_statistics_only_for_a_backward(cosine, monkeypatc
     assert shapes == [saved, (0,), (0,), saved]
     for out in (no_grad, nothing_requires_grad, only_bias):
         torch.testing.assert_close(out, with_grad.detach(), rtol=1e-6, atol=1e-7)
-    _, stats, regions, mask_info = attention_forward(qkv, 3, case.bias, case.mask, None, 0.25, False, 0.0, None, False)
     with pytest.raises(RuntimeError, match="saved no softmax statistics"):
-        attention_backward(case.grad_out, qkv, with_grad.detach(), stats, regions, mask_info, case.bias, case.mask,
-                           None, 3, 0.25, False, True, False)
+        _backward_of_a_forward_without_statistics(case, cosine)
 
 
-def test_lse_output_is_not_differentiable_and_op_is_registered():
-    assert hasattr(torch.ops.timm_flashwin, "window_attention_fwd")
-    assert hasattr(torch.ops.timm_flashwin, "window_attention_bwd")
+def _backward_of_a_forward_without_statistics(case, cosine: bool) -> None:
+    """A backward run on what a forward saved where nothing required a gradient."""
+    from timm_flashwin.kernels.window.call import DENSE_BIAS, WindowSaved, WindowTensors
+    from timm_flashwin.kernels.window.launch import attention_backward, attention_forward
+    from timm_flashwin.kernels.window.plan import backward_plan, forward_plan
+    from window_calls import window_call
+    call = window_call(144, 16, torch.float32, cosine, windows=4, heads=3, bias=DENSE_BIAS, periods=2,
+                       save_stats=False, scale=case.scale or 1.0)
+    logit_scale = case.logit_scale.reshape(3) if cosine else None
+    tensors = WindowTensors(case.qkv.detach(), None, case.bias, case.mask, logit_scale, None, None, None, None)
+    outputs = attention_forward(call, forward_plan(call), tensors)
+    saved = WindowSaved(tensors.qkv, None, tensors.bias, tensors.mask, tensors.logit_scale, None, *outputs, None, None,
+                        None, None, None)
+    attention_backward(call, backward_plan(call, True, cosine), saved, case.grad_out)
+
+
+def test_the_operators_are_registered_and_their_statistics_take_no_gradient():
+    """``torch.ops.timm_flashwin`` holds both operators (what an exported program loads), and
+    the forward's softmax statistics and region ids are marked non-differentiable: a loss on
+    them is refused by autograd, while the output's gradient flows."""
+    case = make_case(2, 2, 2, 144, 16, cosine=False, masked=True, dtype=torch.float32, device=KERNEL_DEVICE)
+    assert torch.ops.timm_flashwin.window_attention_fwd.default is window_attention_fwd._opoverload
+    assert callable(torch.ops.timm_flashwin.window_attention_bwd.default)
+    qkv = case.qkv.detach().requires_grad_()
+    out, stats, regions, mask_info = window_attention_fwd(qkv, 2, case.bias, case.mask, None, case.scale, False,
+                                                          0.0, None)
+    assert stats.shape == (2, 2, 2, 144) and not stats.requires_grad and not regions.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        stats.sum().backward()
+    out.sum().backward()
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
 
 
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])

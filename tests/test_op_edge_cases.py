@@ -9,7 +9,8 @@ import triton.language as tl
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from timm_flashwin import window_attention
-from timm_flashwin.kernels import config
+from timm_flashwin.kernels.window import config
+from timm_flashwin.ops.window_checks import MAX_TOKENS
 from timm_flashwin.kernels.window.bias_mask import mask_structure
 from timm_flashwin.kernels.window.tiles import head_scale
 from timm_flashwin.ops.reference import LOGIT_SCALE_MAX, window_attention_reference
@@ -150,7 +151,7 @@ BAD_INPUTS = [
     ("qkv", ValueError, lambda: _ok(qkv=z(4, 9, 50))),  # not divisible by 3 * H
     ("qkv", ValueError, lambda: _ok(qkv=z(4, 9, 0))),  # head_dim 0
     ("qkv", ValueError, lambda: _ok(qkv=z(4, 9, 3 * 2 * 264))),  # head_dim 264 > 256
-    ("qkv", ValueError, lambda: _ok(qkv=z(1, config.MAX_TOKENS + 1, 48), bias=None, mask=None)),  # N too large
+    ("qkv", ValueError, lambda: _ok(qkv=z(1, MAX_TOKENS + 1, 48), bias=None, mask=None)),  # N too large
     ("num_heads", ValueError, lambda: _ok(num_heads=0)),
     ("num_heads", ValueError, lambda: _ok(num_heads=2.0)),
     ("bias", ValueError, lambda: _ok(bias=z(2, 9, 8))),

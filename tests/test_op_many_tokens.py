@@ -1,5 +1,5 @@
 """The op on more than 1024 tokens (BEiT-large at 512 px: 32x32 patches and the class token,
-N = 1025; config.MAX_TOKENS): the kernels that stream key blocks against the float64
+N = 1025; MAX_TOKENS): the kernels that stream key blocks against the float64
 reference, with a last key block of one token (1025) and of whole blocks (2048).
 
 Under the interpreter a kernel's cost is per operation, not per element: these cases take
@@ -13,7 +13,8 @@ import torch
 from conftest import KERNEL_DEVICE
 from opcases import TOLERANCE, assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from timm_flashwin import window_attention
-from timm_flashwin.kernels import config
+from timm_flashwin.kernels.window import config
+from timm_flashwin.ops.window_checks import MAX_TOKENS
 
 
 def _large_blocks(monkeypatch, n: int, head_dim: int, dtype: torch.dtype, cosine: bool, block: int) -> None:
@@ -30,7 +31,7 @@ def _large_blocks(monkeypatch, n: int, head_dim: int, dtype: torch.dtype, cosine
 @pytest.mark.parametrize("n, cosine, bias, masked, dtype, block", [
     (1025, False, True, False, torch.float32, 256),  # BEiT-large at 512 px: the last block holds one token
     (1025, True, False, False, torch.bfloat16, 256),
-    (config.MAX_TOKENS, False, False, True, torch.float32, 512),
+    (MAX_TOKENS, False, False, True, torch.float32, 512),
 ], ids=["1025-v1-bias", "1025-cosine-bf16", "max-v1-mask"])
 def test_many_tokens_match_reference(n, cosine, bias, masked, dtype, block, monkeypatch):
     """One window, one head of 16 channels, a bias or a mask of three regions. (The bias's
@@ -44,8 +45,8 @@ def test_many_tokens_match_reference(n, cosine, bias, masked, dtype, block, monk
 
 
 def test_more_than_max_tokens_is_refused():
-    qkv = torch.zeros(1, config.MAX_TOKENS + 1, 3 * 16)
-    with pytest.raises(ValueError, match=rf"a token count N in \[1, {config.MAX_TOKENS}\]"):
+    qkv = torch.zeros(1, MAX_TOKENS + 1, 3 * 16)
+    with pytest.raises(ValueError, match=rf"a token count N in \[1, {MAX_TOKENS}\]"):
         window_attention(qkv, 1, scale=1.0)
 
 

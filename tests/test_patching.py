@@ -13,6 +13,7 @@ from torch import nn
 
 from conftest import KERNEL_DEVICE
 from model_cases import create, images, run_step, tiny_swin
+from model_checks import every_model_patched
 from timm_flashwin import is_patched, patch_model, patch_report, patched, unpatch_model
 from timm_flashwin.tools.comparison import compare, group_error, jitter_images, larger_error
 from timm_flashwin.tools.verify import GRADIENT_FACTOR
@@ -99,20 +100,9 @@ def test_non_square_windows_occur():
 
 @pytest.mark.long
 def test_every_registered_model_is_fully_patched_on_meta():
-    """Every attention module of every swin* model (built on the meta device), strict: 37
-    models and 864 modules. One loop, each model built once (a separate count built all 37
-    again: CI time)."""
-    names = timm.list_models("swin*")
-    total = 0
-    for name in names:
-        with torch.device("meta"):
-            model = timm.create_model(name)
-        patch_model(model, strict=True)
-        report = patch_report(model)
-        assert report.modules and not report.skipped, name
-        assert all(is_patched(m) for m in model.modules() if isinstance(m, (SWIN_V1, SWIN_V2, SWIN_CR))), name
-        total += len(report.modules)
-    assert len(names) == 37 and total == 864
+    """Every attention module of every swin* model timm registers (built on the meta device),
+    strict."""
+    list(every_model_patched(timm.list_models("swin*"), (SWIN_V1, SWIN_V2, SWIN_CR), ("swin", "swinv2", "swinv2_cr")))
 
 
 # ------------------------------------------------------------------------ behaviour

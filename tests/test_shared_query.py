@@ -14,7 +14,7 @@ import torch
 from conftest import KERNEL_DEVICE
 from opcases import TOLERANCE, relative_error
 from timm_flashwin import window_attention
-from timm_flashwin.kernels import config
+from timm_flashwin.kernels.window import config
 from timm_flashwin.ops.position_bias import TableBias
 from timm_flashwin.ops.reference import shared_query_qkv, window_attention_reference
 

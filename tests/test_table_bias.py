@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from opcases import TOLERANCE, Reference, assert_matches_reference, gradient_conditions, make_case
+from opcases import TOLERANCE, Reference, assert_matches_reference, gradient_conditions, kernels_launched, make_case
 from test_position_bias import relative_position_index
 from timm_flashwin import TableBias, WindowGrid, window_attention
-from timm_flashwin.ops.position_bias import TableGather, gather_position_bias
+from timm_flashwin.ops.position_bias import gather_position_bias
 from timm_flashwin.ops.reference import window_attention_reference
 
 
@@ -67,6 +67,8 @@ def _run(case, table, index, sigmoid_scale, *, as_table: bool, grid=None, dtype=
 
 # V1 (the bias gathered as it is) and SwinV2 (cosine, 16 * sigmoid of it), as timm pairs them
 FAMILIES = [pytest.param(False, None, id="v1"), pytest.param(True, 16.0, id="swinv2")]
+#: the position-bias gather's kernel, which the attention kernels of one-tile windows spare
+GATHER = "relative_bias_gather_kernel"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -75,17 +77,14 @@ FAMILIES = [pytest.param(False, None, id="v1"), pytest.param(True, 16.0, id="swi
     ((4, 4), None), ((4, 4), WindowGrid(8, 4, (4, 4), (2, 0))),
     ((5, 3), None), ((5, 3), WindowGrid(5, 6, (5, 3), (0, 1))),  # 15 tokens: padded tiles
 ], ids=["4x4-windows", "4x4-feature-map", "5x3-windows", "5x3-feature-map"])
-def test_one_tile_windows_match_float64_and_the_gathered_bias(window, grid, cosine, sigmoid_scale, dtype,
-                                                              monkeypatch):
+def test_one_tile_windows_match_float64_and_the_gathered_bias(window, grid, cosine, sigmoid_scale, dtype):
     """Windows of one tile, whose kernels read the table themselves (no gather launched):
     output and every gradient within the tolerance of float64, and bit for bit those of the
     op given the gathered bias (the kernels build the same bias tile)."""
-    gathers = []
-    real_gather = TableGather.gather
-    monkeypatch.setattr(TableGather, "gather", lambda self, table: gathers.append(table) or real_gather(self, table))
     case, table, index = _table_case(window, 2, cosine=cosine, dtype=dtype)
-    ours = _run(case, table, index, sigmoid_scale, as_table=True, grid=grid)
-    assert not gathers  # (the comparison below gathers, through gather_position_bias)
+    with kernels_launched() as launched:
+        ours = _run(case, table, index, sigmoid_scale, as_table=True, grid=grid)
+    assert GATHER not in launched and "relative_bias_table_grad_kernel" in launched  # the table's gradient summed
     gathered = _run(case, table, index, sigmoid_scale, as_table=False, grid=grid)
     reference = _run(case, table, index, sigmoid_scale, as_table=False, dtype=torch.float64)
     names = ("out", "d_qkv", "d_table", "d_logit_scale")
@@ -95,15 +94,13 @@ def test_one_tile_windows_match_float64_and_the_gathered_bias(window, grid, cosi
 
 
 @pytest.mark.parametrize("cosine, sigmoid_scale", FAMILIES)
-def test_windows_of_several_blocks_match_float64(cosine, sigmoid_scale, monkeypatch):
+def test_windows_of_several_blocks_match_float64(cosine, sigmoid_scale):
     """Windows of 9 x 9 (81 tokens): the kernels stream key blocks and read the bias gathered
     (within the op's node), the bias gradient from the multi-block kernels."""
-    gathers = []
-    real_gather = TableGather.gather
-    monkeypatch.setattr(TableGather, "gather", lambda self, table: gathers.append(table) or real_gather(self, table))
     case, table, index = _table_case((9, 9), 1, cosine=cosine, dtype=torch.float32, windows=2)
-    ours = _run(case, table, index, sigmoid_scale, as_table=True)
-    assert len(gathers) == 1
+    with kernels_launched() as launched:
+        ours = _run(case, table, index, sigmoid_scale, as_table=True)
+    assert launched.count(GATHER) == 1
     reference = _run(case, table, index, sigmoid_scale, as_table=False, dtype=torch.float64)
     assert_matches_reference(ours, reference, TOLERANCE[torch.float32], ("out", "d_qkv", "d_table", "d_logit_scale"))
 

@@ -18,7 +18,7 @@ from conftest import KERNEL_DEVICE
 from model_cases import create, images, tiny_swin
 from opcases import forward_backward, make_case
 from timm_flashwin import is_patched, patch_model, patch_report, window_attention
-from timm_flashwin.kernels import config
+from timm_flashwin.kernels.window import config
 from timm_flashwin.ops.dispatch import uses_kernels
 
 

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from conftest import KERNEL_DEVICE
-from model_checks import compiled_against_timm, full_resolution_passes, judge, patched_in_place, training_step_runs
+from model_checks import (compiled_against_timm, every_model_patched, full_resolution_passes, judge, patched_in_place,
+                          training_step_runs)
 from model_cases import flashwin_ops, images, recording_backend
 from opcases import relative_error
-from timm_flashwin import PatchError, is_patched, patch_model, patch_report, unpatch_model
+from timm_flashwin import PatchError, is_patched, patch_model, patch_report
 from timm_flashwin.patching.adapters import hiera as hiera_adapter
 from timm_flashwin.tools.comparison import compare
 from timm_flashwin.tools.verify import build_model, perturb_, verify_model
@@ -150,11 +151,6 @@ class OneOfEach(nn.Module):
 
 
 # ----------------------------------------------------------------------- every model's modules
-#: family -> (models, modules patched, modules reported) of timm 1.0.29 and 1.0.31
-FAMILY_COUNTS = {"tiny_vit": (5, 50, 0), "davit": (8, 95, 0), "twins": (3, 33, 0), "nest": (6, 120, 0),
-                 "hiera": (8, 212, 0)}
-
-
 @pytest.fixture
 def no_tiny_vit_index(monkeypatch):
     """On the meta device TinyViT's bias index holds no values, yet timm fills it in Python
@@ -164,24 +160,12 @@ def no_tiny_vit_index(monkeypatch):
 
 def test_every_registered_model_is_patched_or_reported_on_meta(no_tiny_vit_index):
     """Every window-attention module of every model of the five files (built on the meta
-    device) patched, strict, Hiera's q-pooling ones too. Twins' pcpvt models have no
-    locally-grouped attention."""
-    counts = {}
-    for family in CLASSES:
-        for name in timm.list_models(module=family):
-            with torch.device("meta"):
-                model = timm.create_model(name)
-            if not any(type(m) is CLASSES[family] for m in model.modules()):
-                assert name.startswith("twins_pcpvt"), name
-                continue
-            report = patch_report(patch_model(model))
-            assert {m.family for m in report.modules} == {family}, name
-            assert all(is_patched(m) for m in model.modules() if type(m) is CLASSES[family]), name
-            assert not report.skipped, name
-            patch_model(unpatch_model(model), strict=True)
-            total = counts.setdefault(family, [0, 0, 0])
-            total[0], total[1], total[2] = total[0] + 1, total[1] + len(report.patched), total[2] + len(report.skipped)
-    assert {k: tuple(v) for k, v in counts.items()} == FAMILY_COUNTS
+    device) patched, strict, Hiera's q-pooling ones too; the models without such modules are
+    Twins' pcpvt ones (no locally-grouped attention)."""
+    for family, attention in CLASSES.items():
+        names = timm.list_models(module=family)
+        served = [name for name, _ in every_model_patched(names, attention, (family,))]
+        assert all(name.startswith("twins_pcpvt") for name in set(names) - set(served)), family
 
 
 def test_list_shows_families_and_windows(no_tiny_vit_index):

@@ -12,10 +12,10 @@ from conftest import KERNEL_DEVICE
 from opcases import (LOGIT_SCALES, TOLERANCE, Case, Reference, assert_matches_reference, bias_as_read,
                      forward_backward, gradient_conditions, shift_mask)
 from timm_flashwin import window_attention
-from timm_flashwin.kernels.arch import INTERPRETER
 from timm_flashwin.kernels.window.plan import call_plan
 from timm_flashwin.ops.reference import window_attention_reference
 from timm_flashwin.ops.window_grid import WindowGrid
+from window_calls import window_call
 
 #: (height, width, window, shift): non-square windows and maps, shifts along one or both
 #: axes, none; the last is swin_tiny's last-but-one stage (49 tokens, 2 x 1 windows)
@@ -132,7 +132,7 @@ def test_windows_whose_backward_streams_blocks_are_partitioned_in_training_only(
     go through grid.partition and merge; without a gradient the forward reads the map."""
     grid = WindowGrid(12, 12, (12, 12), (5, 5))  # 144 tokens: the multi-block backward
     case = _map_case(grid, heads=1, head_dim=8, cosine=True, masked=True, dtype=torch.float32, batch=1)
-    call = call_plan(144, 8, torch.float32, True, False, INTERPRETER)
+    call = call_plan(window_call(144, 8, torch.float32, True))
     assert call.maps_windows(backward=False) and not call.maps_windows(backward=True)
     reference = _reference(grid, case)
     assert_matches_reference(forward_backward(_on_the_map(grid), case), reference, TOLERANCE[torch.float32])

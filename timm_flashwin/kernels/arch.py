@@ -21,6 +21,9 @@ from typing import Dict, Optional
 
 import torch
 
+#: whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1, set before triton is
+#: imported): they then run on CPU tensors, through numpy, with the ``INTERPRETER``'s limits
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: the environment variable that makes plan selection target another architecture's limits
 ASSUME_ENV = "TIMM_FLASHWIN_ASSUME_ARCH"
 #: a ROCm build of torch (its GPUs are "cuda" devices): the launches that call the CUDA driver

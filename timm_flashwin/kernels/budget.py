@@ -32,9 +32,7 @@ from dataclasses import replace
 from typing import Optional
 
 from .arch import Arch
-
-#: the smallest tile side the kernels take (tl.dot's)
-MIN_BLOCK = 16
+from .sizes import MIN_BLOCK
 
 
 def keeps_tuned(arch: Optional[Arch]) -> bool:

@@ -12,13 +12,14 @@ and local-attention launchers and the dropout kernel's.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from . import config, fast_launch
+from . import fast_launch
+from .arch import INTERPRET
 
-if config.INTERPRET or not hasattr(torch.library, "wrap_triton"):
+if INTERPRET or not hasattr(torch.library, "wrap_triton"):
     # interpreted kernels are plain Python, launched as they are (on CPU tensors); torch
     # before 2.6 has no wrap_triton and launches kernels directly too
     def wrap_triton(kernel):
@@ -51,7 +52,7 @@ class _Launcher:
     def __getitem__(self, grid: Tuple[int, ...]) -> Callable[..., Any]:
         if traced_launch():
             return wrap_triton(self.kernel)[grid]
-        if config.INTERPRET:
+        if INTERPRET:
             return lambda *args, **kwargs: _interpret(self.kernel, grid, args, kwargs)
         return lambda *args, **kwargs: _launch_on_device(self.kernel, grid, args, kwargs)
 
@@ -104,7 +105,15 @@ def compiler_options(num_warps: int = 4) -> dict:
     return options
 
 
-def launch_options(tiles: config.LaunchConfig, dropout: bool) -> dict:
+class LaunchTiles(Protocol):
+    """What ``launch_options`` reads of a launch configuration (``window.config.LaunchConfig``)."""
+
+    num_warps: int
+    num_stages: int
+    maxnreg: Optional[int]
+
+
+def launch_options(tiles: LaunchTiles, dropout: bool) -> dict:
     """Warps, stages and, where the kernel is launched directly, the register cap and FMA
     contraction (``compiler_options``).
 

@@ -1,7 +1,8 @@
 """Layer 2: the operators (imports ``kernels`` only).
 
-``window`` (``window_attention``: validate, plan, launch) with ``window_checks``,
-``window_grid`` (``WindowGrid``) and ``reference`` (the math, in PyTorch); ``local``
+``window`` (``window_attention``: check, describe, plan, launch) with ``window_checks``,
+``window_operators``, ``window_grid`` (``WindowGrid``) and ``reference`` (the math, in
+PyTorch); ``dropout_seed`` (both operators' dropout seed); ``local``
 (``sliding_window_attention``, ``block_sliding_window_attention``) with ``local_reference``
 and ``local_operators``; ``rel_pos`` (``decomposed_attention``: a bias of the local kernels);
 ``position_bias`` (``TableBias``) and ``position_mlp``; ``dispatch`` (registered operators or

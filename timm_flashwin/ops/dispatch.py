@@ -18,8 +18,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ..kernels import config
-from ..kernels.arch import Arch, tensor_arch, unserved_reason, warn_unserved
+from ..kernels.arch import INTERPRET, Arch, tensor_arch, unserved_reason, warn_unserved
 from ..kernels.budget import keeps_tuned
 
 #: the dtypes the kernels take; float64 runs in PyTorch
@@ -49,7 +48,7 @@ def register_op(name: str, impl, fake):
     so there (and on torch < 2.6) the op is an opaque custom_op with an explicit fake.
     Call it through ``call_operator``, which torch.func's transforms take."""
     qualname = f"{NAMESPACE}::{name}"
-    if hasattr(torch.library, "triton_op") and not config.INTERPRET:
+    if hasattr(torch.library, "triton_op") and not INTERPRET:
         op = torch.library.triton_op(qualname, impl, mutates_args=())
     else:
         op = torch.library.custom_op(qualname, impl, mutates_args=())
@@ -156,7 +155,7 @@ def uses_kernels(tensor: torch.Tensor) -> bool:
     if tensor.dtype not in KERNEL_DTYPES:
         return False
     # is_cuda, not device.type: no torch.device built per call (host time of eager calls)
-    return tensor.is_cuda or (config.INTERPRET and tensor.device.type == "cpu")
+    return tensor.is_cuda or (INTERPRET and tensor.device.type == "cpu")
 
 
 def served(arch: Arch, dtype: torch.dtype, misfit: Callable[[], Optional[str]]) -> bool:

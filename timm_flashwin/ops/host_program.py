@@ -37,7 +37,8 @@ import torch
 
 from . import native
 from .host_recorder import NotRecordable, Recorder
-from ..kernels import config, fast_launch
+from ..kernels import fast_launch
+from ..kernels.window import config
 from ..kernels.local import plan as local_plan
 from ..kernels.arch import IS_HIP, assumed
 

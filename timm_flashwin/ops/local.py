@@ -27,7 +27,7 @@ from .local_operators import (EagerLocalAttention, LocalArgs, forward_without_gr
                               local_attention_fwd, operator_inputs)
 from .local_reference import (LocalPattern, Visible, block_window_visible, local_attention_reference,
                               sliding_window_visible)
-from .window import draw_dropout_seed
+from .dropout_seed import draw_dropout_seed
 
 #: the longest sequence and the largest head_dim the kernels take
 MAX_TOKENS = 1 << 20

@@ -18,9 +18,10 @@ SwinV2's 16 * sigmoid(table[index]) runs in the same kernels (``sigmoid_scale``)
 
 ``TableBias(table, index, ...)`` is the same bias handed to ``window_attention`` ungathered:
 the attention kernels of one-tile windows read the table through the index themselves (in
-eager mode within the op's own autograd node, ``TableGather``; under torch.compile and
+eager mode within the op's own autograd node, ``ops.window``; under torch.compile and
 dispatch modes in the registered operators, whose backward sums the table's gradient with
-the same kernel); larger windows take ``gather_position_bias``'s bias.
+the same kernel); larger windows take the bias gathered by this file's kernel (in eager mode
+within the op's node, else ``gather_position_bias``).
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ class _GatherFromTable(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        table = ctx.saved_tensors[0] if ctx.table_gather.sigmoid_scale else None
+        (table,) = ctx.saved_tensors if ctx.table_gather.sigmoid_scale else (None,)
         with direct_launches():
             return ctx.table_gather.table_grad(grad, ctx.table_dtype, table), None
 
@@ -231,7 +232,7 @@ def _gather(table: torch.Tensor, index: torch.Tensor, constant_index: bool, sigm
         if grad:
             if dispatch_free(table):
                 return _GatherFromTable.apply(table, TableGather(TableRows.of(index, table.shape[0], names),
-                                                                 table.shape[0], scale, False))
+                                                                 table.shape[0], scale))
             return call_operator(gather_position_bias_op, table, index,
                                  *operator_table_rows(index, table, constant_index), scale)
         if dispatch_free(table):
@@ -262,7 +263,7 @@ class TableBias(NamedTuple):
     autograd node: no node, no torch.autograd.Function call and no autograd bookkeeping of
     a gather of its own (host time, which eager training steps of the tiny models are bound
     by); where a window is one tile of the kernels (N <= 64) they read the table themselves
-    (``kernels.bias_mask_tiles.load_table_bias_mask``: no gather launched, no dense bias kept between
+    (``kernels.window.bias_mask_tiles.table_bias``: no gather launched, no dense bias kept between
     the passes), else a gather kernel writes the bias for them. Under torch.compile, dispatch
     modes and for tensor subclasses the registered operators read the table of one-tile
     windows the same way (12 gather launches fewer per compiled swin_tiny training step),
@@ -286,37 +287,18 @@ class TableBias(NamedTuple):
 
 @dataclass(frozen=True)
 class TableGather:
-    """How the op's eager path reads a ``TableBias`` and sums its table's gradient: the
-    index as the kernels read it and its pairs sorted by table row (``TableRows``, the
-    index's range checked once),
-    the sigmoid scale (0: none) and whether the attention kernels read the table
-    themselves (``in_kernels``, ``plan.reads_table``: windows of one tile) or take the
-    bias gathered by a kernel of its own. Call its launches in ``dispatch.direct_launches()``."""
+    """How ``gather_position_bias``'s eager road gathers a bias from its table and sums the
+    table's gradient: the index's rows (``TableRows``: the int32 index, its pairs sorted by
+    table row, the index's range checked once), the table's row count and the sigmoid scale
+    (0: none). Call its launches in ``dispatch.direct_launches()``. (``window_attention``
+    reads a ``TableBias`` in its own node: ``ops.window``.)"""
 
     rows: TableRows
     num_rows: int
     sigmoid_scale: float
-    in_kernels: bool
-
-    @staticmethod
-    def of(bias: TableBias, in_kernels: bool) -> "TableGather":
-        """Of a ``TableBias`` that ``window_attention`` has validated."""
-        table, index, scale = bias.table, bias.index, bias.sigmoid_scale
-        return TableGather(TableRows.of(index, table.shape[0], WINDOW_NAMES), table.shape[0],
-                           float(scale) if scale is not None else 0.0, in_kernels)
-
-    def key(self) -> Tuple:
-        """What launches depend on besides the tensors (a host program's signature)."""
-        return self.num_rows, self.sigmoid_scale, self.in_kernels
-
-    def kernel_args(self) -> Tuple:
-        """What the attention launchers take to read the table (``table_index``,
-        ``table_sigmoid``), or nothing where they read the gathered bias."""
-        return (self.rows.index32, self.sigmoid_scale) if self.in_kernels else ()
 
     def gather(self, table: torch.Tensor) -> torch.Tensor:
-        """The dense bias (H, N, N) in the table's dtype (read through ``rows.index32``, which
-        a host program takes as an input: ``window._host_tensors``)."""
+        """The dense bias (H, N, N) in the table's dtype, read through ``rows.index32``."""
         return relative_bias_gather(table, self.rows.index32, self.sigmoid_scale)
 
     def table_grad(self, bias_grad: torch.Tensor, dtype: torch.dtype, table: Optional[torch.Tensor]) -> torch.Tensor:

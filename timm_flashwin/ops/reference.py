@@ -58,7 +58,7 @@ def window_attention_reference(
         dropout_p: attention dropout on the probabilities, ``F.dropout`` as timm's
             attn_drop applies it, when > 0 and no ``dropout_factor`` is given.
         dropout_factor: (B_, H, N, N) keep / (1 - p) to multiply the probabilities by
-            instead: the tests pass the kernels' own mask (kernels/dropout.py).
+            instead: the tests pass the kernels' own mask (kernels/window/dropout.py).
 
     Returns:
         (B_, N, H*D) in ``qkv.dtype``. Reduced-precision inputs are computed in float32

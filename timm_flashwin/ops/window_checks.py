@@ -1,22 +1,39 @@
 """``window_attention``'s argument checks: each bad argument raises a TypeError or
-ValueError naming it and what was expected."""
+ValueError naming it and what was expected (``validate``); and a valid call's arguments as the
+kernels read them (``keys_values_query``, ``bias_parts``), which the op describes the call by."""
 from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
 from .dispatch import KERNEL_DTYPES
-from ..kernels import config
-from ..kernels.window.plan import windows_tokens_channels
+from ..kernels.window.call import DENSE_BIAS, NO_BIAS, TABLE_BIAS
 from .position_bias import TableBias, check_sigmoid_scale
 from .window_grid import WindowGrid
+
+#: the op's limits: tokens per window and head dims that its kernels' plans take (the adapters
+#: leave modules beyond them to timm's forward)
+MAX_TOKENS = 2048
+MAX_HEAD_DIM = 256
 
 
 def _fail(exc, argument: str, expected: str, got) -> None:
     raise exc(f"window_attention: `{argument}` must be {expected}, got {got}")
+
+
+def bias_parts(bias: Union[torch.Tensor, TableBias, None]) -> Tuple[int, Optional[torch.Tensor],
+                                                                  Optional[torch.Tensor], float]:
+    """A valid ``bias`` as a call's description and tensors hold it: (its kind, the tensor the
+    kernels read, a ``TableBias``'s index, its sigmoid scale or 0): a dense (H, N, N) bias (a
+    (1, H, N, N) one's first), or a ``TableBias``'s table (T, H) and (N, N) index."""
+    if isinstance(bias, TableBias):
+        return TABLE_BIAS, bias.table, bias.index, float(bias.sigmoid_scale) if bias.sigmoid_scale is not None else 0.0
+    if bias is None:
+        return NO_BIAS, None, None, 0.0
+    return DENSE_BIAS, bias[0] if bias.dim() == 4 else bias, None, 0.0
 
 
 def _check_tensor(name: str, t, ndims: Tuple[int, ...], qkv: torch.Tensor, float_dtypes) -> None:
@@ -57,8 +74,9 @@ def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=Non
     if qkv.dim() == 5 and (qkv.shape[2] != 3 or qkv.shape[3] != num_heads):
         _fail(ValueError, "qkv", f"of shape (B_, N, 3, H, D) with H = num_heads = {num_heads}",
               f"shape {tuple(qkv.shape)}")
-    if grid is None:
-        num_windows, n, channels = windows_tokens_channels(qkv, None)
+    if grid is None:  # (B_, N, 3*H*D), or (B_, N, 3, H, D)
+        num_windows, n = qkv.shape[:2]
+        channels = qkv.shape[2] if qkv.dim() == 3 else 3 * qkv.shape[3] * qkv.shape[4]
     else:
         if qkv.shape[1] != grid.height * grid.width:
             _fail(ValueError, "qkv", f"of shape (B, H*W, 3*H*D) with H*W = {grid.height}*{grid.width} (grid)",
@@ -69,11 +87,11 @@ def validate(qkv, num_heads, bias, mask, scale, logit_scale, dropout_p, grid=Non
         _fail(ValueError, "qkv", f"a last dim divisible by {projections} * num_heads = {projections * num_heads}",
               channels)
     head_dim = channels // (projections * num_heads)
-    if not 1 <= head_dim <= config.MAX_HEAD_DIM:
-        _fail(ValueError, "qkv", f"a head_dim (last dim / ({projections} * num_heads)) in [1, {config.MAX_HEAD_DIM}]",
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        _fail(ValueError, "qkv", f"a head_dim (last dim / ({projections} * num_heads)) in [1, {MAX_HEAD_DIM}]",
               head_dim)
-    if not 1 <= n <= config.MAX_TOKENS:
-        _fail(ValueError, "qkv", f"a token count N in [1, {config.MAX_TOKENS}]", n)
+    if not 1 <= n <= MAX_TOKENS:
+        _fail(ValueError, "qkv", f"a token count N in [1, {MAX_TOKENS}]", n)
     if query is not None:
         _check_query(query, qkv, num_windows, n, num_heads * head_dim)
     # Parameters may stay float32 under autocast, or match qkv's dtype.

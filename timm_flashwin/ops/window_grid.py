@@ -167,7 +167,8 @@ class _PermuteRows(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        ctx.save_for_backward(inputs[2])
+        _x, _index, inverse = inputs
+        ctx.save_for_backward(inverse)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

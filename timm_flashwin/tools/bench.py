@@ -21,7 +21,8 @@ from torch import nn
 
 from ..patching.model import patch_model, patch_report
 from .tv_models import TV_PREFIX
-from .verify import DTYPES, UsageError, build_model
+from .usage import UsageError
+from .verify import DTYPES, build_model
 
 
 @dataclass

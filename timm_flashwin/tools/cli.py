@@ -93,7 +93,7 @@ def _model_name(args) -> str:
     """The timm model name, or --hf's CONFIG or --tv's NAME as verify_model and benchmark_model take it."""
     from .hf_models import HF_PREFIX
     from .tv_models import TV_PREFIX
-    from .verify import UsageError
+    from .usage import UsageError
     given = [value for value in (args.name, args.hf, args.tv) if value is not None]
     if len(given) != 1:
         raise UsageError("give a timm model name, --hf CONFIG or --tv NAME, one of them")
@@ -372,7 +372,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["run"]:  # the script's arguments are not ours to parse
         return _run(parser, argv[1:])
     args = _parse(parser, argv)
-    from .verify import UsageError
+    from .usage import UsageError
     try:
         return {"verify": _verify, "list": _list, "bench": _bench}[args.command](args)
     except UsageError as exc:

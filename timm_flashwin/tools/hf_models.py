@@ -21,6 +21,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from .usage import UsageError
+
 #: ``verify_model`` / ``benchmark_model`` names that start with this are transformers CONFIGs
 HF_PREFIX = "hf:"
 
@@ -46,7 +48,6 @@ class HfImageModel(nn.Module):
 def load_config(spec: str):
     """The config ``spec`` names (the module's docstring), its model class name or None."""
     import transformers
-    from .verify import UsageError
 
     spec, _, class_name = spec.partition(":")
     if spec in transformers.CONFIG_MAPPING:
@@ -65,7 +66,6 @@ def load_config(spec: str):
 def model_class(config, class_name: Optional[str]) -> type:
     """The class ``class_name`` names, else the config's image classifier, else its base model."""
     import transformers
-    from .verify import UsageError
 
     if class_name:
         cls = getattr(transformers, class_name, None)
@@ -84,7 +84,6 @@ def build_hf_model(spec: str, *, img_size=None, pretrained: bool = False, train:
     where given, without drop path when ``train`` (the compared runs must draw alike);
     ``overrides``: config attributes set before building (a smaller model: depths, ...)."""
     import transformers
-    from .verify import UsageError
 
     config, class_name = load_config(spec)
     for key, value in (overrides or {}).items():

@@ -60,7 +60,7 @@ def build_tv_model(name: str, *, img_size=None, pretrained: bool = False, train:
     stochastic depth where ``train`` (the compared runs must draw alike)."""
     import torchvision
     from torchvision.ops import StochasticDepth
-    from .verify import UsageError
+    from .usage import UsageError
 
     if name not in torchvision.models.list_models():
         import difflib

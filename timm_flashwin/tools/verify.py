@@ -55,12 +55,9 @@ from .hf_models import HF_PREFIX, build_hf_model
 from .tv_models import TV_PREFIX, build_tv_model
 from ..patching.model import _attention_modules, patch_model, patch_report
 from .tolerances import ATOL, GRADIENT_FACTOR, RTOL, possessive  # the rule (the module docstring says why)
+from .usage import UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class UsageError(Exception):
-    """A problem with what was asked (unknown model, no GPU, unusable checkpoint...)."""
 
 
 # --------------------------------------------------------------------------- perturb
@@ -73,8 +70,8 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
     bias tables near 0. This sets LayerNorm weights to 1 + 0.1 N(0,1) (biases
     0.05 N(0,1)), logit scales log-uniform in [ln 2, ln 120] (about 1 head in 20 above
     the clamp at ln 100), V1 bias tables (and TinyViT's, zeros) to N(0,1), SAM's decomposed
-    tables (zeros) to N(0, 1 / head_dim), and adds
-    0.02 N(0,1) to every other floating parameter. (Uniform scales up to 150 made
+    tables (zeros) to N(0, 1 / head_dim), and adds 0.02 N(0,1) to every other floating
+    parameter. (Uniform scales up to 150 made
     SwinV2-CR so chaotic that timm's own bfloat16 output was 20 % off float64 on CPU;
     this gives 9 %, SwinV2 2 %.)
     """
@@ -97,7 +94,7 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
             p.copy_(u.to(p.device, p.dtype))
         elif name.endswith(("relative_position_bias_table", "attention_biases")):
             p.copy_(noise(p))
-        elif name.endswith(("rel_pos_h", "rel_pos_w")):  # SAM's / ViTDet's tables, zeros: q . R of about 1
+        elif name.endswith(("rel_pos_h", "rel_pos_w")):  # SAM's / ViTDet's (zeros): q . R of about 1
             p.copy_(noise(p) * p.shape[-1] ** -0.5)
         else:
             p.add_(0.02 * noise(p))

@@ -22,13 +22,13 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import config
 from ..arch import tensor_arch
 from ..launcher import compiler_options, launcher, traced_launch, unused_pointer
 from .backward import local_attention_bwd_dkdv_kernel, local_attention_bwd_dq_kernel
 from .bias import DECOMPOSED, NO_BIAS
 from .forward import local_attention_fwd_kernel, local_dropout_factor_kernel
 from .plan import LocalCall, Pattern, call_plan
+from ..sizes import cdiv
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -140,6 +140,6 @@ def dropout_factors(seed: torch.Tensor, batch: int, heads: int, queries: int, dr
     keys = queries if keys is None else keys
     out = torch.empty((batch, heads, queries, keys), dtype=torch.float32, device=seed.device)
     block = 32
-    launcher(local_dropout_factor_kernel)[(batch * heads, config.cdiv(queries, block), config.cdiv(keys, block))](
+    launcher(local_dropout_factor_kernel)[(batch * heads, cdiv(queries, block), cdiv(keys, block))](
         seed, out, dropout_p, queries, keys, BLOCK=block, **compiler_options())
     return out

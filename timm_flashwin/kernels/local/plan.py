@@ -19,10 +19,11 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import budget, config
-from ..arch import Arch
+from .. import budget
+from ..arch import INTERPRET, Arch
 from ..launcher import compiler_options, traced_launch
 from .bias import DECOMPOSED, NO_BIAS
+from ..sizes import cdiv, tile_side
 from .tiles import IEEE, NATIVE, TF32X3
 
 #: (period, before, after, sink): ``local_reference.LocalPattern``'s numbers
@@ -87,7 +88,7 @@ def tall_tiles(pattern: Pattern, queries: int, keys: int, batch_heads: int, sm_c
     if period > 1 and period % TALL_BLOCK_M:
         return False
     width = min(keys, _window_keys(pattern, keys))
-    programs = config.cdiv(queries, TALL_BLOCK_M) * batch_heads
+    programs = cdiv(queries, TALL_BLOCK_M) * batch_heads
     return width >= TALL_MIN_KEYS and programs >= TALL_MIN_PROGRAMS_PER_SM * sm_count
 
 
@@ -100,7 +101,7 @@ def row_class(pattern: Pattern, queries: int, keys: int, batch_heads: int, arch:
     spills 336 B per thread (16 B without; tests/local_arch_build.py), not timed."""
     if long_rows(pattern, keys):
         return LONG
-    if not (config.INTERPRET or dropout) and tall_tiles(pattern, queries, keys, batch_heads, arch.sm_count):
+    if not (INTERPRET or dropout) and tall_tiles(pattern, queries, keys, batch_heads, arch.sm_count):
         return TALL
     return SHORT
 
@@ -112,10 +113,10 @@ def plan(kind: str, head_dim: int, dtype: torch.dtype, rows: str = SHORT, querie
     ``budget.local_fit``), its tiles fitted to ``queries`` and ``keys`` where given
     (``fitted``)."""
     found = OVERRIDES.get((kind, int(head_dim), dtype, rows))
-    tiles = found if found is not None else _fitted_plan(kind, config.tile_side(head_dim), dtype, rows, arch)
+    tiles = found if found is not None else _fitted_plan(kind, tile_side(head_dim), dtype, rows, arch)
     if queries is None:
         return tiles
-    return fitted(tiles, config.tile_side(queries), config.tile_side(keys))
+    return fitted(tiles, tile_side(queries), tile_side(keys))
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,7 +127,7 @@ def _fitted_plan(kind: str, width: int, dtype: torch.dtype, rows: str, arch: Opt
 def fits(head_dim: int, dtype: torch.dtype, arch: Arch) -> bool:
     """Whether every kernel's plan, in every class of rows, fits ``arch`` (else PyTorch
     computes: float32 at head_dim above 128 on a 64 KB GPU)."""
-    width = config.tile_side(head_dim)
+    width = tile_side(head_dim)
     return all(_fitted_plan(kind, width, dtype, rows, arch) is not None
                for kind in ("fwd", "dq", "dkdv") for rows in (SHORT, LONG, TALL))
 
@@ -190,7 +191,7 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype, rows: str) -> Plan:
     float32 inputs spill a few hundred bytes per thread in every plan tried (not a
     performance target: correct, slower). ``benchmarks/bench_local.py --tune`` times others
     (``OVERRIDES``)."""
-    if config.INTERPRET:
+    if INTERPRET:
         return Plan(16, 16, 4, 1)
     key = kind, max(64, width)
     if dtype == torch.float32:
@@ -201,7 +202,7 @@ def _default_plan(kind: str, width: int, dtype: torch.dtype, rows: str) -> Plan:
 def precision(dtype: torch.dtype) -> int:
     """How the kernels multiply (``local.tiles.product``): exact fp32 under the interpreter
     (its bf16 dot is wrong), 3xTF32 for float32 inputs on the GPU, else the inputs' dtype."""
-    if config.INTERPRET:
+    if INTERPRET:
         return IEEE
     return TF32X3 if dtype == torch.float32 else NATIVE
 
@@ -216,7 +217,7 @@ def fold_scale(scale: float, head_dim: int) -> bool:
     causal (B 2, H 16) at S 16384 2.774 -> 2.607 ms, S 4096 0.238 -> 0.228; 16-frame windows
     at S 65536 2.122 -> 2.024. At head_dim 128 it measured neutral (global attention at S
     16384 4.558 -> 4.580 ms, 4 rounds), and is left off."""
-    return scale > 0 and config.tile_side(head_dim) <= 64
+    return scale > 0 and tile_side(head_dim) <= 64
 
 
 #: a decomposed bias whose key grid has this many columns takes key tiles of one grid row
@@ -291,7 +292,7 @@ def clear() -> None:
 
 def _call_plan(call: LocalCall, counts: bool) -> LocalPlan:
     rows = row_class(call.pattern, call.queries, call.keys, call.batch * call.heads, call.arch, call.dropout)
-    shared = dict(D=call.head_dim, BLOCK_D=config.tile_side(call.head_dim), PERIODIC=call.pattern[0] != 1,
+    shared = dict(D=call.head_dim, BLOCK_D=tile_side(call.head_dim), PERIODIC=call.pattern[0] != 1,
                   HAS_SINK=call.pattern[3] > 0, HAS_DROPOUT=call.dropout, PRECISION=precision(call.dtype),
                   COUNT_TILES=counts, BIAS=call.bias)
     kernels = {}
@@ -304,11 +305,11 @@ def _call_plan(call: LocalCall, counts: bool) -> LocalPlan:
         if kind == "fwd":  # a bias is added to the scaled logits: nothing to fold into
             kwargs["FOLD_SCALE"] = call.bias == NO_BIAS and fold_scale(float(call.positive_scale), call.head_dim)
         if kind == "dq":
-            kwargs.update(KEY_H_PAD=config.tile_side(call.key_h), KEY_W_PAD=config.tile_side(call.key_w))
+            kwargs.update(KEY_H_PAD=tile_side(call.key_h), KEY_W_PAD=tile_side(call.key_w))
         if kind == "dkdv":
-            grid = (config.cdiv(call.keys, tiles.block_n) * call.batch * call.kv_heads,)
+            grid = (cdiv(call.keys, tiles.block_n) * call.batch * call.kv_heads,)
         else:
-            grid = (config.cdiv(call.queries, tiles.block_m) * call.batch * call.heads,)
+            grid = (cdiv(call.queries, tiles.block_m) * call.batch * call.heads,)
         kernels[kind] = KernelPlan(tiles, grid, kwargs)
     return LocalPlan(**kernels)
 
@@ -333,11 +334,11 @@ def _bias_tiles(kind: str, tiles: Plan, call: LocalCall) -> Plan:
     gathering dkdv kernel at 8 warps, 4.5 at 4. Not float32 inputs at 8 warps (triton 3.6
     builds their dkdv kernel of 16 query rows at 8 warps into an illegal memory access:
     ``_PLANS_32BIT``)."""
-    if call.bias != DECOMPOSED or config.INTERPRET:
+    if call.bias != DECOMPOSED or INTERPRET:
         return tiles
     if call.key_w in ROW_TILE_WIDTHS and tiles.block_n != call.key_w:
         tiles = Plan(tiles.block_m, call.key_w, tiles.num_warps, tiles.num_stages)
-        tiles = budget.local_fit(kind, tiles, config.tile_side(call.head_dim), call.dtype.itemsize, call.arch) or tiles
+        tiles = budget.local_fit(kind, tiles, tile_side(call.head_dim), call.dtype.itemsize, call.arch) or tiles
     gathers = tiles.block_n != call.key_w
     if kind == "dq" and gathers and max(call.key_h, call.key_w) > 64 and tiles.block_m > 32:
         tiles = Plan(32, tiles.block_n, tiles.num_warps, tiles.num_stages)

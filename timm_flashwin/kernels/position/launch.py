@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import config
+from ..arch import INTERPRET
 from ..launcher import compiler_options, launcher
 from .bias import relative_bias_gather_kernel, relative_bias_table_grad_kernel
 from .mlp import position_mlp_bwd_kernel, position_mlp_fwd_kernel
@@ -26,7 +26,7 @@ def relative_bias_gather(table: torch.Tensor, index: torch.Tensor, sigmoid_scale
     n, heads = index.shape[0], table.shape[1]
     out = table.new_empty((heads, n, n))
     block_h = _heads_block(heads)
-    block_p = max(16, (8192 if config.INTERPRET else 2048) // block_h)
+    block_p = max(16, (8192 if INTERPRET else 2048) // block_h)
     launcher(relative_bias_gather_kernel)[(-(-(n * n) // block_p),)](
         table, index.reshape(-1), out, n * n, *table.stride(), out.stride(0),
         H=heads, BLOCK_P=block_p, BLOCK_H=block_h, SIGMOID_SCALE=float(sigmoid_scale), **compiler_options(),
@@ -49,7 +49,7 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
         grad = grad.contiguous()
     out = grad.new_empty((num_rows, heads), dtype=dtype)
     block_h = _heads_block(heads)
-    if config.INTERPRET:  # few programs: the interpreter's cost is per operation
+    if INTERPRET:  # few programs: the interpreter's cost is per operation
         block_t, block_j = max(16, 1024 // block_h), 16
     else:
         # many programs, each taking its rows' pairs in one or a few latency-bound steps, at
@@ -76,13 +76,13 @@ def relative_bias_table_grad(grad: torch.Tensor, order: torch.Tensor, offsets: t
 #: them one after the other, paying Python per operation: 256 rows took SwinV2-CR's 2401-row
 #: table forward and backward from 0.50 / 0.63 s at 64 rows to 0.15 / 0.26 s on a 2-core
 #: CPU), still several hidden-unit blocks per program (K = 384, 512).
-_MLP_FORWARD = (256, 128, 4) if config.INTERPRET else (16, 128, 2)
-_MLP_BACKWARD = (256, 128, 4) if config.INTERPRET else (16, 32, 4)
+_MLP_FORWARD = (256, 128, 4) if INTERPRET else (16, 128, 2)
+_MLP_BACKWARD = (256, 128, 4) if INTERPRET else (16, 32, 4)
 #: rows that one backward program sums before it writes its partial sums: tables of up to
 #: this many rows (windows up to 8x8) take one launch and no reduction. The interpreter's
 #: programs sum two of their blocks, so that tables of over 512 rows still test both the
 #: loop over a group's blocks and the sum of several groups' partial sums.
-_MLP_ROWS_PER_PROGRAM = 512 if config.INTERPRET else 256
+_MLP_ROWS_PER_PROGRAM = 512 if INTERPRET else 256
 #: the kernels' heads block is at least this: tl.dot takes dims of 16 and more
 _MLP_MIN_HEADS_BLOCK = 16
 

@@ -1,5 +1,7 @@
-"""Backward kernels. They recompute the probabilities from q, k, bias, mask and the
-row log-sum-exp saved by the forward; nothing of size N x N is kept between passes.
+"""Backward kernels. They recompute the probabilities from q, k, bias and mask: windows of
+one tile renormalize their rows themselves, larger ones take the row max and 1 / row sum the
+forward saved (two numbers rather than a log-sum-exp: ``forward.py`` says why); nothing of
+size N x N is kept between passes.
 
 With logits Z = S + B + M and P = softmax(Z):
     dV = P^T dO,   dP = dO V^T,   dZ = P * (dP - rowsum(P * dP)),
@@ -20,8 +22,8 @@ Two paths, picked by the launcher:
   windows sharing (head, mask window); it sums dZ over those windows in registers and
   writes one partial bias gradient per program, summed afterwards by the launcher. It also
   reads and writes the feature-map layout (MAPPED, ``tiles.window_rows``).
-* Larger N (kernels/backward_dkdv.py, kernels/backward_dq_dbias.py, which take this
-  file's tile helpers): ``delta`` (rowsum(dO * O)), then a ``dkdv`` kernel over key blocks. dQ is
+* Larger N (``backward_dkdv.py``, ``backward_dq_dbias.py``, which take this file's tile
+  helpers): ``delta`` (rowsum(dO * O)), then a ``dkdv`` kernel over key blocks. dQ is
   either added by the ``dkdv`` kernel, tile by tile, into an fp32 buffer with atomic adds
   and finished (scaled, normalized, cast) by ``dq_finish``, or computed by its own ``dq``
   kernel, which recomputes every tile of P once more. The bias gradient is either added by
@@ -37,7 +39,7 @@ both paths give bit-for-bit reproducible gradients.
 import triton
 import triton.language as tl
 
-from .bias_mask_tiles import load_bias_mask, load_table_bias_mask
+from .bias_mask_tiles import bias_grad_tile, bias_tile
 from .tiles import (LOG2E, dropout_factor, head_scale, key_base, load_window_qk, load_window_rows, logit_scale_grad,
                     logits_tile, mma, normalize_backward, query_base, store_rows, store_window_rows, window_rows,
                     window_run)
@@ -156,9 +158,9 @@ def window_attention_bwd_fused_kernel(
     map_windows, windows_x, map_height, map_width, shift_h, shift_w, query_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+    BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     BIAS_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MAPPED: tl.constexpr,
-    WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr, BIAS_SIGMOID: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
+    WINDOW_W: tl.constexpr, BIAS_SIGMOID: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (H * nW * window chunks,). One whole window per tile. MAPPED: qkv, dout and dqkv
     in the feature-map layout, windows WINDOW_W tokens wide (``tiles.window_rows``).
@@ -168,9 +170,9 @@ def window_attention_bwd_fused_kernel(
     gradient (H, N, N) at dbias_partial_ptr and its partial logit-scale gradient (H,) at
     dscale_partial_ptr, both stride_partial_group apart from group to group (the launcher
     lays the two out in one buffer, which one reduction sums).
-    BIAS_TABLE: the bias read from its table through the index at bias_index_ptr, as the
-    forward reads it (``bias_mask_tiles.load_table_bias_mask``); its gradient is still the dense (H, N, N)
-    partial sums, which the table's gradient kernel sums per table row."""
+    BIAS: the bias's kind, read as the forward reads it (``bias_mask_tiles.bias_tile``; a
+    table through the index at bias_index_ptr); its gradient is the dense (H, N, N) partial
+    sums (``bias_grad_tile``), which the table's gradient kernel sums per table row."""
     pid = tl.program_id(0)
     h = pid % H
     group = (pid // H).to(tl.int64)  # = chunk * num_periods + w
@@ -181,15 +183,9 @@ def window_attention_bwd_fused_kernel(
     dims = tl.arange(0, BLOCK_D)
     s = head_scale(logit_scale_ptr, h, scale, COSINE)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
-    if BIAS_TABLE:
-        bias_mask = load_table_bias_mask(bias_ptr, bias_index_ptr, mask_ptr, h, w, idx, idx, stride_bias_i,
-                                         stride_bias_h, stride_mask_w, stride_mask_i, stride_mask_j,
-                                         N, HAS_MASK, BLOCK_N, BIAS_SIGMOID)
-    else:
-        bias_mask = load_bias_mask(bias_ptr, mask_ptr, bias_ptr, 0.0, h, w, idx, idx,
-                                   stride_bias_h, stride_bias_i, stride_bias_j,
-                                   stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_N, BLOCK_N, False, False)
+    bias_mask = bias_tile(bias_ptr, bias_index_ptr, mask_ptr, bias_ptr, 0.0, h, w, idx, idx,
+                          stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                          N, BIAS, BIAS_SIGMOID, HAS_MASK, BLOCK_N, BLOCK_N, False)
     dbias_acc = tl.zeros((BLOCK_N, BLOCK_N), tl.float32)
     dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
 
@@ -224,7 +220,7 @@ def window_attention_bwd_fused_kernel(
         store_window_rows(dq_base + 2 * stride_dqkv_p, dv, addr, idx, dims, stride_dqkv_n, stride_dqkv_d,
                           N, D)
         if BIAS_GRAD:
-            dbias_acc += ds
+            dbias_acc += bias_grad_tile(ds, BIAS)
         if SCALE_GRAD:
             dscale_acc += tl.sum(ds * key_scaled, 1) * q_inv  # sum_j dZ_ij R_ij
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .backward import input_grad, load_rbar, load_row_stats, program_block, scale_grad_terms, softmax_backward_tile
-from .bias_mask_tiles import load_bias_mask, mask_kind_launch, window_in_one_region
+from .bias_mask_tiles import bias_grad_tile, bias_tile, mask_kind_launch, window_in_one_region
 from .tiles import (LOG2E, head_scale, key_base, load_qk, load_rows, logit_scale_grad, mma, query_base, row_norms,
                     store_rows, window_run)
 
@@ -66,9 +66,9 @@ def window_attention_bwd_dkdv_kernel(
     num_periods, windows_per_period, windows_per_program, query_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+    BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
-    DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
+    DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
     FLAT_LOOP: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (key blocks * H * nW * window chunks,). dK, dV of one key block of head h for a
@@ -89,7 +89,7 @@ def window_attention_bwd_dkdv_kernel(
     save (config.backward_config: one slot, cosine only).
 
     With MASK_REGIONS the launcher launches this kernel twice, FROM_REGIONS True and False,
-    as it does the forward: each build serves one kind of mask (``load_bias_mask``), and the
+    as it does the forward: each build serves one kind of mask (``bias_mask_tiles.add_mask``), and the
     programs of the launch whose kind the mask is not return at once. The loop then holds
     no branch, and its bias tile and region ids are fetched ahead by the pipeliner, as q
     and dO are (H200, window 16, ncu: a third of the kernel's stall samples were waits on
@@ -125,8 +125,8 @@ def window_attention_bwd_dkdv_kernel(
                 stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
                 stride_bias_h, stride_bias_i, stride_bias_j,
                 stride_mask_w, stride_mask_i, stride_mask_j,
-                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, GLOBAL_QUERY)
+                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, False, COSINE, FP32_DOT, HAS_DROPOUT,
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, FLAT_LOOP, GLOBAL_QUERY)
         else:
             dscale = dkdv_windows(
                 qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, seed, s,
@@ -137,8 +137,8 @@ def window_attention_bwd_dkdv_kernel(
                 stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d,
                 stride_bias_h, stride_bias_i, stride_bias_j,
                 stride_mask_w, stride_mask_i, stride_mask_j,
-                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, GLOBAL_QUERY)
+                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, FLAT_LOOP, GLOBAL_QUERY)
         if SCALE_GRAD:
             tl.atomic_add(dscale_sums_ptr + h, logit_scale_grad(dscale, s, logit_scale_ptr, h), sem="relaxed")
 
@@ -154,9 +154,9 @@ def dkdv_windows(qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_
                  stride_mask_w, stride_mask_i, stride_mask_j,
                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+                 BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
-                 DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
+                 DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr,
                  FLAT_LOOP: tl.constexpr, GLOBAL_QUERY: tl.constexpr):
     """The dkdv kernel's work: dK, dV of the key block ``cols`` of head h (head scale ``s``)
     for windows w + nW * [first, last) (the mask window's); HAS_MASK False for a window of one region. Returns
@@ -210,8 +210,8 @@ def dkdv_windows(qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_
                 stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
                 stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, COSINE, GLOBAL_QUERY)
+                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, COSINE, GLOBAL_QUERY)
             dscale += dscale_tile
             if start_m + BLOCK_M >= N:  # the window's last query block
                 store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
@@ -236,8 +236,8 @@ def dkdv_windows(qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_
                 stride_qkv_b, stride_qkv_n, stride_qkv_p, stride_qkv_h, stride_qkv_d, stride_q_b, stride_q_n,
                 stride_dout_b, stride_dout_n, stride_dout_c,
                 stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
-                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, BIAS_LOG2E, False, GLOBAL_QUERY)
+                H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, HAS_MASK, COSINE, FP32_DOT, HAS_DROPOUT,
+                DQ_ATOMIC, SCALE_GRAD, DBIAS_ATOMIC, FROM_REGIONS, False, GLOBAL_QUERY)
             dscale += dscale_tile
         store_dkdv(dk_acc, dv_acc, s, k_in, k_inv, k_norm, dqkv_ptr, b, h, cols, dims,
                    stride_dqkv_b, stride_dqkv_n, stride_dqkv_p, stride_dqkv_h, stride_dqkv_d, H, N, D, COSINE)
@@ -253,9 +253,9 @@ def dkdv_tile(qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr
               stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
               H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+              BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, SCALE_GRAD: tl.constexpr,
-              DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr,
+              DBIAS_ATOMIC: tl.constexpr, FROM_REGIONS: tl.constexpr,
               RAW_K: tl.constexpr, GLOBAL_QUERY: tl.constexpr):
     """One (query block ``rows``, key block ``cols``) tile of window b, head h: (dk_acc, dv_acc,
     the tile's scale-gradient terms); with DQ_ATOMIC the tile's dQ and with DBIAS_ATOMIC
@@ -277,10 +277,9 @@ def dkdv_tile(qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr
     # only an operand of the products (the rows' norms and unit rows would take registers
     # and shared memory at every tile)
     q_inv = tl.load(stats_ptr + 3 * stats_stride + bh * N + rows, mask=rows < N, other=0.0) if COSINE else 1.0
-    bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
-                               stride_bias_h, stride_bias_i, stride_bias_j,
-                               stride_mask_w, stride_mask_i, stride_mask_j,
-                               N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
+    bias_mask = bias_tile(bias_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+                          stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                          N, BIAS, 0.0, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
     p, p_v, ds, key_scaled = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
                                                    bias_mask, s * LOG2E, seed, bh, rows, cols, dropout_p, N,
                                                    COSINE, FP32_DOT, False, HAS_DROPOUT)
@@ -300,7 +299,8 @@ def dkdv_tile(qkv_ptr, q_ptr, dout_ptr, stats_ptr, delta_ptr, bias_ptr, mask_ptr
         dscale = tl.sum(scale_grad_terms(ds, key_scaled, q_inv, rbar), 0)
     if DBIAS_ATOMIC:
         slot = b % num_slots
-        tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :], ds,
+        tl.atomic_add(dbias_slots_ptr + ((slot * H + h) * N + rows[:, None]) * N + cols[None, :],
+                      bias_grad_tile(ds, BIAS),
                       mask=(rows[:, None] < N) & (cols[None, :] < N), sem="relaxed")
     return dk_acc, dv_acc, dscale
 

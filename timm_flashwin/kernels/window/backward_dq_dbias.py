@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .backward import load_rbar, load_row_stats, program_block, scale_grad_terms, softmax_backward_tile, store_dq
-from .bias_mask_tiles import load_bias_mask, load_bias_mask_either, load_mask_regions, mask_kind_launch
+from .bias_mask_tiles import bias_grad_tile, bias_tile, bias_tile_either, load_mask_regions, mask_kind_launch
 from .tiles import LOG2E, head_scale, key_base, load_qk, load_rows, logit_scale_grad, mma, query_base, window_run
 
 
@@ -26,9 +26,9 @@ def window_attention_bwd_dq_kernel(
     stride_mask_w, stride_mask_i, stride_mask_j,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+    BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
     SCALE_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr,
-    BIAS_LOG2E: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
+    GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (B_ * H * query blocks,). dQ of one query block, looping over key blocks;
     also the block's share of d(logit_scale), written to dscale_partial[b, h, block].
@@ -59,10 +59,10 @@ def window_attention_bwd_dq_kernel(
             cols = start_n + tl.arange(0, BLOCK_N)
             k_in, k_lowp, k_inv, k_norm = load_qk(k_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D, COSINE)
             v = load_rows(v_base, cols, dims, stride_qkv_n, stride_qkv_d, N, D)
-            bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
-                                       stride_bias_h, stride_bias_i, stride_bias_j,
-                                       stride_mask_w, stride_mask_i, stride_mask_j,
-                                       N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
+            bias_mask = bias_tile(bias_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+                                  stride_bias_h, stride_bias_i, stride_bias_j,
+                                  stride_mask_w, stride_mask_i, stride_mask_j,
+                                  N, BIAS, 0.0, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
             p, p_v, ds, key_scaled = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum,
                                                            delta, bias_mask, s * LOG2E, seed, bh, rows, cols,
                                                            dropout_p, N, COSINE, FP32_DOT, False, HAS_DROPOUT)
@@ -111,8 +111,8 @@ def window_attention_bwd_dbias_kernel(
     num_periods, windows_per_period, windows_per_program, query_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, ATOMIC_SUM: tl.constexpr, BIAS_LOG2E: tl.constexpr,
+    BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, MASK_REGIONS: tl.constexpr, ATOMIC_SUM: tl.constexpr,
     GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (key blocks * query blocks * H * nW * window chunks,). Sum of dZ over a run
@@ -139,10 +139,10 @@ def window_attention_bwd_dbias_kernel(
     logit_scale2 = head_scale(logit_scale_ptr, h, scale, COSINE) * LOG2E
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0
     mask_structured, mask_value = load_mask_regions(mask_info_ptr, MASK_REGIONS)
-    bias_mask = load_bias_mask_either(
+    bias_mask = bias_tile_either(
         bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols, stride_bias_h,
-        stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, HAS_BIAS, HAS_MASK, BLOCK_M,
-        BLOCK_N, BIAS_LOG2E)
+        stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j, N, BIAS, HAS_MASK, BLOCK_M,
+        BLOCK_N)
     dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # The row statistics feed no product here (dZ only adds up), so the pipeliner does not
     # fetch them ahead as it does q, k, v and dO: they are loaded one window ahead by hand
@@ -169,7 +169,7 @@ def window_attention_bwd_dbias_kernel(
         p, p_v, ds, _ = softmax_backward_tile(q_in, q_inv, k_in, k_inv, v, do, row_max, row_inv_sum, delta,
                                               bias_mask, logit_scale2, seed, bh, rows, cols, dropout_p, N,
                                               COSINE, FP32_DOT, False, HAS_DROPOUT)
-        dbias_acc += ds
+        dbias_acc += bias_grad_tile(ds, BIAS)
 
     inside = (rows[:, None] < N) & (cols[None, :] < N)
     if ATOMIC_SUM:

@@ -6,8 +6,8 @@ stream key blocks read a tile of them for every (window, query block, key block)
 for them the host prepares cheaper reads:
 
 * with 16-bit inputs, a float16 copy of the bias times log2(e), with the mask folded in
-  where that copy is small (``streamed_bias``; ``streamed_flags`` gives the same answer
-  from the signature alone, for the launch plans);
+  where that copy is small (``streamed_bias``; ``kernel_reads`` gives the same answer from
+  the call's description alone, for the launch plans);
 * a mask of timm's kind, value * [region_i != region_j], as (nW, N) region ids
   (``mask_structure``), checked on the device and kept on the mask tensor between eager
   calls (``kept_mask_structure``, ``mask_kinds_to_launch``).
@@ -16,60 +16,56 @@ for them the host prepares cheaper reads:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
-from .. import config, fast_launch
+from .. import fast_launch
 from .bias_copy import float16_bias_copy_kernel
+from .call import DENSE_BIAS, LOG2E_COPY, NO_BIAS, TABLE_BIAS, WindowCall
 from ..launcher import compiler_options, launcher, traced_launch
 from ..tensor_cache import kept, kept_on
 
 
-# ------------------------------------------------------------------ decided from shapes
-def folds_mask(dtype: torch.dtype, num_heads: int, num_periods: int, n: int) -> bool:
-    """Whether the kernels that stream key blocks read the mask folded into their float16
-    bias copy (``streamed_bias``) rather than read it themselves: with 16-bit inputs, where
-    that (nW, H, N, N) copy is at most ``config.FOLDED_MASK_MAX_BYTES``. Shapes only, so
-    that a traced call decides as an eager one does."""
-    return dtype != torch.float32 and 2 * num_periods * num_heads * n * n <= config.FOLDED_MASK_MAX_BYTES
+# ------------------------------------------------------------------ decided from the call
+def folds_mask(call: WindowCall) -> bool:
+    """Whether the kernels that stream key blocks read the call's mask folded into their
+    float16 bias copy (``streamed_bias``) rather than read it themselves: with 16-bit inputs,
+    where that (nW, H, N, N) copy is at most ``config.FOLDED_MASK_MAX_BYTES`` (the call's
+    setting). From the call alone, so that a traced call decides as an eager one does."""
+    n = call.tokens
+    return (call.periods > 0 and call.dtype != torch.float32
+            and 2 * call.periods * call.heads * n * n <= call.settings.folded_mask_max_bytes)
 
 
-def reads_mask_apart(mask: Optional[torch.Tensor], dtype: torch.dtype, num_heads: int, n: int) -> bool:
+def reads_mask_apart(call: WindowCall) -> bool:
     """Whether the kernels that stream key blocks read a mask of their own: there is one and
     it is not folded into their bias copy (``folds_mask``)."""
-    return mask is not None and not folds_mask(dtype, num_heads, mask.shape[0], n)
+    return call.periods > 0 and not folds_mask(call)
 
 
-@dataclass(frozen=True)
-class StreamedFlags:
-    """How kernels that stream key blocks read bias and mask (``streamed_bias``), as the
-    launch plans' flags: whether they read a bias (copy), a mask of their own, and the
-    log2(e) factor."""
-
-    has_bias: bool
-    has_mask: bool
-    log2e: bool
-
-
-def streamed_flags(has_bias: bool, has_mask: bool, streams: bool, dtype: torch.dtype, num_heads: int,
-                   periods: int, n: int) -> StreamedFlags:
-    """The flags ``streamed_bias`` gives for these inputs (the same rules), from the
-    signature alone: ``streams``, whether the kernel streams key blocks (else it reads
-    bias and mask as they are); ``periods``, the mask's nW."""
-    if not streams or dtype == torch.float32:
-        return StreamedFlags(has_bias, has_mask, False)
-    fold = has_mask and folds_mask(dtype, num_heads, periods, n)
-    if not has_bias and not fold:
-        return StreamedFlags(False, has_mask, False)
-    return StreamedFlags(True, has_mask and not fold, True)
+def kernel_reads(call: WindowCall, streams: bool, reads_table: bool) -> Tuple[int, bool]:
+    """(bias kind, whether it reads a mask) of a kernel of this call (``call.NO_BIAS`` ...;
+    the kernels' BIAS and HAS_MASK): ``streams``, whether it streams key blocks (else it
+    reads bias and mask as they are, a ``TABLE_BIAS`` from its table where ``reads_table``);
+    the bias and the mask that ``streamed_bias`` hands it, by the same rules."""
+    has_mask = call.periods > 0
+    if call.bias == TABLE_BIAS and reads_table and not streams:
+        return TABLE_BIAS, has_mask
+    dense = DENSE_BIAS if call.bias != NO_BIAS else NO_BIAS
+    if not streams or call.dtype == torch.float32:
+        return dense, has_mask
+    fold = folds_mask(call)
+    if dense == NO_BIAS and not fold:
+        return NO_BIAS, has_mask
+    return LOG2E_COPY, has_mask and not fold
 
 
 # ------------------------------------------------------------------ the bias copy
-def streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], dtype: torch.dtype, num_heads: int
-                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], bool]:
-    """(bias, mask, BIAS_LOG2E) as the kernels that stream key blocks read them.
+def streamed_bias(call: WindowCall, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor]
+                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(bias, mask) as the kernels that stream key blocks read them (``kernel_reads`` says
+    which kind: the bias as it is, or ``LOG2E_COPY``).
 
     For float16 and bfloat16 inputs: a float16 copy of (bias + mask) times log2(e), (nW, H,
     N, N) (nW 1 without a mask, H 1 without a bias), and no mask, where that copy is small
@@ -79,20 +75,19 @@ def streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], dt
 
     Those kernels read a tile of the bias for every (window, query block, key block): on
     window 16 (512, 3, 256, 32) 400 MB of reads per forward from L2. Read as float16 (H100,
-    bf16, kernels alone, tune_op.py --bias-dtype, 2026-11-23), the forward took 153 -> 111
+    bf16, kernels alone, 2026-11-23), the forward took 153 -> 111
     us on window 16 V1, 179 -> 139 cosine, 422 -> 302 and 492 -> 385 us on window 24 (no
     bias at all: 97, 122, 260, 333 us); the backward, whose heavy part is the bias
     gradient, not the bias reads, 1 to 4% less. Times log2(e), the kernels add it to their
     log2-domain logits as it is: one multiply per logit fewer.
 
-    With the mask folded in, the kernels spend nothing on it per logit (timm's region mask
-    took a compare and a predicated multiply-add per logit: 194 of a 64x128 step's 835
-    instructions on window 16, ncu), for a copy of nW * H * N * N float16 values per bias
-    (inference with a cached bias: once). H200, bf16, kernels alone (tune_op.py
-    --only-default, 2026-11-24), forward / backward us, region ids -> folded: window 16 V1
-    87.9 / 307.7 -> 82.2 / 290.0, cosine 120.7 / 374.7 -> 116.4 / 368.5; window 24 V1 272.6
-    / 863.0 -> 263.5 / 832.1, cosine 356.0 / 1114.6 -> 341.7 / 1023.5 (the whole op, the
-    copy included: H200, 2026-11-24, e358ac1).
+    With the mask folded in, the kernels spend nothing on it per logit (timm's region mask took a
+    compare and a predicated multiply-add per logit: 194 of a 64x128 step's 835 instructions
+    on window 16, ncu), for a copy of nW * H * N * N float16 values per bias (inference with a
+    cached bias: once). H200, bf16, kernels alone (2026-11-24), forward / backward us, region
+    ids -> folded: window 16 V1 87.9 / 307.7 -> 82.2 / 290.0, cosine 120.7 / 374.7 -> 116.4 /
+    368.5; window 24 V1 272.6 / 863.0 -> 263.5 / 832.1, cosine 356.0 / 1114.6 -> 341.7 /
+    1023.5 (the whole op, the copy included: H200, 2026-11-24, e358ac1).
 
     Precision: float16 keeps 11 bits, |error| <= |(bias + mask) * log2(e)| * 2^-12, below
     the bfloat16 rounding of P that the P V product takes anyway, and finer than timm's
@@ -104,41 +99,41 @@ def streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], dt
     The copy is kept on the bias tensor (``kept_on``, keyed on the mask too; on the mask
     where there is no bias): the backward reuses the forward's.
     """
-    recipe = _streamed_recipe(bias, mask, dtype, num_heads)
+    recipe = _streamed_recipe(call, bias, mask)
     if recipe is None:  # read as they are
-        return bias, mask, False
-    owner, make, log2e, read_mask, key = recipe
+        return bias, mask
+    owner, make, read_mask, key = recipe
     if key is None:
-        return make(), read_mask, log2e
-    return kept_on(owner, _STREAMED_BIAS, make, *key), read_mask, log2e
+        return make(), read_mask
+    return kept_on(owner, _STREAMED_BIAS, make, *key), read_mask
 
 
-def kept_streamed_bias(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], dtype: torch.dtype,
-                       num_heads: int) -> Optional[torch.Tensor]:
+def kept_streamed_bias(call: WindowCall, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor]
+                       ) -> Optional[torch.Tensor]:
     """The copy ``streamed_bias`` keeps for these inputs, where it keeps one and has made
     it, else None; computes nothing. The op's forward hands it to its backward's host
     program (the backward reads it from where the forward kept it)."""
-    recipe = _streamed_recipe(bias, mask, dtype, num_heads)
+    recipe = _streamed_recipe(call, bias, mask)
     if recipe is None:
         return None
-    owner, _, _, _, key = recipe
+    owner, _, _, key = recipe
     return kept(owner, _STREAMED_BIAS, *key) if key is not None else None
 
 
 _STREAMED_BIAS = "_flashwin_streamed_bias"
 
 
-def _streamed_recipe(bias, mask, dtype, num_heads):
+def _streamed_recipe(call: WindowCall, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
     """``streamed_bias``'s decision: None where bias and mask are read as they are, else
-    (owner, make, log2e, read_mask, key): ``make()`` computes the bias read, kept on
-    ``owner`` under ``key`` (None: not kept)."""
-    if dtype != torch.float32:
-        fold = mask is not None and folds_mask(dtype, num_heads, mask.shape[0], mask.shape[-1])
+    (owner, make, read_mask, key): ``make()`` computes the bias read, kept on ``owner`` under
+    ``key`` (None: not kept)."""
+    if call.dtype != torch.float32:
+        fold = folds_mask(call)
         if bias is None and not fold:
             return None
         folded = mask if fold else None
         owner = bias if bias is not None else mask
-        make, log2e, read_mask = (lambda: _log2e_float16_copy(bias, folded)), True, None if fold else mask
+        make, read_mask, log2e = (lambda: _log2e_float16_copy(bias, folded)), None if fold else mask, True
         # a bias's copy with the mask folded in is keyed on the mask too (its storage and
         # version): not kept where the mask has no version (inference mode) or is traced
         other = folded if bias is not None else None
@@ -146,12 +141,12 @@ def _streamed_recipe(bias, mask, dtype, num_heads):
     elif bias is None or bias.is_contiguous():
         return None
     else:
-        owner, make, log2e, read_mask, other, keep = bias, bias.contiguous, False, mask, None, True
+        owner, make, read_mask, log2e, other, keep = bias, bias.contiguous, mask, False, None, True
     if not keep or traced_launch() or type(owner) is not torch.Tensor:
-        return owner, make, log2e, read_mask, None
+        return owner, make, read_mask, None
     # keyed on the copy's kind too: the same bias may serve float32 and 16-bit inputs in turn
     key = (log2e,) if other is None else (log2e, other.data_ptr(), other._version, other.shape, other.stride())
-    return owner, make, log2e, read_mask, key
+    return owner, make, read_mask, key
 
 
 def _log2e_float16_copy(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -177,7 +172,7 @@ def mask_structure(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Whether the mask is timm's kind, M[w, i, j] = value * [region_i != region_j]: then
     the kernels that stream key blocks compute it from (nW, N) region ids instead of
     reading 4 * N * N bytes per window, head and query block. Measured on an H200
-    (window 24, bf16, tune_op.py --dense mask, 2026-11-22): the multi-block backward
+    (window 24, bf16, 2026-11-22): the multi-block backward
     1.11x faster (1741 -> 1572 us), the forward 1.03x slower (700 -> 719 us), this check
     included; with the forward's branch moved around its loops since, the forward reading
     region ids takes 635 us and reading the dense mask 843 us (same run, H200, V1).
@@ -262,7 +257,7 @@ def bias_mask_args(bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], u
     (``launcher.unused_pointer``). The bias's strides are (window, head, row, column), 0
     along a dimension of one (a bias without windows serves every window, a folded mask
     without a bias every head). ``table``: the bias is a table (T, H) read through an index
-    (``bias_mask_tiles.load_table_bias_mask``): its head stride and its rows' stride in the
+    (``bias_mask_tiles.table_bias``): its head stride and its rows' stride in the
     head and row places."""
     if table:
         return bias, mask if mask is not None else unused, (0, bias.stride(1), bias.stride(0), 0), (

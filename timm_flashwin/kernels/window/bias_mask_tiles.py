@@ -1,17 +1,25 @@
 """Triton building blocks that read a tile of bias + mask, B[h] + M[w], for the forward and
 backward kernels (``tiles.py`` has the rest of their shared tiles and the conventions).
 
-The tile is read in the log2 domain, (B + M) * log2(e), as the logits are kept. The bias
-is the dense (H, N, N) one, the host's float16 copy of it (``bias_mask.streamed_bias``),
-or a table (T, H) read through an index (``load_table_bias_mask``); the mask is the dense
-(nW, N, N) one or, where the host found it to be timm's region mask, computed from
-(nW, N) region ids (``bias_mask.mask_structure``): the kernels that loop over key or
-query blocks are built once per kind of mask (``mask_kind_launch``).
+The tile is read in the log2 domain, (B + M) * log2(e), as the logits are kept. The bias is
+one switch, the kernels' BIAS (``call.NO_BIAS`` ...): ``bias_tile`` adds it (the dense
+(H, N, N) one, the host's float16 copy of it, ``bias_mask.streamed_bias``, or a table (T, H)
+read through an index) and ``bias_grad_tile`` is its gradient. The mask is the dense
+(nW, N, N) one or, where the host found it to be timm's region mask, computed from (nW, N)
+region ids (``bias_mask.mask_structure``): the kernels that loop over key or query blocks are
+built once per kind of mask (``mask_kind_launch``).
 """
 import triton
 import triton.language as tl
 
+from . import call
 from .tiles import LOG2E
+
+#: the bias kinds (``call.NO_BIAS`` ...) as the kernels' BIAS constexpr compares them
+NO_BIAS = tl.constexpr(call.NO_BIAS)
+DENSE_BIAS = tl.constexpr(call.DENSE_BIAS)
+TABLE_BIAS = tl.constexpr(call.TABLE_BIAS)
+LOG2E_COPY = tl.constexpr(call.LOG2E_COPY)
 
 
 @triton.jit
@@ -55,54 +63,65 @@ def window_in_one_region(mask_info_ptr, w, FROM_REGIONS: tl.constexpr, ONE_REGIO
 
 
 @triton.jit
-def load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
-                   stride_bias_h, stride_bias_i, stride_bias_j,
-                   stride_mask_w, stride_mask_i, stride_mask_j,
-                   N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FROM_REGIONS: tl.constexpr,
-                   BIAS_LOG2E: tl.constexpr):
-    """(B[h] + M[w]) * log2(e) for one (rows, cols) tile, fp32; -inf on padded columns.
+def bias_tile(bias_ptr, index_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+              stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+              N: tl.constexpr, BIAS: tl.constexpr, BIAS_SIGMOID: tl.constexpr, HAS_MASK: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FROM_REGIONS: tl.constexpr):
+    """The score's additive term of one (rows, cols) tile, (B[h] + M[w]) * log2(e), fp32; -inf
+    on padded columns. BIAS says what B is (``call.NO_BIAS`` ...; a constexpr: each build
+    holds one branch): none, a dense (H, N, N) tensor (``dense_bias``), the host's float16
+    copy of it, already times log2(e) (``bias_mask.streamed_bias``, read by the kernels that
+    stream key blocks with 16-bit inputs; where it holds the mask too, those kernels are
+    launched without HAS_MASK and their bias pointer steps to window w's slice: one multiply
+    per logit fewer), or a table read through an index (``table_bias``, BIAS_SIGMOID its
+    sigmoid scale). ``bias_grad_tile`` is its gradient. The mask: ``add_mask``.
 
-    BIAS_LOG2E: the bias read is already B * log2(e) (``bias_mask.streamed_bias``'s float16
-    copy, which the kernels that stream key blocks read with 16-bit inputs; where it holds
-    the mask too, those kernels are launched without HAS_MASK and their bias pointer steps
-    to window w's slice): one multiply per logit fewer.
-
-    FROM_REGIONS: the mask is value * [region_i != region_j], computed from the (nW, N)
-    region ids (the launcher found it so, ``mask_structure``) instead of read. The kind is
-    known only at run time (``load_mask_regions``): the kernels that loop over key or query
-    blocks are built for one kind each and launched once per kind, the programs of the
-    other kind returning at once; the dbias kernel, which reads one tile per program,
-    branches (``load_bias_mask_either``).
-
-    Every kernel computes its logits from this tile once per (query block, key block),
-    so each elementwise operation here costs about as much as one of the softmax's own:
-    B and M are scaled by log2(e) separately (a multiply-add each, not an add and a
-    multiply), the region mask adds value * log2(e) where the regions differ, and the
-    padded-column select is compiled only where N is not a multiple of BLOCK_N.
+    Every kernel computes its logits from this tile once per (query block, key block), so
+    each elementwise operation here costs about as much as one of the softmax's own: B and M
+    are scaled by log2(e) separately (a multiply-add each, not an add and a multiply).
     """
-    inside = (rows[:, None] < N) & (cols[None, :] < N)
-    if HAS_BIAS:
-        ptrs = bias_ptr + h * stride_bias_h + rows[:, None] * stride_bias_i + cols[None, :] * stride_bias_j
-        bm = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
-        if not BIAS_LOG2E:
-            bm = bm * LOG2E
-    else:
+    if BIAS == TABLE_BIAS:
+        bm = table_bias(bias_ptr, index_ptr, h, rows, cols, stride_bias_i, stride_bias_h, N, BIAS_SIGMOID)
+    elif BIAS == NO_BIAS:
         bm = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    else:
+        bm = dense_bias(bias_ptr, h, rows, cols, stride_bias_h, stride_bias_i, stride_bias_j, N,
+                        BIAS == LOG2E_COPY)
     return add_mask(bm, mask_ptr, regions_ptr, mask_value, w, rows, cols, stride_mask_w, stride_mask_i, stride_mask_j,
                     N, HAS_MASK, BLOCK_N, FROM_REGIONS)
 
 
 @triton.jit
-def load_table_bias_mask(table_ptr, index_ptr, mask_ptr, h, w, rows, cols, stride_table_t, stride_table_h,
-                         stride_mask_w, stride_mask_i, stride_mask_j,
-                         N: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, SIGMOID_SCALE: tl.constexpr):
-    """``load_bias_mask``'s tile (dense mask) with the bias read from its table: B[h, i, j] =
-    table[index[i, j], h], or SIGMOID_SCALE * sigmoid(table[index[i, j], h]) in fp32 rounded
-    to the table's dtype (SIGMOID_SCALE a float, 0 for none): the values
-    ``position.launch.relative_bias_gather`` writes, scaled and masked in the same operations, so
-    the tile is bit for bit the one read from the gathered bias. table (T, H) with strides
-    (stride_table_t, stride_table_h); index (N, N) int32, contiguous.
+def bias_grad_tile(ds, BIAS: tl.constexpr):
+    """The gradient of the tile ``bias_tile`` adds, from the tile's dZ, that the kernels sum
+    over the windows sharing it: dZ itself for every kind here (each adds its tile as it
+    reads it; the table's rows are summed from it on the host, ``position_bias``). A kind
+    that computes its tile from smaller factors (the next kinds: ``docs/design.md``, "Adding
+    a bias kind") reduces dZ to them here."""
+    return ds
+
+
+@triton.jit
+def dense_bias(bias_ptr, h, rows, cols, stride_bias_h, stride_bias_i, stride_bias_j, N: tl.constexpr,
+               LOG2E_ALREADY: tl.constexpr):
+    """B[h] * log2(e) of a dense bias (H, N, N), fp32, 0 outside the window; LOG2E_ALREADY: the
+    bias read is the host's copy, times log2(e) already."""
+    inside = (rows[:, None] < N) & (cols[None, :] < N)
+    ptrs = bias_ptr + h * stride_bias_h + rows[:, None] * stride_bias_i + cols[None, :] * stride_bias_j
+    bm = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+    if not LOG2E_ALREADY:
+        bm = bm * LOG2E
+    return bm
+
+
+@triton.jit
+def table_bias(table_ptr, index_ptr, h, rows, cols, stride_table_t, stride_table_h, N: tl.constexpr,
+               SIGMOID_SCALE: tl.constexpr):
+    """B[h] * log2(e) with B[h, i, j] = table[index[i, j], h], or SIGMOID_SCALE *
+    sigmoid(table[index[i, j], h]) in fp32 rounded to the table's dtype (SIGMOID_SCALE a float,
+    0 for none): the values ``position.launch.relative_bias_gather`` writes, scaled in the same
+    operations, so the tile is bit for bit the one read from the gathered bias. table (T, H)
+    with strides (stride_table_t, stride_table_h); index (N, N) int32, contiguous.
 
     For the one-tile kernels, which read their tile once per program: the gather (and the
     sigmoid) costs once per program, not per window, and spares the gather's launch and the
@@ -112,16 +131,21 @@ def load_table_bias_mask(table_ptr, index_ptr, mask_ptr, h, w, rows, cols, strid
     bias = tl.load(table_ptr + pairs * stride_table_t + h * stride_table_h, mask=inside, other=0.0)
     if SIGMOID_SCALE != 0:  # 0 on padded tokens, as the gathered bias is read there
         bias = tl.where(inside, (SIGMOID_SCALE * tl.sigmoid(bias.to(tl.float32))).to(table_ptr.dtype.element_ty), 0.0)
-    bm = bias.to(tl.float32) * LOG2E
-    return add_mask(bm, mask_ptr, mask_ptr, 0.0, w, rows, cols, stride_mask_w, stride_mask_i, stride_mask_j,
-                    N, HAS_MASK, BLOCK_N, False)
+    return bias.to(tl.float32) * LOG2E
 
 
 @triton.jit
 def add_mask(bm, mask_ptr, regions_ptr, mask_value, w, rows, cols, stride_mask_w, stride_mask_i, stride_mask_j,
              N: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, FROM_REGIONS: tl.constexpr):
-    """The bias tile ``bm`` (times log2(e)) plus M[w] * log2(e) (``load_bias_mask``), -inf
-    on padded columns."""
+    """The bias tile ``bm`` (times log2(e)) plus M[w] * log2(e), -inf on padded columns (the
+    padded-column select is compiled only where N is not a multiple of BLOCK_N).
+
+    FROM_REGIONS: the mask is value * [region_i != region_j], computed from the (nW, N)
+    region ids (the launcher found it so, ``mask_structure``) instead of read, adding value *
+    log2(e) where the regions differ. The kind is known only at run time
+    (``load_mask_regions``): the kernels that loop over key or query blocks are built for one
+    kind each and launched once per kind, the programs of the other kind returning at once;
+    the dbias kernel, which reads one tile per program, branches (``bias_tile_either``)."""
     inside = (rows[:, None] < N) & (cols[None, :] < N)
     if HAS_MASK:
         if FROM_REGIONS:
@@ -137,23 +161,23 @@ def add_mask(bm, mask_ptr, regions_ptr, mask_value, w, rows, cols, stride_mask_w
 
 
 @triton.jit
-def load_bias_mask_either(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
-                          stride_bias_h, stride_bias_i, stride_bias_j,
-                          stride_mask_w, stride_mask_i, stride_mask_j,
-                          N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_LOG2E: tl.constexpr):
-    """``load_bias_mask`` with the mask's kind decided at run time (``mask_structured``,
-    from ``load_mask_regions``). The dbias kernel reads its one tile per program with it.
+def bias_tile_either(bias_ptr, mask_ptr, regions_ptr, mask_structured, mask_value, h, w, rows, cols,
+                     stride_bias_h, stride_bias_i, stride_bias_j,
+                     stride_mask_w, stride_mask_i, stride_mask_j,
+                     N: tl.constexpr, BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``bias_tile`` with the mask's kind decided at run time (``mask_structured``, from
+    ``load_mask_regions``). The dbias kernel reads its one tile per program with it.
     Not for a tile read inside a loop: the pipeliner does not fetch loads in a branch
     ahead, and the kernels that loop over blocks are built once per mask kind instead
     (``FROM_REGIONS``; H200, window 16, ncu: in the dkdv kernel, waits on the branch's loads
     were a fifth of the stall samples)."""
     if mask_structured:
-        bm = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
-                            stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, True, BIAS_LOG2E)
+        bm = bias_tile(bias_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+                       stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                       N, BIAS, 0.0, HAS_MASK, BLOCK_M, BLOCK_N, True)
     else:
-        bm = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
-                            stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
-                            N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, False, BIAS_LOG2E)
+        bm = bias_tile(bias_ptr, bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+                       stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                       N, BIAS, 0.0, HAS_MASK, BLOCK_M, BLOCK_N, False)
     return bm

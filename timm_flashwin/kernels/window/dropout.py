@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import config
+from ..sizes import cdiv
 from ..launcher import compiler_options
 from .tiles import dropout_factor
 
@@ -32,7 +32,7 @@ def dropout_factors(seed: torch.Tensor, num_windows: int, num_heads: int, n: int
     """(B_, H, N, N) float32: 1 / (1 - p) where the kernels keep a probability, 0 where
     they drop it, for the one-element int64 ``seed`` the op drew."""
     out = torch.empty((num_windows, num_heads, n, n), dtype=torch.float32, device=seed.device)
-    blocks = config.cdiv(n, _BLOCK)
+    blocks = cdiv(n, _BLOCK)
     dropout_factor_kernel[(num_windows * num_heads, blocks, blocks)](seed, out, dropout_p, N=n, BLOCK=_BLOCK,
                                                                      **compiler_options())
     return out

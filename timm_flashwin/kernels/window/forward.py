@@ -11,7 +11,7 @@ product with V is dropped (O = (P * keep / (1 - p)) V, as timm's attn_drop appli
 import triton
 import triton.language as tl
 
-from .bias_mask_tiles import load_bias_mask, load_table_bias_mask, mask_kind_launch, window_in_one_region
+from .bias_mask_tiles import TABLE_BIAS, bias_tile, mask_kind_launch, window_in_one_region
 from .tiles import (LOG2E, dropout_factor, head_scale, key_base, load_window_qk, load_window_rows, logits_tile, mma,
                     query_base, row_norms, store_window_rows, window_rows, window_run)
 
@@ -29,19 +29,19 @@ def window_attention_fwd_kernel(
     map_windows, windows_x, map_height, map_width, shift_h, shift_w, query_windows,
     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
+    BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr,
     FP32_DOT: tl.constexpr, STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr, BIAS_LOG2E: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
-    FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr, WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr,
-    BIAS_SIGMOID: tl.constexpr, GLOBAL_QUERY: tl.constexpr,
+    MASK_REGIONS: tl.constexpr, FROM_REGIONS: tl.constexpr, ONE_REGION_LOOP: tl.constexpr,
+    FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr, WINDOW_W: tl.constexpr, BIAS_SIGMOID: tl.constexpr,
+    GLOBAL_QUERY: tl.constexpr,
 ):
     """Grid: (query blocks * H * nW * window chunks,). Writes out (B_, N, H*D) (MAPPED: the
     feature-map layout, (B, H*W, H*D) as qkv, windows WINDOW_W tokens wide, ``tiles.window_rows``)
     and, with GLOBAL_QUERY, the queries read from q_ptr (an image's, shared by its windows,
-    ``tiles.query_base``; qkv then holds the keys and values, (B_, N, 2, H, D)) and, with
-    BIAS_TABLE (windows of one key block): the bias read from its table (T, H) at bias_ptr,
-    rows stride_bias_i apart, heads stride_bias_h, through the (N, N) index at
-    bias_index_ptr, BIAS_SIGMOID its sigmoid scale or 0 (``bias_mask_tiles.load_table_bias_mask``); and, with
+    ``tiles.query_base``; qkv then holds the keys and values, (B_, N, 2, H, D)); the bias B of
+    kind BIAS (``bias_mask_tiles.bias_tile``), with TABLE_BIAS (windows of one key block) read
+    from its table (T, H) at bias_ptr, rows stride_bias_i apart, heads stride_bias_h, through
+    the (N, N) index at bias_index_ptr, BIAS_SIGMOID its sigmoid scale or 0; and, with
     STORE_STATS, the softmax row statistics the multi-block backward needs: stats[0] the
     row max of the log2 logits, stats[1] 1 / sum(exp2(logits - max)), each (B_, H, N),
     and for cosine attention stats[2] the rows' P-weighted mean score
@@ -85,9 +85,8 @@ def window_attention_fwd_kernel(
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             map_windows, windows_x, map_height, map_width, shift_h, shift_w,
-                            H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, False, COSINE, FP32_DOT, STORE_STATS,
-                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W, BIAS_TABLE,
-                            BIAS_SIGMOID, GLOBAL_QUERY)
+                            H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, False, COSINE, FP32_DOT, STORE_STATS,
+                            HAS_DROPOUT, FROM_REGIONS, FLAT_LOOP, MAPPED, WINDOW_W, BIAS_SIGMOID, GLOBAL_QUERY)
         else:
             forward_windows(qkv_ptr, q_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr, mask_ptr, regions_ptr,
                             mask_value,
@@ -97,9 +96,8 @@ def window_attention_fwd_kernel(
                             stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
                             num_periods, windows_per_period,
                             map_windows, windows_x, map_height, map_width, shift_h, shift_w,
-                            H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
-                            HAS_DROPOUT, FROM_REGIONS, BIAS_LOG2E, FLAT_LOOP, MAPPED, WINDOW_W, BIAS_TABLE,
-                            BIAS_SIGMOID, GLOBAL_QUERY)
+                            H, N, D, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, HAS_MASK, COSINE, FP32_DOT, STORE_STATS,
+                            HAS_DROPOUT, FROM_REGIONS, FLAT_LOOP, MAPPED, WINDOW_W, BIAS_SIGMOID, GLOBAL_QUERY)
 
 
 @triton.jit
@@ -113,11 +111,10 @@ def forward_windows(qkv_ptr, q_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr
                     map_windows, windows_x, map_height, map_width, shift_h, shift_w,
                     H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
+                    BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, FP32_DOT: tl.constexpr,
                     STORE_STATS: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_REGIONS: tl.constexpr,
-                    BIAS_LOG2E: tl.constexpr, FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr,
-                    WINDOW_W: tl.constexpr, BIAS_TABLE: tl.constexpr, BIAS_SIGMOID: tl.constexpr,
-                    GLOBAL_QUERY: tl.constexpr):
+                    FLAT_LOOP: tl.constexpr, MAPPED: tl.constexpr, WINDOW_W: tl.constexpr,
+                    BIAS_SIGMOID: tl.constexpr, GLOBAL_QUERY: tl.constexpr):
     """The forward of one program's query block over its run of windows.
 
     FLAT_LOOP: one loop over (window, key block) steps, each window's last step storing its
@@ -127,16 +124,12 @@ def forward_windows(qkv_ptr, q_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr
     fetches them while the previous window ends, but loads the q tile at every step
     (config.LaunchConfig.flat_loop says where each is faster)."""
     NUM_KEY_BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    tl.static_assert(NUM_KEY_BLOCKS == 1 or not BIAS_TABLE, "the bias is read from its table in one-tile windows only")
-    if NUM_KEY_BLOCKS == 1 and BIAS_TABLE:  # one bias+mask tile for all the program's windows
-        bias_mask = load_table_bias_mask(bias_ptr, bias_index_ptr, mask_ptr, h, w, rows, cols, stride_bias_i,
-                                         stride_bias_h, stride_mask_w, stride_mask_i, stride_mask_j,
-                                         N, HAS_MASK, BLOCK_N, BIAS_SIGMOID)
-    elif NUM_KEY_BLOCKS == 1:
-        bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
-                                   stride_bias_h, stride_bias_i, stride_bias_j,
-                                   stride_mask_w, stride_mask_i, stride_mask_j,
-                                   N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
+    tl.static_assert(NUM_KEY_BLOCKS == 1 or BIAS != TABLE_BIAS,
+                     "the bias is read from its table in one-tile windows only")
+    if NUM_KEY_BLOCKS == 1:  # one bias+mask tile for all the program's windows
+        bias_mask = bias_tile(bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, cols,
+                              stride_bias_h, stride_bias_i, stride_bias_j, stride_mask_w, stride_mask_i, stride_mask_j,
+                              N, BIAS, BIAS_SIGMOID, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
     m_i, l_i, r_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     q_inv = tl.zeros((BLOCK_M,), tl.float32)
     q_scale = q_inv
@@ -152,10 +145,10 @@ def forward_windows(qkv_ptr, q_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr
             q_in = load_window_rows(q_base, q_addr, rows, dims, q_stride_n, stride_qkv_d, N, D)
             kv_base = key_base(qkv_ptr, image, h, stride_qkv_b, stride_qkv_p, stride_qkv_h, GLOBAL_QUERY)
             if NUM_KEY_BLOCKS > 1:
-                bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows, start_n + cols,
-                                           stride_bias_h, stride_bias_i, stride_bias_j,
-                                           stride_mask_w, stride_mask_i, stride_mask_j,
-                                           N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
+                bias_mask = bias_tile(bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows,
+                                      start_n + cols, stride_bias_h, stride_bias_i, stride_bias_j,
+                                      stride_mask_w, stride_mask_i, stride_mask_j,
+                                      N, BIAS, BIAS_SIGMOID, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
             if COSINE:
                 if start_n == 0:  # the rows' norms, once per window
                     q_inv = row_norms(q_in)[1]
@@ -188,10 +181,10 @@ def forward_windows(qkv_ptr, q_ptr, out_ptr, stats_ptr, bias_ptr, bias_index_ptr
             m_i, l_i, r_i, acc = softmax_start(BLOCK_M, BLOCK_D)
             for start_n in range(0, N, BLOCK_N):
                 if NUM_KEY_BLOCKS > 1:
-                    bias_mask = load_bias_mask(bias_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows,
-                                               start_n + cols, stride_bias_h, stride_bias_i, stride_bias_j,
-                                               stride_mask_w, stride_mask_i, stride_mask_j,
-                                               N, HAS_BIAS, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS, BIAS_LOG2E)
+                    bias_mask = bias_tile(bias_ptr, bias_index_ptr, mask_ptr, regions_ptr, mask_value, h, w, rows,
+                                          start_n + cols, stride_bias_h, stride_bias_i, stride_bias_j,
+                                          stride_mask_w, stride_mask_i, stride_mask_j,
+                                          N, BIAS, BIAS_SIGMOID, HAS_MASK, BLOCK_M, BLOCK_N, FROM_REGIONS)
                 key_addr = window_rows(b, start_n + cols, map_windows, windows_x, map_height, map_width, shift_h,
                                        shift_w, N, WINDOW_W, MAPPED)[1]
                 m_i, l_i, r_i, acc = softmax_step(

@@ -1,12 +1,13 @@
 """Host side of the attention kernels: allocate the outputs, launch the forward's and the
 backward's kernels for one call.
 
-What to launch is decided once per signature (``plan``); how the kernels read the bias
-and the mask (the float16 copy, the mask's region ids) is prepared by ``bias_mask``; how
-a launch goes out (traced or direct) is ``launcher``'s. These functions take validated
-tensors (see ``timm_flashwin.ops.window``) and are written with torch operations and
-``launcher`` launches only, so that ``torch.library.triton_op`` can trace them under
-torch.compile.
+Each function takes the call's description (``call.WindowCall``), its plan (what to launch,
+decided once per description: ``plan``) and its tensors by name (``WindowTensors``, or what
+the forward saved, ``WindowSaved``); how the kernels read the bias and the mask (the float16
+copy, the mask's region ids) is prepared by ``bias_mask``; how a launch goes out (traced or
+direct) is ``launcher``'s. The tensors are validated (``timm_flashwin.ops.window_checks``);
+torch operations and ``launcher`` launches only, so that ``torch.library.triton_op`` can
+trace them under torch.compile.
 """
 from __future__ import annotations
 
@@ -19,51 +20,25 @@ from .backward_dkdv import window_attention_bwd_delta_kernel, window_attention_b
 from .backward_dq_dbias import (window_attention_bwd_dbias_kernel, window_attention_bwd_dq_finish_kernel,
                                 window_attention_bwd_dq_kernel)
 from .bias_mask import bias_mask_args, kept_mask_structure, mask_kinds_to_launch, streamed_bias
+from .call import NO_BIAS, TABLE_BIAS, TILED_QUERY, ForwardOutputs, WindowCall, WindowSaved, WindowTensors
 from .forward import window_attention_fwd_kernel
 from ..launcher import launcher, traced_launch, unused_pointer
-from .layout import FeatureMap, global_query
-from .plan import BackwardPlan, ForwardPlan, backward_plan, forward_plan
+from .plan import BackwardPlan, ForwardPlan
 
 
-def attention_forward(
-    qkv: torch.Tensor,
-    num_heads: int,
-    bias: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    logit_scale: Optional[torch.Tensor],
-    scale: float,
-    cosine: bool,
-    dropout_p: float = 0.0,
-    seed: Optional[torch.Tensor] = None,
-    save_stats: bool = True,
-    grid: Optional[FeatureMap] = None,
-    table_index: Optional[torch.Tensor] = None,
-    table_sigmoid: float = 0.0,
-    query: Optional[torch.Tensor] = None,
-    query_tiled: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """softmax(S + bias + mask) V per window and head, S = scale * Q K^T (V1) or, with
-    ``cosine``, exp(min(logit_scale, ln 100)) * Q^ K^^T (rows normalized); from qkv
-    (B_, N, 3*H*D), or a (B_, N, 3, H, D) view of it (``qkv_strides``), bias (H, N, N)
-    and mask (nW, N, N), window b taking mask window b % nW.
+def attention_forward(call: WindowCall, plan: ForwardPlan, tensors: WindowTensors) -> ForwardOutputs:
+    """softmax(S + bias + mask) V per window and head, S = scale * Q K^T (V1) or, for cosine
+    attention, exp(min(logit_scale, ln 100)) * Q^ K^^T (rows normalized), with the tensors as
+    ``WindowTensors`` describes them (window b taking mask window b % nW; with a feature-map
+    ``grid``, window b = image * nW + w as in the partitioned layout; with ``query``, window b
+    takes image b // (B_ / B), or b % B, ``TILED_QUERY``), launched as ``plan``
+    (``plan.forward_plan(call)``) says.
 
-    Returns out (B_, N, H*D) in qkv's dtype, the softmax statistics (fp32,
-    ``plan.CallPlan.stats_shape``; empty without ``save_stats``, where no backward follows)
-    and the mask's region ids and info (``bias_mask.mask_structure``; empty where unused),
-    which the backward takes back. ``logit_scale``: the cosine logit scale as the module holds
-    it, (H,) (the kernels clamp and exponentiate it), None for V1. ``seed``: a
-    one-element int64 tensor, with dropout_p > 0. ``grid``: qkv is in the feature-map layout
-    (B, H*W, 3*H*D) of that ``FeatureMap`` (a ``WindowGrid``); out is then (B, H*W, H*D), and window
-    b = image * nW + w as in the partitioned layout. ``table_index``: ``bias`` is a table (T, H)
-    and this (N, N) int32 contiguous index says which of its rows each token pair reads,
-    ``table_sigmoid`` the sigmoid scale (0: none), read in the kernel (``plan.reads_table``).
-    ``query``: the queries, (B, N, H*D), one per image, shared by its windows (GCViT's global
-    query): qkv is then (B_, N, 2, H, D), keys and values, and window b takes image
-    b // (B_ / B), or b % B with ``query_tiled`` (``query_args``)."""
-    table = table_index is not None
+    Returns the output (B_, N, H*D) in qkv's dtype (with ``grid`` (B, H*W, H*D)), the softmax
+    statistics and the mask's region ids and info, which the backward takes back
+    (``ForwardOutputs``)."""
+    qkv, mask = tensors.qkv, tensors.mask
     traced = traced_launch()
-    plan = forward_plan(qkv, num_heads, bias is not None, mask, cosine, dropout_p > 0, save_stats, grid, table,
-                        table_sigmoid, traced, global_query(query, query_tiled))
     # before the outputs are allocated: its (nW, N, N) temporaries then add less to the peak
     if plan.regions_used:
         regions, mask_info = kept_mask_structure(mask)
@@ -73,24 +48,27 @@ def attention_forward(
     out = qkv.new_empty(plan.out_shape)
     stats = qkv.new_empty(plan.stats_shape, dtype=torch.float32)
     # the kernel reads its bias tile once per program where a window is one key block, else streams it
-    read_bias, read_mask, _ = (streamed_bias(bias, mask, qkv.dtype, num_heads) if plan.streams
-                               else (bias, mask, False))
-    _check_flags(plan, read_bias, read_mask)
+    read_bias, read_mask = streamed_bias(call, tensors.bias, mask) if plan.streams else (tensors.bias, mask)
+    _check_reads(plan, read_bias, read_mask)
     unused = unused_pointer(qkv, traced)
+    table = plan.bias == TABLE_BIAS
     bias_ptr, mask_ptr, bias_strides, mask_strides = bias_mask_args(read_bias, read_mask, unused, table)
     mask_regions = plan.mask_regions
-    q, stride_q_b, stride_q_n, query_windows = query_args(qkv, query, query_tiled, unused)
+    q, stride_q_b, stride_q_n, query_windows = query_args(call, tensors.query, unused)
     for from_regions in mask_kinds_to_launch(mask_regions, mask):
         launcher(window_attention_fwd_kernel)[plan.programs](
-            qkv, q, out, stats, bias_ptr, table_index if table else unused, mask_ptr,
+            qkv, q, out, stats, bias_ptr, tensors.index if table else unused, mask_ptr,
             regions if mask_regions else unused, mask_info if mask_regions else unused,
-            logit_scale if logit_scale is not None else unused,
-            seed if dropout_p > 0 else unused,
-            scale, dropout_p,
-            *qkv_strides(qkv, num_heads), stride_q_b, stride_q_n, *out.stride(), *bias_strides, *mask_strides,
+            _or(tensors.logit_scale, unused), _or(tensors.seed, unused), call.scale, call.dropout_p,
+            *qkv_strides(qkv, call.heads), stride_q_b, stride_q_n, *out.stride(), *bias_strides, *mask_strides,
             plan.periods, plan.per_period, plan.per_chunk, *plan.grid_args, query_windows, **plan.kwargs[from_regions],
         )
-    return out, stats, regions, mask_info
+    return ForwardOutputs(out, stats, regions, mask_info)
+
+
+def _or(tensor: Optional[torch.Tensor], unused: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or ``unused`` for a pointer that the kernel does not read."""
+    return tensor if tensor is not None else unused
 
 
 def qkv_strides(qkv: torch.Tensor, num_heads: int) -> Tuple[int, int, int, int, int]:
@@ -105,78 +83,56 @@ def qkv_strides(qkv: torch.Tensor, num_heads: int) -> Tuple[int, int, int, int, 
     return stride_b, stride_n, num_heads * head_dim * stride_c, head_dim * stride_c, stride_c
 
 
-def query_args(qkv: torch.Tensor, query: Optional[torch.Tensor], tiled: bool, unused: torch.Tensor
+def query_args(call: WindowCall, query: Optional[torch.Tensor], unused: torch.Tensor
                ) -> Tuple[torch.Tensor, int, int, int]:
     """Where the kernels read the queries (``tiles.query_base``): (the tensor, its image
     stride, its token stride, query_windows). Without ``query`` the kernels read qkv's and
     none of these (the tensor ``unused``, zeros); with ``query`` (B, N, H*D), that tensor,
-    window b taking image b // (B_ / B) (query_windows B_ / B) or, ``tiled``, b % B
-    (query_windows B). Its heads and channels are read with qkv's strides (``op`` makes the
-    two alike)."""
+    window b taking image b // (B_ / B) (query_windows B_ / B) or, ``TILED_QUERY``, b % B
+    (query_windows B). Its heads and channels are read with qkv's strides (``ops.window_checks``
+    makes the two alike)."""
     if query is None:
         return unused, 0, 0, 1
     images = query.shape[0]
-    return query, query.stride(0), query.stride(1), images if tiled else qkv.shape[0] // images
+    return query, query.stride(0), query.stride(1), images if call.query == TILED_QUERY else call.windows // images
 
 
-def attention_backward(
-    dout: torch.Tensor,
-    qkv: torch.Tensor,
-    out: torch.Tensor,
-    stats: torch.Tensor,
-    regions: torch.Tensor,
-    mask_info: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    logit_scale: Optional[torch.Tensor],
-    num_heads: int,
-    scale: float,
-    cosine: bool,
-    bias_grad: bool,
-    scale_grad: bool,
-    dropout_p: float = 0.0,
-    seed: Optional[torch.Tensor] = None,
-    grid: Optional[FeatureMap] = None,
-    table_index: Optional[torch.Tensor] = None,
-    table_sigmoid: float = 0.0,
-    query: Optional[torch.Tensor] = None,
-    query_tiled: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``attention_forward`` given dout (out's shape). Takes the forward's
-    inputs and its out, stats, regions and mask_info; regenerates the forward's dropout
-    from the same ``seed``. Returns dqkv (qkv's shape and layout), dbias (H, N, N)
-    fp32 and d(logit_scale) (H,) fp32; the last two are empty when not asked for (and, for
-    windows of one tile, views of one tensor).
-    ``grid``: as the forward's, where ``plan.maps_windows`` allows it; ``table_index`` and
-    ``table_sigmoid``: as the forward's (the bias gradient is still the dense one). With
-    ``query`` (``query_tiled``) as the forward's, dqkv is (B_, N, 3, H, D): each window's dQ,
-    which the caller sums over an image's windows, beside dK and dV."""
-    table = table_index is not None
+def attention_backward(call: WindowCall, plan: BackwardPlan, saved: WindowSaved, dout: torch.Tensor
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``attention_forward`` given dout (the output's shape), from what its call
+    saved (``WindowSaved``: its tensors and outputs), launched as ``plan``
+    (``plan.backward_plan(call, bias_grad, scale_grad)``) says; regenerates the forward's
+    dropout from the same seed. Returns dqkv (qkv's shape and layout), dbias (H, N, N) fp32
+    and d(logit_scale) (H,) fp32; the last two are empty when not asked for (and, for
+    windows of one tile, views of one tensor). A bias read from its table still gets the
+    dense gradient (``position_bias`` sums its table's). With ``query``, dqkv is
+    (B_, N, 3, H, D): each window's dQ, which the caller sums over an image's windows, beside
+    dK and dV."""
+    qkv, mask, heads = saved.qkv, saved.mask, call.heads
     traced = traced_launch()
-    plan = backward_plan(qkv, num_heads, bias is not None, mask, cosine, bias_grad, scale_grad, dropout_p > 0, grid,
-                         table, table_sigmoid, traced, global_query(query, query_tiled))
     unused = unused_pointer(qkv, traced)
-    n, launches = plan.n, plan.launches
+    n, launches = call.tokens, plan.launches
     # region ids computed by the forward, for the kernels that stream key blocks
     mask_regions = plan.mask_regions
-    if not mask_regions:
-        regions, mask_info = unused, unused
-    if query is None:
+    stats = saved.stats
+    regions, mask_info = (saved.regions, saved.mask_info) if mask_regions else (unused, unused)
+    if saved.query is None:
         dqkv = torch.empty_like(qkv)  # qkv's layout where that is dense (a view's gradient is then a view)
     else:  # each window's dQ beside dK, dV (of qkv's (B_, N, 2, H, D))
         dqkv = qkv.new_empty((*qkv.shape[:2], 3, *qkv.shape[3:]))
     # the one-tile kernel reads its bias tile once per program; the others stream it
     if plan.single_tile:
-        read_bias, read_mask = bias, mask
+        read_bias, read_mask = saved.bias, mask
     else:
-        read_bias, read_mask, _ = streamed_bias(bias, mask, qkv.dtype, num_heads)
-    _check_flags(plan, read_bias, read_mask)
+        read_bias, read_mask = streamed_bias(call, saved.bias, mask)
+    _check_reads(plan, read_bias, read_mask)
+    table = plan.bias == TABLE_BIAS
     bias_ptr, mask_ptr, bias_strides, mask_strides = bias_mask_args(read_bias, read_mask, unused, table)
-    scale_grad = plan.scale_grad
-    logit_scale_ptr = logit_scale if logit_scale is not None else unused
-    seed_ptr = seed if dropout_p > 0 else unused
-    q, stride_q_b, stride_q_n, query_windows = query_args(qkv, query, query_tiled, unused)
-    strides = (*qkv_strides(qkv, num_heads), stride_q_b, stride_q_n, *dout.stride(), *qkv_strides(dqkv, num_heads),
+    bias_grad, scale_grad = plan.bias_grad, plan.scale_grad
+    logit_scale_ptr, seed_ptr = _or(saved.logit_scale, unused), _or(saved.seed, unused)
+    scale, dropout_p = call.scale, call.dropout_p
+    q, stride_q_b, stride_q_n, query_windows = query_args(call, saved.query, unused)
+    strides = (*qkv_strides(qkv, heads), stride_q_b, stride_q_n, *dout.stride(), *qkv_strides(dqkv, heads),
                *bias_strides, *mask_strides)
     windows = (plan.periods, plan.per_period)
 
@@ -185,14 +141,14 @@ def attention_backward(
         bias_size = plan.bias_size
         programs, kwargs = launches[("fused", False)]
         launcher(window_attention_bwd_fused_kernel)[programs](
-            qkv, q, dout, bias_ptr, table_index if table else unused, mask_ptr, logit_scale_ptr, seed_ptr,
+            qkv, q, dout, bias_ptr, saved.index if table else unused, mask_ptr, logit_scale_ptr, seed_ptr,
             dqkv, partials, partials[:, bias_size:] if scale_grad else unused, scale, dropout_p, *strides,
             partials.stride(0), *windows, plan.per_chunk["fused"], *plan.grid_args, query_windows, **kwargs,
         )
         sums = partials.sum(0) if bias_grad or scale_grad else partials.new_empty((0,))
         # an empty tensor of its own for each gradient not asked for: a registered operator's
         # outputs may not alias each other (torch.compile and checkpointing check it)
-        return (dqkv, sums[:bias_size].view(num_heads, n, n) if bias_grad else sums.new_empty((0,)),
+        return (dqkv, sums[:bias_size].view(heads, n, n) if bias_grad else sums.new_empty((0,)),
                 sums[bias_size:] if scale_grad else sums.new_empty((0,)))
 
     if stats.dim() != 4:  # (0,): not (2 or 3, B_, H, N); a static check, no guard when traced
@@ -203,10 +159,10 @@ def attention_backward(
     dq_acc = qkv.new_empty(plan.dq_acc_shape, dtype=torch.float32)
     delta = qkv.new_empty(plan.delta_shape, dtype=torch.float32)
     # the bias gradient's sums that atomic adds go into, zeroed by the delta kernel: the dkdv
-    # kernel's slots, or the dbias kernel's one (H, N, N) sum (``plan.dbias_sum_by_atomic_adds``).
+    # kernel's slots, or the dbias kernel's one (H, N, N) sum (``BackwardPlan.atomic_sum``).
     # The backward then launches none of the four fill kernels it did (the other three were
     # autograd's zero gradients of the statistics outputs, no longer materialized:
-    # op._setup_context): H200, f+b us (3 alternated rounds), window 16 V1 409.8 -> 403.3,
+    # window_operators.save): H200, f+b us (3 alternated rounds), window 16 V1 409.8 -> 403.3,
     # cosine 520.5 -> 511.4; window 12 357.6 -> 351.0, 462.5 -> 455.7; window 24 1147.3 ->
     # 1138.9, 1487.1 -> 1476.6.
     dbias_sums = qkv.new_empty(plan.dbias_sums_shape, dtype=torch.float32)
@@ -215,8 +171,8 @@ def attention_backward(
     dscale = qkv.new_empty(plan.dscale_shape, dtype=torch.float32)
     programs, kwargs = launches[("delta", False)]
     launcher(window_attention_bwd_delta_kernel)[programs](
-        out, dout, delta, dq_acc, dbias_sums, dbias_sums.numel(), -(-dbias_sums.numel() // programs[0]), dscale,
-        *out.stride(), *dout.stride(), **kwargs,
+        saved.out, dout, delta, dq_acc, dbias_sums, dbias_sums.numel(), -(-dbias_sums.numel() // programs[0]),
+        dscale, *saved.out.stride(), *dout.stride(), **kwargs,
     )
     for from_regions in mask_kinds_to_launch(mask_regions, mask):
         programs, kwargs = launches[("dkdv", from_regions)]
@@ -228,8 +184,8 @@ def attention_backward(
     if dq_atomic:
         programs, kwargs = launches[("dq_finish", False)]
         launcher(window_attention_bwd_dq_finish_kernel)[programs](
-            qkv, q, logit_scale_ptr, dq_acc, dqkv, scale, query_windows, *qkv_strides(qkv, num_heads), stride_q_b,
-            stride_q_n, *qkv_strides(dqkv, num_heads), **kwargs,
+            qkv, q, logit_scale_ptr, dq_acc, dqkv, scale, query_windows, *qkv_strides(qkv, heads), stride_q_b,
+            stride_q_n, *qkv_strides(dqkv, heads), **kwargs,
         )
         del dq_acc  # before the bias gradient's partials are allocated: a lower peak
     else:
@@ -248,7 +204,7 @@ def attention_backward(
         programs, kwargs = launches[("dbias", False)]
         launcher(window_attention_bwd_dbias_kernel)[programs](
             qkv, q, dout, stats, delta, bias_ptr, mask_ptr, regions, mask_info, logit_scale_ptr, seed_ptr, dbias,
-            scale, dropout_p, stats.stride(0), *qkv_strides(qkv, num_heads), stride_q_b, stride_q_n, *dout.stride(),
+            scale, dropout_p, stats.stride(0), *qkv_strides(qkv, heads), stride_q_b, stride_q_n, *dout.stride(),
             *bias_strides, *mask_strides, *windows, plan.per_chunk["dbias"], query_windows, **kwargs,
         )
         dbias = dbias[0] if atomic_sum else dbias.sum(0)
@@ -257,12 +213,11 @@ def attention_backward(
     return dqkv, dbias, dscale.sum((0, 2)) if scale_grad and not dq_atomic else dscale
 
 
-def _check_flags(plan: Union[ForwardPlan, BackwardPlan], read_bias: Optional[torch.Tensor],
+def _check_reads(plan: Union[ForwardPlan, BackwardPlan], read_bias: Optional[torch.Tensor],
                  read_mask: Optional[torch.Tensor]) -> None:
-    """The plan's HAS_BIAS and HAS_MASK are what the launch reads: the plan decided them
-    from the signature by ``streamed_bias``'s rules (``bias_mask.streamed_flags``), the
-    launch from the tensors."""
-    if (read_bias is not None) != plan.flags.has_bias or (read_mask is not None) != plan.flags.has_mask:
-        raise RuntimeError(f"window_attention: launch plan reads bias {plan.flags.has_bias}, mask "
-                           f"{plan.flags.has_mask}; the launch has bias {read_bias is not None}, mask "
-                           f"{read_mask is not None}")
+    """The plan's bias kind and HAS_MASK are what the launch reads: the plan decided them from
+    the call by ``streamed_bias``'s rules (``bias_mask.kernel_reads``), the launch from the
+    tensors."""
+    if (read_bias is not None) != (plan.bias != NO_BIAS) or (read_mask is not None) != plan.has_mask:
+        raise RuntimeError(f"window_attention: launch plan reads bias kind {plan.bias}, mask {plan.has_mask}; the "
+                           f"launch has bias {read_bias is not None}, mask {read_mask is not None}")

@@ -11,10 +11,12 @@ import torch
 
 class FeatureMap(Protocol):
     """What the kernels read of a feature-map layout (``ops.window_grid.WindowGrid`` is one):
-    its windows per image and tokens per window, whether they are strided grid windows, the
-    window's (height, width), and the run-time arguments ``tiles.window_rows`` takes. Hashable:
-    part of a plan's signature."""
+    the map's height and width, its windows per image and tokens per window, whether they are
+    strided grid windows, the window's (height, width), and the run-time arguments
+    ``tiles.window_rows`` takes. Hashable: part of a call's description (``call.WindowCall``)."""
 
+    height: int
+    width: int
     num_windows: int
     tokens: int
     strided: bool
@@ -25,21 +27,11 @@ class FeatureMap(Protocol):
 
 def windows_tokens_channels(qkv: torch.Tensor, grid: Optional[FeatureMap]) -> Tuple[int, int, int]:
     """(B_, N, 3*H*D) of qkv in the partitioned layout ((B_, N, 3*H*D) or (B_, N, 3, H, D), or
-    (B_, N, 2, H, D): keys and values, the queries a tensor of their own, ``global_query``),
+    (B_, N, 2, H, D): keys and values, the queries a tensor of their own, ``call.IMAGE_MAJOR_QUERY``),
     or in the feature-map layout (B, H*W, 3*H*D) of ``grid``: B_ = B * nW."""
     if grid is None:
         return qkv.shape[0], qkv.shape[1], qkv.shape[2] if qkv.dim() == 3 else 3 * qkv.shape[3] * qkv.shape[4]
     return qkv.shape[0] * grid.num_windows, grid.tokens, qkv.shape[2]
-
-
-#: ``global_query``'s answers, the kernels' GLOBAL_QUERY (``tiles.query_base``): the queries in
-#: qkv; a tensor of one query per image, window b taking image b // (B_ / B) or b % B
-OWN_QUERY, IMAGE_MAJOR_QUERY, TILED_QUERY = 0, 1, 2
-
-
-def global_query(query: Optional[torch.Tensor], tiled: bool) -> int:
-    """The kernels' GLOBAL_QUERY for a call with ``query`` (None: the queries are qkv's)."""
-    return OWN_QUERY if query is None else TILED_QUERY if tiled else IMAGE_MAJOR_QUERY
 
 
 def grid_args(grid: Optional[FeatureMap]) -> Tuple[int, ...]:

@@ -96,7 +96,7 @@ def key_scaled_scores(q_in, k_in, k_inv, FP32_DOT: tl.constexpr):
 def logits_tile(q_in, k_in, k_inv, q_scale, logit_scale2, bias_mask, COSINE: tl.constexpr, FP32_DOT: tl.constexpr):
     """(T, Z2) of one tile, fp32: the score product as the backward's scale gradient and the
     forward's mean score take it, and the log2-domain logits Z2 = T times its factor plus
-    ``bias_mask`` (``load_bias_mask``), one multiply-add per logit, written as ``tl.fma`` so
+    ``bias_mask`` (``bias_mask_tiles.bias_tile``), one multiply-add per logit, written as ``tl.fma`` so
     that it is contracted whatever the compile options. The forward and every backward
     kernel compute their logits here, so that the backward's P is the forward's.
 

@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ...ops.dispatch import no_dispatch_mode
-from ...kernels.config import MAX_HEAD_DIM, MAX_TOKENS
 from ...ops.window import window_attention
+from ...ops.window_checks import MAX_HEAD_DIM, MAX_TOKENS
 from ...ops.position_bias import TableBias
 from ...ops.window_grid import WindowGrid
 

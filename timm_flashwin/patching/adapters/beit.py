@@ -24,7 +24,7 @@ from typing import Dict, Optional, Type, Union
 import torch
 from torch import nn
 
-from ...kernels.config import MAX_TOKENS
+from ...ops.window_checks import MAX_TOKENS
 from ...ops.dispatch import exporting
 from ...ops.position_bias import TableBias
 from .base import WindowAttentionAdapter, inference_cache

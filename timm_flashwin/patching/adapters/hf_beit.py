@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ...kernels.config import MAX_TOKENS
+from ...ops.window_checks import MAX_TOKENS
 from ...ops.hooks import runs_hooks
 from .hf_base import PROJECTIONS, SERVED_IMPLEMENTATIONS, HfAttentionAdapter
 

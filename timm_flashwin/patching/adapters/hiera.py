@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ...ops.local import sliding_window_attention
+from ...ops.window_checks import MAX_TOKENS
 from ...ops.window_grid import WindowGrid
 from .base import UnbiasedAdapter, WithoutDropout
 

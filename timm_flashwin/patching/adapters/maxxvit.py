@@ -27,8 +27,8 @@ from typing import Dict, Optional, Tuple, Type, Union
 import torch
 from torch import nn
 
-from ...kernels.config import MAX_TOKENS
 from ...ops.position_bias import TableBias
+from ...ops.window_checks import MAX_TOKENS
 from ...ops.window_grid import WindowGrid
 from .base import WindowAttentionAdapter
 from .rel_pos import rel_pos_bias, rel_pos_tokens, rel_pos_window, unsupported_rel_pos

@@ -17,7 +17,7 @@ from typing import Optional, Tuple, Type
 import torch
 from torch import nn
 
-from ...kernels.config import MAX_TOKENS
+from ...ops.window_checks import MAX_TOKENS
 from .base import UnbiasedAdapter
 
 

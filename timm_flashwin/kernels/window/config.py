@@ -7,20 +7,14 @@ never recompiles a kernel (the window split is a run-time argument).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import budget
-from .arch import Arch
-
-#: Set before triton is imported: the kernels then run on CPU tensors through numpy.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-MAX_TOKENS = 2048
-MAX_HEAD_DIM = 256
+from .. import budget
+from ..arch import INTERPRET, Arch
+from ..sizes import cdiv, tile_side
 
 
 @dataclass(frozen=True)
@@ -62,8 +56,8 @@ class LaunchConfig:
 
 #: (pass, N, head_dim, dtype, cosine) -> LaunchConfig, consulted before the defaults; pass is
 #: "fwd", "bwd" or "dbias" (the multi-block backward's dbias kernel, ``dbias_config``).
-#: Tests fill it to run a configuration (the measurements below filled it with tune_op.py, a
-#: tuning script removed from the tree at fc2fe00: ``git show fc2fe00^:tune_op.py (removed at fc2fe00, in git)``).
+#: Tests fill it to run a configuration. The sweeps quoted in this file filled it from a tuning
+#: script removed at fc2fe00 (``git show fc2fe00^:benchmarks/tune_op.py``), kernels alone.
 OVERRIDES: Dict[Tuple[str, int, int, torch.dtype, bool], LaunchConfig] = {}
 
 #: Whether the kernels that stream key blocks compute a region-structured mask from
@@ -78,12 +72,6 @@ MASK_REGIONS = True
 #: 2% (V1) and 4% (cosine) off the f+b but made the forward 3% slower (the copy)
 #: and the f+b's peak 37.6 MiB higher, above FlexAttention's.
 FOLDED_MASK_MAX_BYTES = 16 << 20
-
-
-def tile_side(x: int) -> int:
-    """The smallest power of two that holds ``x`` (rows, tokens or a head's dims), at least 16
-    (tl.dot's smallest)."""
-    return max(16, 1 << (int(x) - 1).bit_length())
 
 
 def _streamed_block(n: int, block: int) -> int:
@@ -101,9 +89,8 @@ def _streamed_maxnreg(block_d: int, dtype: torch.dtype) -> Optional[int]:
     Left to itself the compiler takes 222 to 255 registers per thread: two programs per
     SM. Capped at 168, three fit (the region-mask forward's 62 to 70 KB of shared memory
     too), for 12 to 70 bytes of spilled registers per thread. H100, bf16, D = 32, cap
-    against none in one run (tune_op.py (removed at fc2fe00, in git) --only-default --maxnreg -1 0,
-    2026-11-23), forward / backward us: window 24 V1 618 -> 546 / 1361 -> 1300, cosine
-    844 -> 712 / 2210 -> 1947; window 16 V1 218 -> 205 / 467 -> 449, cosine 279 -> 259 /
+    against none in one run (2026-11-23), forward / backward us: window 24 V1 618 -> 546 /
+    1361 -> 1300, cosine 844 -> 712 / 2210 -> 1947; window 16 V1 218 -> 205 / 467 -> 449, cosine 279 -> 259 /
     745 -> 658; window 12 V1 196 -> 188 / 394 -> 376, cosine 242 -> 242 / 627 -> 552.
     Measured for head_dim 32 and 16-bit inputs only; float32 products take other registers.
     """
@@ -158,7 +145,7 @@ def _default_forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: b
                             reads_mask: bool) -> LaunchConfig:
     block_d = tile_side(head_dim)
     # Tiles shrink as head_dim grows, to stay within registers and shared memory.
-    # Measured on an H200 (tune_op.py (removed at fc2fe00, in git), 2026-11-22): 4 warps and 3 stages beat
+    # Measured on an H200 (2026-11-22): 4 warps and 3 stages beat
     # 8 warps or fewer stages on every N <= 64 shape, by 1.1x to 2x.
     max_block = 64 if block_d <= 64 else 32
     stages = 3 if block_d <= 64 else 1
@@ -167,7 +154,7 @@ def _default_forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: b
         return LaunchConfig(block, block, block_d, 4, stages, 8, flat_loop=True)
     if n <= 128 and block_d <= 32:
         return LaunchConfig(64, 128, block_d, 4, 2, 8, flat_loop=True)
-    # N > 128, D = 32 on an H200 (tune_op.py --quick, 2026-11-22, dense mask): 64x64, 4 warps,
+    # N > 128, D = 32 on an H200 (2026-11-22, dense mask): 64x64, 4 warps,
     # 3 stages beat 2 stages by 1.1x to 1.2x and 128x64, 64x128, 32x64 or 8 warps by more
     # (before the flat loop; window 16 takes 64x128 since: ``_wide_key_blocks``).
     # Wider heads keep the shallower pipelines (shared memory).
@@ -178,7 +165,7 @@ def _default_forward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: b
                             one_region_loop=not cosine, flat_loop=True)
     block = _streamed_block(n, max_block)
     # V1 without mask arithmetic runs uncapped: H200, bf16, window 12 (512, 4, 144, 32), the
-    # mask folded, forward kernel alone (tune_op.py --maxnreg, 2026-11-24): 71.9 us capped at
+    # mask folded, forward kernel alone (2026-11-24): 71.9 us capped at
     # 168 (154 registers used), 63.0 uncapped (128 registers, no spills); cosine keeps the
     # cap (104.2 against 110.2 us uncapped, 208 to 218 registers).
     maxnreg = None if not reads_mask and not cosine else _streamed_maxnreg(block_d, dtype)
@@ -194,9 +181,9 @@ def _wide_key_blocks(n: int, block_d: int, dtype: torch.dtype) -> bool:
     row reductions) are hidden behind twice the work. Register cap 200 for V1 (192 used,
     no spills; two programs per SM either way), none for cosine (255 used, 0 spills; a
     cap of 200 spilled 34 B and took 142 us). H200, bf16, D = 32, window 16 (512, 3, 256,
-    32), forward kernels alone (tune_op.py --passes fwd --only-default --tiles, 2026-11-24),
+    32), forward kernels alone (2026-11-24),
     64x64 capped at 168 (the default before) -> 64x128, us: V1 98.1 -> 88.4, cosine
-    126.0 -> 124.1; without statistics (--inference, uncapped) 94.8 -> 86.9 and 114.3 ->
+    126.0 -> 124.1; without statistics (uncapped) 94.8 -> 86.9 and 114.3 ->
     108.3. Whole op, 4 alternated rounds (bench_op.py --impls ours), forward (no_grad) /
     f+b us: V1 97.8 -> 89.3 / 419.2 -> 409.3, cosine 119.0 -> 113.0 / 518.8 -> 517.3.
     Slower elsewhere: window 12 (144 tokens, the second block of 128 nearly empty)
@@ -217,12 +204,12 @@ def _flat_loop(n: int, block: int, block_d: int) -> bool:
     """Whether the forward (and the dkdv kernel, ``backward_config``) of windows of n tokens
     in blocks of ``block`` runs one loop over (window, block) steps (``LaunchConfig.flat_loop``):
     where a window has few blocks, so that waiting for each window's first ones weighs more
-    than loading the q tile (the dkdv kernel: k and v) at every step. H200, bf16, D = 32, timm's shift mask, forward kernels alone
-    with the statistics saved, nested -> flat (tune_op.py --passes fwd --only-default
-    --flat-loop 0 1 1 0, 2026-11-24), us: window 12 (3 key blocks) V1 104.0 -> 95.4, cosine
-    140.6 -> 138.9; window 16 (4) V1 104.7 -> 97.3, cosine 133.4 -> 126.2; window 24 (9)
-    V1 273.6 -> 298.2, cosine 358.4 -> 379.4. Without statistics (--inference): 100.0 ->
-    91.5, 129.4 -> 113.9; 103.4 -> 94.3, 122.8 -> 117.4; 272.3 -> 291.2, 328.9 -> 356.5.
+    than loading the q tile (the dkdv kernel: k and v) at every step. H200, bf16, D = 32, timm's
+    shift mask, forward kernels alone with the statistics saved, nested -> flat (2026-11-24),
+    us: window 12 (3 key blocks) V1 104.0 -> 95.4, cosine 140.6 -> 138.9; window 16 (4) V1
+    104.7 -> 97.3, cosine 133.4 -> 126.2; window 24 (9) V1 273.6 -> 298.2, cosine 358.4 ->
+    379.4. Without statistics: 100.0 -> 91.5, 129.4 -> 113.9; 103.4 -> 94.3, 122.8 -> 117.4;
+    272.3 -> 291.2, 328.9 -> 356.5.
     One key block (N <= 128): the two loops are the same. Measured for head_dim 32 only; wider
     heads keep the nested loops (head_dim 256, sm_90 build: the flat dkdv kernel spills 4 KB
     of registers per thread, the nested one 0.4 KB)."""
@@ -290,8 +277,7 @@ def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: 
     block = _streamed_block(n, 64 if block_d <= 64 else 32)
     # the same sweep (D = 32): 3 stages beat 2 by 1.05x to 1.1x on the multi-block backward
     stages = 3 if block_d <= 32 else 2 if block_d <= 64 else 1
-    # dQ by atomic adds: H200, bf16, D = 32, kernels alone (tune_op.py --only-default --dq atomic
-    # kernel --dbias-slots 0 1 --maxnreg -1 0, 2026-11-23), backward us. V1, atomic / dq
+    # dQ by atomic adds: H200, bf16, D = 32, kernels alone (2026-11-23), backward us. V1, atomic / dq
     # kernel, both capped: window 12 281 / 402, 16 354 / 479, 24 1030 / 1366; the bias
     # gradient's atomic slot on top: 311, 378, 1049 (slower: the dQ adds already load L2).
     # Cosine, whose dkdv kernel also sums the scale gradient: atomic dQ and one atomic bias
@@ -302,7 +288,7 @@ def _default_backward_config(n: int, head_dim: int, dtype: torch.dtype, cosine: 
     # cosine 453 -> 462, 1217 -> 1219, 401 -> 389 (its dkdv kernel, at 255 registers, spills more
     # with two loops: 40 -> 96 B of stack on window 16, sm_90 build): V1 only.
     # The dkdv kernel's flat loop (``_flat_loop``), programs of several windows: same runs
-    # (tune_op.py --passes bwd --only-default --flat-loop 0 1, 2026-11-24), backward us, one window
+    # (2026-11-24), backward us, one window
     # per program -> flat: V1 window 12 264.7 -> 251.7, 16 314.3 -> 308.4, 24 861.6 -> 890.0;
     # cosine 384.8 -> 339.9, 454.0 -> 416.8, 1206.4 -> 1387.7. 8, 16 or 32 programs per SM
     # within 0.5% of each other where the loop is flat.
@@ -317,17 +303,16 @@ def dbias_config(n: int, head_dim: int, dtype: torch.dtype, cosine: bool,
     """The tiles of the multi-block backward's dbias kernel, which loops over the windows
     sharing a (head, mask window) and recomputes each one's (query block, key block) tile
     of dZ. A configuration of its own, since it keeps no per-window accumulator and larger
-    tiles would fit; but they measured slower: H200, bf16, D = 32, whole V1 backward
-    (tune_op.py --dbias-tiles, 2026-11-23), window 12 / 16 / 24: 64x64 and 4 warps (the
-    backward's tiles) 278 / 340 / 970 us, 64x128 or 128x64 with 8 warps 318-323 / 382-384
-    / 1113-1117, with 4 warps uncapped (spilling) 343-367 / 390-419 / 1196-1224; 2, 8 or
-    16 programs per SM instead of 4 within -2% to +6%.
+    tiles would fit; but they measured slower: H200, bf16, D = 32, whole V1 backward (2026-11-23),
+    window 12 / 16 / 24: 64x64 and 4 warps (the backward's tiles) 278 / 340 / 970 us, 64x128
+    or 128x64 with 8 warps 318-323 / 382-384 / 1113-1117, with 4 warps uncapped (spilling)
+    343-367 / 390-419 / 1196-1224; 2, 8 or 16 programs per SM instead of 4 within -2% to +6%.
 
     Where key blocks of 32 pad fewer columns than blocks of 64 (N mod 64 in 1..32: window
     12's 144 tokens pad to 160 rather than 192), 64x32 tiles, uncapped (96 registers), 8
-    programs per SM. H200, bf16, D = 32, V1 backward (tune_op.py --dbias-tiles,
-    2026-11-24): window 12 250.6 -> 241.7 us (f+b, 3 alternated rounds: 351.8 -> 343.2);
-    on window 16, whose blocks of 64 pad nothing, 308.1 -> 328.3."""
+    programs per SM. H200, bf16, D = 32, V1 backward (2026-11-24): window 12 250.6 -> 241.7 us
+    (f+b, 3 alternated rounds: 351.8 -> 343.2); on window 16, whose blocks of 64 pad nothing,
+    308.1 -> 328.3."""
     n, head_dim = int(n), int(head_dim)
     found = OVERRIDES.get(("dbias", n, head_dim, dtype, cosine))
     if found is not None:
@@ -358,16 +343,6 @@ def target_programs(arch: Arch, per_sm: int) -> int:
     return 4 if INTERPRET or arch.backend == "interpreter" else per_sm * arch.sm_count
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) of ints. Not ``triton.cdiv``: from Triton 3.8 it (and
-    ``triton.next_power_of_2``) is a ``ConstexprFunction`` whose every call on the host costs
-    microseconds, about 10 us on a CPU of CI's kind (local attention: its 10 such calls per
-    forward + backward were about 100 us of host time, ``host_floor.py (removed at fc2fe00, in git)``'s
-    method). Written as symbolic sizes (torch.compile's dynamic shapes) have traced through
-    ``split_windows``."""
-    return (a + b - 1) // b
-
-
 #: The fewest windows one program takes (where there are that many): a program reads its
 #: bias+mask tile, and the one-tile backward writes its partial bias gradient, once for all
 #: its windows. H200, bf16, D = 32, (256, 12, 49, 32) (swin_tiny's stage 3 at batch 64):
@@ -377,13 +352,15 @@ def cdiv(a: int, b: int) -> int:
 MIN_WINDOWS_PER_PROGRAM = 6
 
 
-def split_windows(windows: int, parallel: int, target: int) -> Tuple[int, int]:
+def split_windows(windows: int, parallel: int, target: int, min_windows: Optional[int] = None) -> Tuple[int, int]:
     """Split ``windows`` into chunks so that ``parallel * chunks`` is about ``target``,
-    with at least MIN_WINDOWS_PER_PROGRAM windows per chunk where there are that many.
+    with at least ``min_windows`` (the call's MIN_WINDOWS_PER_PROGRAM, this module's where
+    None) windows per chunk where there are that many.
 
     Integer arithmetic only, so that a symbolic window count traces under torch.compile.
     Returns (chunks, windows_per_chunk).
     """
+    fewest = MIN_WINDOWS_PER_PROGRAM if min_windows is None else min_windows
     chunks = min(max(1, cdiv(target, max(parallel, 1))), max(windows, 1))
-    per_chunk = max(cdiv(windows, chunks), min(MIN_WINDOWS_PER_PROGRAM, windows), 1)
+    per_chunk = max(cdiv(windows, chunks), min(fewest, windows), 1)
     return max(cdiv(windows, per_chunk), 1), per_chunk
