@@ -76,10 +76,7 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
     this gives 9 %, SwinV2 2 %.)
     """
     g = torch.Generator().manual_seed(seed)
-
-    def noise(p: torch.Tensor) -> torch.Tensor:
-        return torch.randn(p.shape, generator=g).to(p.device, p.dtype)
-
+    noise = lambda p: torch.randn(p.shape, generator=g).to(p.device, p.dtype)  # noqa: E731
     handled = set()
     for module in model.modules():
         if isinstance(module, nn.LayerNorm) and module.weight is not None:
