@@ -130,7 +130,7 @@ def test_op_calls_are_recorded_up_to_their_launches(op):
         rows = TableRows.of(relative_position_index(12, 12).to(KERNEL_DEVICE), table.shape[0])
         call = window_call(144, 16, torch.bfloat16, False, windows=2, heads=2, bias=TABLE_BIAS, scale=0.25)
         inputs = WindowTensors(qkv, None, table, None, None, None, rows.index32, rows.order, rows.offsets)
-    if op != "local":
+    if op.startswith("window"):
         plan = call_plan(call)
         tensors = [t for t in inputs if t is not None]
         road = lambda: window_op._EagerWindowAttention.apply(call, plan, *inputs)[0]  # noqa: E731
