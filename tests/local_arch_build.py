@@ -128,7 +128,7 @@ def main() -> int:
               f"{' ' + '=1, '.join(ones) + '=1' if ones else ''}")
         flags = dict(D=head_dim, BLOCK_D=tile_side(head_dim), PERIODIC="period" not in ones,
                      HAS_SINK=sink, HAS_DROPOUT=dropout, PRECISION=local_plan.precision(dtype), COUNT_TILES=False,
-                     BIAS=NO_BIAS, ROW_TILE=False)
+                     BIAS=NO_BIAS, ROW_TILE=False, KEY_H_PAD=16, KEY_W_PAD=16)
         for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
                              ("dq", local_attention_bwd_dq_kernel)):
             # the plans of every class of rows (local_plan.row_class), each once; but for the
@@ -142,8 +142,6 @@ def main() -> int:
             for tiles in dict.fromkeys(plans):
                 # the forward as a positive scale builds it (local_plan.fold_scale)
                 fwd_flags = dict(FOLD_SCALE=local_plan.fold_scale(1.0, head_dim)) if kind == "fwd" else {}
-                if kind == "dq":
-                    fwd_flags = dict(KEY_H_PAD=16, KEY_W_PAD=16)
                 ok &= build(kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **fwd_flags),
                             tiles.num_warps, tiles.num_stages, arch, ones)
     return 0 if ok else 1

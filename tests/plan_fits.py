@@ -117,7 +117,8 @@ def _window_builds(n: int, head_dim: int, cosine: bool, dtype: torch.dtype, drop
 
 def _local_builds(head_dim: int, dtype: torch.dtype, arch: Arch) -> List[Build]:
     flags = dict(D=head_dim, BLOCK_D=tile_side(head_dim), PERIODIC=True, HAS_SINK=True, HAS_DROPOUT=True,
-                 PRECISION=local_plan.precision(dtype), COUNT_TILES=False, BIAS=0, ROW_TILE=False)
+                 PRECISION=local_plan.precision(dtype), COUNT_TILES=False, BIAS=0, ROW_TILE=False, KEY_H_PAD=16,
+                 KEY_W_PAD=16)
     builds = []
     for kind, kernel in (("fwd", local_attention_fwd_kernel), ("dkdv", local_attention_bwd_dkdv_kernel),
                          ("dq", local_attention_bwd_dq_kernel)):
@@ -126,8 +127,6 @@ def _local_builds(head_dim: int, dtype: torch.dtype, arch: Arch) -> List[Build]:
         plans += [local_plan.plan(kind, head_dim, dtype, local_plan.SHORT, *lengths, arch=arch)
                   for lengths in ((4, 16), (16, 64))]
         extra = dict(FOLD_SCALE=local_plan.fold_scale(1.0, head_dim)) if kind == "fwd" else {}
-        if kind == "dq":
-            extra = dict(KEY_H_PAD=16, KEY_W_PAD=16)
         for tiles in dict.fromkeys(plans):
             builds.append((kernel, dtype, dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **extra),
                            dict(compiler_options(tiles.num_warps), num_stages=tiles.num_stages)))

@@ -43,7 +43,7 @@ def dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_
               stride_ws, stride_wk,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               MASKED: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-              BIAS: tl.constexpr, ROW_TILE: tl.constexpr):
+              BIAS: tl.constexpr, ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr):
     """dK and dV of the program's keys ``cols`` (= n0 + arange(BLOCK_N)) plus the query block
     [m0, m0 + BLOCK_M) of head h, in the transposed orientation (keys as rows):
     P^T = exp2(K Q^T * qk_scale + bias^T - lse) (``local.bias``)."""
@@ -59,7 +59,7 @@ def dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_
         rh_rows, rw_rows = bias_rows(rel_h_ptr, rel_w_ptr, b, h, rows, S_q, stride_hb, stride_hh, stride_hs,
                                      stride_wb, stride_wh, stride_ws, BIAS)
         tile, row_bias = score_bias(rh_rows, rw_rows, n0, tl.arange(0, BLOCK_N), S_k, key_w, stride_hk, stride_wk,
-                                    BIAS, ROW_TILE, True)
+                                    BIAS, ROW_TILE, KEY_H_PAD, KEY_W_PAD, PRECISION, True)
         offset = (lse - row_bias)[None, :] - tile
     p = probabilities(k, q, positions[None, :], cols[:, None], qk_scale, offset, S_k, period, before, after,
                       sink, MASKED, HAS_SINK, PRECISION)
@@ -89,7 +89,8 @@ def local_attention_bwd_dkdv_kernel(
     stride_wb, stride_wh, stride_ws, stride_wk,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PERIODIC: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    COUNT_TILES: tl.constexpr, BIAS: tl.constexpr, ROW_TILE: tl.constexpr,
+    COUNT_TILES: tl.constexpr, BIAS: tl.constexpr, ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr,
+    KEY_W_PAD: tl.constexpr,
 ):
     """Grid: (cdiv(S_k, BLOCK_N) * B * H_kv,). dk, dv like k, v (B, H_kv, S_k, D; any strides);
     q, dout (B, H_kv * group, S_q, D); lse, delta (B, H, S_q) fp32 contiguous; the bias's
@@ -123,14 +124,16 @@ def local_attention_bwd_dkdv_kernel(
                                qk_scale, dropout_p, S_q, S_k, shift, period, before, after, sink, stride_qs, stride_qd,
                                stride_gs, stride_gd, rel_h_ptr, rel_w_ptr, b, h, n0, key_w, stride_hb, stride_hh,
                                stride_hs, stride_hk, stride_wb, stride_wh, stride_ws, stride_wk,
-                               D, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION, BIAS, ROW_TILE)
+                               D, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT, PRECISION, BIAS, ROW_TILE,
+                               KEY_H_PAD, KEY_W_PAD)
         for t in range(0, n_edge):
             m0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_M
             dk, dv = dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_base, seed,
                                qk_scale, dropout_p, S_q, S_k, shift, period, before, after, sink, stride_qs, stride_qd,
                                stride_gs, stride_gd, rel_h_ptr, rel_w_ptr, b, h, n0, key_w, stride_hb, stride_hh,
                                stride_hs, stride_hk, stride_wb, stride_wh, stride_ws, stride_wk,
-                               D, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION, BIAS, ROW_TILE)
+                               D, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT, PRECISION, BIAS, ROW_TILE,
+                               KEY_H_PAD, KEY_W_PAD)
     scale = tl.cast(scale, tl.float32)  # inductor passes Python floats as fp64
     store_block(dk_ptr, dk * scale, b, kvh, n0, stride_dkb, stride_dkh, stride_dks, stride_dkd, offs, dims, S_k, D,
                 BLOCK_D)
@@ -215,12 +218,13 @@ def local_attention_bwd_dq_kernel(
                                    stride_wb, stride_wh, stride_ws, BIAS)
     grad_h, grad_w = bias_grad_init(BLOCK_M, BLOCK_N, BIAS, ROW_TILE, KEY_H_PAD, KEY_W_PAD)
     keys = tl.arange(0, BLOCK_N)
-    rw_tile, rh_next = row_tile_terms(rh_rows, rw_rows, keys, stride_hk, stride_wk, BIAS, ROW_TILE)
+    rw_tile, rh_next = row_tile_terms(rh_rows, rw_rows, keys, S_k, key_w, stride_hk, stride_wk, BIAS, ROW_TILE,
+                                      KEY_H_PAD, KEY_W_PAD)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(0, n_full):
         n0 = full_block(t, n_prefix, f_start) * BLOCK_N
-        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk,
-                                            stride_wk, BIAS, ROW_TILE)
+        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, n0, keys, S_k, key_w, stride_hk, BIAS,
+                                            ROW_TILE, KEY_H_PAD, KEY_W_PAD, PRECISION)
         dq, grad_h, grad_w = dq_step(dq, grad_h, grad_w, q, do, lse, delta, k_head, v_head, n0, rows, positions,
                                      row_ids, seed, qk_scale, dropout_p, S_q, S_k, period, before, after, sink,
                                      stride_ks, stride_kd, stride_vs, stride_vd, bias, row_bias, drh_rows, key_w,
@@ -229,8 +233,8 @@ def local_attention_bwd_dq_kernel(
                                      KEY_H_PAD, KEY_W_PAD)
     for t in range(0, n_edge):
         n0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_N
-        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk,
-                                            stride_wk, BIAS, ROW_TILE)
+        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, n0, keys, S_k, key_w, stride_hk, BIAS,
+                                            ROW_TILE, KEY_H_PAD, KEY_W_PAD, PRECISION)
         dq, grad_h, grad_w = dq_step(dq, grad_h, grad_w, q, do, lse, delta, k_head, v_head, n0, rows, positions,
                                      row_ids, seed, qk_scale, dropout_p, S_q, S_k, period, before, after, sink,
                                      stride_ks, stride_kd, stride_vs, stride_vd, bias, row_bias, drh_rows, key_w,

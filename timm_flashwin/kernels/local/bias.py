@@ -19,10 +19,14 @@ Two layouts of a key tile, chosen per kernel by its plan (a constexpr, ``ROW_TIL
   BLOCK_M vector per tile), rel_w the tile rel_w[rows, 0:key_w], a dense load; in the dq
   kernel d rel_h[:, r] is the tile's row sums, stored as they come (each row's keys are
   one tile), and d rel_w one (BLOCK_M, BLOCK_N) accumulator, dS added as it is;
-* otherwise (windows of 14 x 14, grids of 40 columns, ...): each key's row and column are
-  computed per tile and the two terms gathered from rel_h and rel_w (their rows of a query
-  block, a few KB, stay in L1); the dq kernel sums the gradients on the tensor cores, dS
-  times the one-hot (BLOCK_N, KEY_H_PAD) matrix of the keys' rows (and columns), into
+* otherwise (windows of 14 x 14, grids of 40 columns, ...) the one-hot layout: a program
+  loads its query rows' rel_h and rel_w once, (BLOCK_M, KEY_H_PAD) and (BLOCK_M,
+  KEY_W_PAD) tiles, and a key tile's term is two products on the tensor cores, rel_h rows
+  times the one-hot (KEY_H_PAD, BLOCK_N) matrix of the keys' grid rows plus rel_w rows times
+  that of their columns: exact (one 1 per key), where gathering each of the tile's terms
+  from rel_h and rel_w took two loads and their addresses per logit (the forward of SAM's
+  14 x 14 windows ran 5x its time without the bias, H200). The dq kernel sums the gradients
+  the same way round, dS times the keys' one-hot (BLOCK_N, KEY_H_PAD) matrices, into
   (BLOCK_M, KEY_H_PAD) and (BLOCK_M, KEY_W_PAD) accumulators.
 
 Rows past S_q and keys past S_k read a clamped, valid element (their probabilities are 0 or
@@ -30,6 +34,8 @@ their rows are not stored): no predicate per element.
 """
 import triton
 import triton.language as tl
+
+from .tiles import product
 
 #: the kinds (ints: inductor passes a user kernel's constexprs on as literals), and the same as
 #: the constexprs the jitted helpers compare with (a kernel reads no other globals)
@@ -54,13 +60,61 @@ def bias_rows(rel_h_ptr, rel_w_ptr, b, h, rows, S_q, stride_hb, stride_hh, strid
 
 
 @triton.jit
+def grid_rows(rh_rows, rw_rows, S_k, key_w, stride_hk, stride_wk, KEY_H_PAD: tl.constexpr,
+              KEY_W_PAD: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The one-hot layout's operands: rel_h and rel_w of the query rows at ``rh_rows`` /
+    ``rw_rows`` (``bias_rows``), (BLOCK_M, KEY_H_PAD) and (BLOCK_M, KEY_W_PAD) in the inputs'
+    dtype, or their transposes with TRANSPOSED; zeros past the grid's sides (a one-hot
+    product multiplies them by 0, and 0 * NaN would not vanish)."""
+    hs = tl.arange(0, KEY_H_PAD)
+    ws = tl.arange(0, KEY_W_PAD)
+    if TRANSPOSED:
+        rh = tl.load(rh_rows[None, :] + hs[:, None] * stride_hk, mask=hs[:, None] < S_k // key_w, other=0.0)
+        rw = tl.load(rw_rows[None, :] + ws[:, None] * stride_wk, mask=ws[:, None] < key_w, other=0.0)
+    else:
+        rh = tl.load(rh_rows[:, None] + hs[None, :] * stride_hk, mask=hs[None, :] < S_k // key_w, other=0.0)
+        rw = tl.load(rw_rows[:, None] + ws[None, :] * stride_wk, mask=ws[None, :] < key_w, other=0.0)
+    return rh, rw
+
+
+@triton.jit
+def one_hot_bias(rh, rw, n0, offs, S_k, key_w, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr,
+                 PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The bias of the keys n0 + offs against the rows of ``grid_rows``'s (rh, rw), times
+    log2(e), fp32: rh times the keys' one-hot grid rows plus rw times their one-hot columns,
+    (rows, keys), or (keys, rows) with TRANSPOSED. Keys past S_k take the last key's terms
+    (their logits are masked)."""
+    keys = tl.minimum(n0 + offs, S_k - 1)
+    key_row = keys // key_w
+    key_col = keys - key_row * key_w
+    if TRANSPOSED:
+        one_h = key_row[:, None] == tl.arange(0, KEY_H_PAD)[None, :]
+        one_w = key_col[:, None] == tl.arange(0, KEY_W_PAD)[None, :]
+    else:
+        one_h = tl.arange(0, KEY_H_PAD)[:, None] == key_row[None, :]
+        one_w = tl.arange(0, KEY_W_PAD)[:, None] == key_col[None, :]
+    if PRECISION == 0:  # 16-bit operands; else fp32 ones (the interpreter casts a bool to bf16's bits)
+        one_h = one_h.to(rh.dtype)
+        one_w = one_w.to(rw.dtype)
+    else:
+        one_h = one_h.to(tl.float32)
+        one_w = one_w.to(tl.float32)
+    if TRANSPOSED:
+        tile = product(one_w, rw, product(one_h, rh, None, PRECISION), PRECISION)
+    else:
+        tile = product(rw, one_w, product(rh, one_h, None, PRECISION), PRECISION)
+    return tile * _LOG2E
+
+
+@triton.jit
 def score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS: tl.constexpr,
-               ROW_TILE: tl.constexpr, TRANSPOSED: tl.constexpr):
+               ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr,
+               PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr):
     """(the tile's term, the rows' term) of the bias of the keys n0 + offs against the query
     rows at ``rh_rows`` / ``rw_rows`` (``bias_rows``), times log2(e); the tile's term (rows,
     keys), or (keys, rows) with TRANSPOSED (the dkdv kernel's orientation), and the rows'
     term a vector (BLOCK_M,) added to every key (the row layout's rel_h, which the kernels
-    fold into their row maxima and log-sum-exps: no add per logit), 0.0 in the gathering
+    fold into their row maxima and log-sum-exps: no add per logit), 0.0 in the one-hot
     layout. (0.0, 0.0) without a bias."""
     if BIAS == _DECOMPOSED:
         if ROW_TILE:  # the tile is grid row n0 // key_w, its keys the columns 0 ... key_w - 1
@@ -71,50 +125,46 @@ def score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIA
                 rw = tl.load(rw_rows[:, None] + offs[None, :] * stride_wk)
             return rw.to(tl.float32) * _LOG2E, rh
         else:
-            keys = tl.minimum(n0 + offs, S_k - 1)
-            key_row = keys // key_w
-            key_col = keys - key_row * key_w
-            if TRANSPOSED:
-                rh = tl.load(rh_rows[None, :] + (key_row * stride_hk)[:, None])
-                rw = tl.load(rw_rows[None, :] + (key_col * stride_wk)[:, None])
-            else:
-                rh = tl.load(rh_rows[:, None] + (key_row * stride_hk)[None, :])
-                rw = tl.load(rw_rows[:, None] + (key_col * stride_wk)[None, :])
-            return (rh.to(tl.float32) + rw.to(tl.float32)) * _LOG2E, 0.0
+            rh, rw = grid_rows(rh_rows, rw_rows, S_k, key_w, stride_hk, stride_wk, KEY_H_PAD, KEY_W_PAD, TRANSPOSED)
+            return one_hot_bias(rh, rw, n0, offs, S_k, key_w, KEY_H_PAD, KEY_W_PAD, PRECISION, TRANSPOSED), 0.0
     else:
         return 0.0, 0.0
 
 
 @triton.jit
-def row_tile_terms(rh_rows, rw_rows, offs, stride_hk, stride_wk, BIAS: tl.constexpr, ROW_TILE: tl.constexpr):
-    """What a program over query rows keeps of a bias in the row layout before its loop over
-    the key tiles (the tiles are the grid's rows 0, 1, ... in order: global attention):
+def row_tile_terms(rh_rows, rw_rows, offs, S_k, key_w, stride_hk, stride_wk, BIAS: tl.constexpr,
+                   ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr):
+    """What a program over query rows keeps of a bias before its loop over the key tiles:
+    in the row layout (the tiles are the grid's rows 0, 1, ... in order: global attention)
     (rel_w[rows, 0:key_w] times log2(e), the same of every tile: loaded once; rel_h[rows, 0]
-    times log2(e), the first tile's term). (0.0, 0.0) otherwise."""
+    times log2(e), the first tile's term); in the one-hot layout its rows of rel_w and rel_h
+    (``grid_rows``). (0.0, 0.0) without a bias."""
     rw, rh = 0.0, 0.0
     if BIAS == _DECOMPOSED:
         if ROW_TILE:
             rw = tl.load(rw_rows[:, None] + offs[None, :] * stride_wk).to(tl.float32) * _LOG2E
             rh = tl.load(rh_rows).to(tl.float32) * _LOG2E
+        else:
+            rh, rw = grid_rows(rh_rows, rw_rows, S_k, key_w, stride_hk, stride_wk, KEY_H_PAD, KEY_W_PAD, False)
     return rw, rh
 
 
 @triton.jit
-def tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS: tl.constexpr,
-              ROW_TILE: tl.constexpr):
-    """(the tile's term, the rows' term, the next tile's rows' term) of the key tile at n0
-    against the program's query rows (``score_bias``'s terms). In the row layout the tile's
-    term is rel_w's tile, loaded once (``row_tile_terms``), the rows' term the one loaded during
-    the previous tile, and the next row's is loaded now: its latency is hidden behind this
-    tile's products (a load that feeds no product is not pipelined)."""
+def tile_bias(rw_tile, rh_next, rh_rows, n0, offs, S_k, key_w, stride_hk, BIAS: tl.constexpr,
+              ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr, PRECISION: tl.constexpr):
+    """(the tile's term, the rows' term, what the next tile takes) of the key tile at n0
+    against the program's query rows (``score_bias``'s terms), from what ``row_tile_terms``
+    gave. In the row layout the tile's term is rel_w's tile, loaded once, the rows' term the
+    one loaded during the previous tile, and the next row's is loaded now: its latency is
+    hidden behind this tile's products (a load that feeds no product is not pipelined). In
+    the one-hot layout (rw_tile, rh_next) are the rows of rel_w and rel_h, kept."""
     if BIAS == _DECOMPOSED:
         if ROW_TILE:
             after = tl.minimum(n0 // key_w + 1, S_k // key_w - 1)
             return rw_tile, rh_next, tl.load(rh_rows + after * stride_hk).to(tl.float32) * _LOG2E
         else:
-            tile, rows = score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS, ROW_TILE,
-                                    False)
-            return tile, rows, rh_next
+            tile = one_hot_bias(rh_next, rw_tile, n0, offs, S_k, key_w, KEY_H_PAD, KEY_W_PAD, PRECISION, False)
+            return tile, 0.0, rh_next
     else:
         return 0.0, 0.0, rh_next
 

@@ -79,13 +79,14 @@ def local_attention_fwd_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PERIODIC: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     COUNT_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr, BIAS: tl.constexpr, ROW_TILE: tl.constexpr,
+    KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr,
 ):
     """Grid: (cdiv(S_q, BLOCK_M) * B * H,). q (B, H, S_q, D), k and v (B, H / group, S_k, D),
     out like q, any strides; lse (B, H, S_q) fp32, contiguous: each row's log2-sum-exp of its
     log2-domain logits (qk_scale = scale * log2(e)), +inf for a row that sees no key (its
     output is 0). ``before`` / ``after``: -1 for unlimited (``local.tiles``). With BIAS, the
     bias's tensors and the key grid's width ``key_w`` (``local.bias``; rel_h's strides
-    stride_h*, rel_w's stride_w*)."""
+    stride_h*, rel_w's stride_w*; the grid's sides padded, KEY_H_PAD and KEY_W_PAD)."""
     (b, h, m0, period, before, after, sink, n_full, n_prefix, f_start, n_edge, e_start, n_lead, t_start, n_tail,
      partial, shift) = query_block_program(counts_ptr, S_q, S_k, H, period, before, after, sink, PERIODIC, BLOCK_M,
                                            BLOCK_N, COUNT_TILES)
@@ -101,23 +102,24 @@ def local_attention_fwd_kernel(
     rh_rows, rw_rows = bias_rows(rel_h_ptr, rel_w_ptr, b, h, rows, S_q, stride_hb, stride_hh, stride_hs, stride_wb,
                                  stride_wh, stride_ws, BIAS)
     keys = tl.arange(0, BLOCK_N)
-    rw_tile, rh_next = row_tile_terms(rh_rows, rw_rows, keys, stride_hk, stride_wk, BIAS, ROW_TILE)
+    rw_tile, rh_next = row_tile_terms(rh_rows, rw_rows, keys, S_k, key_w, stride_hk, stride_wk, BIAS, ROW_TILE,
+                                      KEY_H_PAD, KEY_W_PAD)
 
     m_i = tl.full((BLOCK_M,), _NO_MAX, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(0, n_full):
         n0 = full_block(t, n_prefix, f_start) * BLOCK_N
-        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk,
-                                            stride_wk, BIAS, ROW_TILE)
+        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, n0, keys, S_k, key_w, stride_hk, BIAS,
+                                            ROW_TILE, KEY_H_PAD, KEY_W_PAD, PRECISION)
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
                                      dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
                                      stride_vd, bias, row_bias, D, BLOCK_N, BLOCK_D, False, HAS_SINK, HAS_DROPOUT,
                                      PRECISION, FOLD_SCALE, BIAS)
     for t in range(0, n_edge):
         n0 = edge_block(t, e_start, n_lead, t_start, n_tail, partial) * BLOCK_N
-        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, rw_rows, n0, keys, S_k, key_w, stride_hk,
-                                            stride_wk, BIAS, ROW_TILE)
+        bias, row_bias, rh_next = tile_bias(rw_tile, rh_next, rh_rows, n0, keys, S_k, key_w, stride_hk, BIAS,
+                                            ROW_TILE, KEY_H_PAD, KEY_W_PAD, PRECISION)
         acc, m_i, l_i = forward_step(acc, m_i, l_i, q, k_head, v_head, n0, positions, row_ids, seed, qk_scale,
                                      dropout_p, S_k, period, before, after, sink, stride_ks, stride_kd, stride_vs,
                                      stride_vd, bias, row_bias, D, BLOCK_N, BLOCK_D, True, HAS_SINK, HAS_DROPOUT,

@@ -294,7 +294,7 @@ def _call_plan(call: LocalCall, counts: bool) -> LocalPlan:
     rows = row_class(call.pattern, call.queries, call.keys, call.batch * call.heads, call.arch, call.dropout)
     shared = dict(D=call.head_dim, BLOCK_D=tile_side(call.head_dim), PERIODIC=call.pattern[0] != 1,
                   HAS_SINK=call.pattern[3] > 0, HAS_DROPOUT=call.dropout, PRECISION=precision(call.dtype),
-                  COUNT_TILES=counts, BIAS=call.bias)
+                  COUNT_TILES=counts, BIAS=call.bias, KEY_H_PAD=tile_side(call.key_h), KEY_W_PAD=tile_side(call.key_w))
     kernels = {}
     for kind in ("fwd", "dq", "dkdv"):
         tiles = plan(kind, call.head_dim, call.dtype, rows, call.queries, call.keys, call.arch)
@@ -304,8 +304,6 @@ def _call_plan(call: LocalCall, counts: bool) -> LocalPlan:
                       num_stages=tiles.num_stages, **compiler_options(tiles.num_warps))
         if kind == "fwd":  # a bias is added to the scaled logits: nothing to fold into
             kwargs["FOLD_SCALE"] = call.bias == NO_BIAS and fold_scale(float(call.positive_scale), call.head_dim)
-        if kind == "dq":
-            kwargs.update(KEY_H_PAD=tile_side(call.key_h), KEY_W_PAD=tile_side(call.key_w))
         if kind == "dkdv":
             grid = (cdiv(call.keys, tiles.block_n) * call.batch * call.kv_heads,)
         else:
