@@ -8,8 +8,8 @@ backward, side by side in alternating rounds (GPU time by CUDA events, medians).
     python benchmarks/bench_rel_pos.py --tune global64     # the biased kernels' plans compared
 
 Implementations (each includes what it needs of the bias: the two terms from q and the
-tables, ``rel_pos_terms`` (the tables gathered by ``gathered_table``; timm's road gathers them
-its way), and their backward):
+tables, ``rel_pos_table_terms`` as the patched modules compute them (timm's road gathers the
+tables and takes its einsums), and their backward):
 
 * ``timm``: timm's ``get_decomposed_rel_pos_bias`` (a dense (B*heads, N, N) bias) and SDPA on
   (B*heads, N, D) tensors, as ``vision_transformer_sam.Attention`` runs it;
@@ -35,8 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's library
 from common import default_out, header, write_json, environment  # noqa: E402
 from common import profile  # noqa: E402
-from timm_flashwin import decomposed_attention, patch_model, rel_pos_terms, sliding_window_attention  # noqa: E402
-from timm_flashwin.ops.rel_pos import gathered_table  # noqa: E402
+from timm_flashwin import decomposed_attention, patch_model, rel_pos_table_terms, sliding_window_attention  # noqa: E402
 
 #: name: (batch of windows or images, heads, grid side, head_dim); SAM at 1024 px, batch 4:
 #: global blocks over 64 x 64 tokens, window blocks over 25 windows an image of 14 x 14
@@ -72,8 +71,7 @@ def attention(impl: str, side: int, flex_fn=None):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
     def terms(q, table_h, table_w):
-        return rel_pos_terms(q, gathered_table(table_h, side, side).to(q.dtype),
-                             gathered_table(table_w, side, side).to(q.dtype), (side, side))
+        return rel_pos_table_terms(q, table_h.to(q.dtype), table_w.to(q.dtype), (side, side))
 
     def flashwin(qkv, table_h, table_w):
         q, k, v = views(qkv)

@@ -87,6 +87,34 @@ def test_terms_of_a_model_and_scale():
     assert_matches_reference(runs[0], runs[1], TOLERANCE[torch.float32], names=("out", "dqkv", "d_table_h", "d_table_w"))
 
 
+@pytest.mark.parametrize("size, rows, always", [((3, 5), (5, 9), False), ((4, 4), (9, 3), False),
+                                                ((2, 6), (3, 11), True)])
+def test_table_terms_are_the_gathered_tables_terms(size, rows, always):
+    """rel_pos_table_terms (one product with the model's tables, gathered per query) against
+    rel_pos_terms of SAM's gathered tables (an einsum per grid row): tables of the grid's
+    rows, interpolated ones (fewer and more rows) and transformers' interpolation every call;
+    the values and the gradients of q and both tables, float64."""
+    from timm_flashwin import rel_pos_table_terms
+    from timm_flashwin.ops.rel_pos import gathered_table
+    g = torch.Generator().manual_seed(rows[0])
+    q0 = torch.randn(2, 3, size[0] * size[1], 8, generator=g, dtype=torch.float64)
+    tables0 = [torch.randn(r, 8, generator=g, dtype=torch.float64) for r in rows]
+    grads = [torch.randn(2, 3, size[0] * size[1], side, generator=g, dtype=torch.float64) for side in size]
+    results = []
+    for gathered in (True, False):
+        q, table_h, table_w = (t.clone().requires_grad_() for t in [q0] + tables0)
+        if gathered:
+            terms = rel_pos_terms(q, gathered_table(table_h, size[0], size[0], always),
+                                  gathered_table(table_w, size[1], size[1], always), size)
+        else:
+            terms = rel_pos_table_terms(q.transpose(2, 3).contiguous().transpose(2, 3), table_h, table_w, size,
+                                        always)
+        torch.autograd.backward(terms, grads)
+        results.append([*terms, q.grad, table_h.grad, table_w.grad])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_dropout_takes_the_kernels_mask():
     """With dropout, the kernels' own mask (regenerated from the seed the op drew): output
     and gradients as the reference's with that mask."""

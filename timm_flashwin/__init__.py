@@ -38,6 +38,8 @@ Local attention, q (B, H, S, D), k and v (B, H_kv, S, D) -> (B, H, S, D)
 Decomposed relative-position attention (SAM, ViTDet, MViTv2), global, any grid
     decomposed_attention(q, k, v, rel_h (B, H, S_q, key_h), rel_w (B, H, S_q, key_w), *,
                          key_size=(key_h, key_w), scale, dropout_p) -> (B, H, S_q, D)
+    rel_pos_table_terms(q, rel_pos_h (L_h, D), rel_pos_w (L_w, D), q_size) -> (rel_h, rel_w):
+        the terms from a model's own tables (SAM's), interpolated as it does
     rel_pos_terms(q, table_h (q_h, key_h, D), table_w (q_w, key_w, D), q_size) -> (rel_h, rel_w)
 
 The host-program extension (eager calls on CUDA replayed from C++; ``TIMM_FLASHWIN_HOST_PROGRAMS=0``
@@ -78,6 +80,7 @@ _SOURCES = {
     "window_attention_reference": "ops.reference",
     "block_sliding_window_attention": "ops.local", "sliding_window_attention": "ops.local",
     "decomposed_attention": "ops.rel_pos", "rel_pos_terms": "ops.rel_pos",
+    "rel_pos_table_terms": "ops.rel_pos",
     "build_extensions": "ops.native",
 }
 

@@ -98,6 +98,38 @@ def rel_pos_terms(q: torch.Tensor, rel_h_table: torch.Tensor, rel_w_table: torch
     return rel_h.reshape(B, H, S, rel_h_table.shape[1]), rel_w.reshape(B, H, S, rel_w_table.shape[1])
 
 
+def rel_pos_table_terms(q: torch.Tensor, rel_pos_h: torch.Tensor, rel_pos_w: torch.Tensor, q_size: Tuple[int, int],
+                        interpolate_always: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(rel_h, rel_w) of ``decomposed_attention`` over keys on q's own grid, from a model's
+    tables (SAM's ``rel_pos_h`` (L_h, D) and ``rel_pos_w`` (L_w, D)): the values of
+    ``rel_pos_terms(q, gathered_table(rel_pos_h, q_h, q_h), gathered_table(rel_pos_w, q_w, q_w),
+    q_size)``, tables interpolated as there, differentiable, in the dtype a matmul of q and the
+    tables gives (autocast's too).
+
+    Computed as one product of q with both tables' 2 q_h - 1 and 2 q_w - 1 rows, each query's
+    terms then gathered from its row of the product (its grid row's and column's offsets):
+    the einsums of ``rel_pos_terms`` (SAM's) batch over the grid's rows with q permuted to
+    that order, which took cuBLAS 0.2 ms a call for SAM's 14 x 14 windows (H200, bf16, 100
+    windows x 12 heads: two small-tile GEMMs of 16800 x 64 x 14), 3x the fused attention's forward.
+
+    Args:
+        q: (B, H, q_h * q_w, D), any strides.
+        rel_pos_h, rel_pos_w: (L, D) each, the model's tables.
+        q_size: (q_h, q_w), the queries' (and keys') grid.
+        interpolate_always: as ``gathered_table``'s (transformers' SAM; the same values).
+
+    Returns:
+        rel_h (B, H, q_h * q_w, q_h) and rel_w (B, H, q_h * q_w, q_w), contiguous.
+    """
+    q_h, q_w = q_size
+    B, H, S, _ = q.shape
+    tables = torch.cat((_resized(rel_pos_h, 2 * q_h - 1, interpolate_always),
+                        _resized(rel_pos_w, 2 * q_w - 1, interpolate_always)))
+    products = torch.matmul(q, tables.t())  # (B, H, S, 2 q_h - 1 + 2 q_w - 1)
+    index_h, index_w = _query_index(q_h, q_w, q.device)
+    return products.gather(3, index_h.expand(B, H, S, q_h)), products.gather(3, index_w.expand(B, H, S, q_w))
+
+
 def gathered_table(rel_pos: torch.Tensor, q_size: int, k_size: int, interpolate_always: bool = False
                    ) -> torch.Tensor:
     """SAM's ``get_rel_pos(q_size, k_size, rel_pos)``: (q_size, k_size, D), row i, column j the
@@ -107,11 +139,17 @@ def gathered_table(rel_pos: torch.Tensor, q_size: int, k_size: int, interpolate_
     scaled. The same values and gradient as timm's and transformers' functions, without their
     host-to-device copy of the index in every call (a synchronization: the host waits for the
     GPU there, twice per attention module): the index is kept per (sizes, device) in eager mode."""
-    rows = int(2 * max(q_size, k_size) - 1)
-    if interpolate_always or rel_pos.shape[0] != rows:
+    rel_pos = _resized(rel_pos, int(2 * max(q_size, k_size) - 1), interpolate_always)
+    return rel_pos[_relative_index(q_size, k_size, rel_pos.device)]
+
+
+def _resized(rel_pos: torch.Tensor, rows: int, always: bool) -> torch.Tensor:
+    """The table (L, D) linearly interpolated to ``rows`` rows, as SAM's ``get_rel_pos``
+    does where L differs (or ``always``)."""
+    if always or rel_pos.shape[0] != rows:
         resized = F.interpolate(rel_pos.reshape(1, rel_pos.shape[0], -1).permute(0, 2, 1), size=rows, mode="linear")
         rel_pos = resized.reshape(-1, rows).permute(1, 0)
-    return rel_pos[_relative_index(q_size, k_size, rel_pos.device)]
+    return rel_pos
 
 
 #: (q_size, k_size, device) -> the (q_size, k_size) int64 index of ``gathered_table``
@@ -129,6 +167,26 @@ def _relative_index(q_size: int, k_size: int, device: torch.device) -> torch.Ten
         if no_dispatch_mode():  # a tensor made while tracing (torch.compile) is not kept for later calls
             _INDEX[key] = index
     return index
+
+
+#: (q_h, q_w, device) -> ``rel_pos_table_terms``' (S, q_h) and (S, q_w) int64 indices
+_QUERY_INDEX: Dict[Tuple[int, int, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _query_index(q_h: int, q_w: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For query n (grid row n // q_w, column n % q_w), the columns of ``rel_pos_table_terms``'
+    product holding its rel_h and rel_w: its grid row's row of ``_relative_index(q_h, q_h)``,
+    and its column's of ``_relative_index(q_w, q_w)`` past the 2 q_h - 1 rows of rel_pos_h."""
+    key = (q_h, q_w, device)
+    found = _QUERY_INDEX.get(key)
+    if found is None:
+        rows = torch.arange(q_h * q_w) // q_w
+        index_h = _relative_index(q_h, q_h, torch.device("cpu"))[rows]
+        index_w = _relative_index(q_w, q_w, torch.device("cpu"))[torch.arange(q_h * q_w) % q_w] + (2 * q_h - 1)
+        found = (index_h.to(device), index_w.to(device))
+        if no_dispatch_mode():  # a tensor made while tracing (torch.compile) is not kept for later calls
+            _QUERY_INDEX[key] = found
+    return found
 
 
 def _check_size(function: str, name: str, size: Sequence[int]) -> Tuple[int, int]:

@@ -7,9 +7,9 @@ one (a window block: the block pads the map to a multiple of its window with zer
 partitions it, which the module cannot tell apart), and computes
 ``softmax(scale * q k^T + bias) v`` with SAM's ``get_decomposed_rel_pos_bias``: here the op
 ``decomposed_attention`` on views of the qkv projection, its two terms from the module's
-own tables (``rel_pos_terms``, the tables gathered and interpolated as the model's own
-``get_rel_pos`` does it: ``ops.rel_pos.gathered_table``, which the tests hold against each
-model's function), and the module's proj. What differs between the classes is where they
+own tables (``rel_pos_table_terms``: the tables interpolated as the model's own
+``get_rel_pos`` does it, ``ops.rel_pos.gathered_table``'s values, which the tests hold against
+each model's function), and the module's proj. What differs between the classes is where they
 keep their parts: ``rel_pos_tables``, ``interpolates_always``, ``num_heads``, ``attn_drop``.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from ...ops.rel_pos import decomposed_attention, gathered_table, rel_pos_terms
+from ...ops.rel_pos import decomposed_attention, rel_pos_table_terms
 from .base import WindowAttentionAdapter
 
 
@@ -101,10 +101,7 @@ class DecomposedRelPosAdapter(WindowAttentionAdapter):
         if q.dtype != v.dtype:  # a norm under autocast gives float32: SDPA computes in v's dtype then
             q, k = q.to(v.dtype), k.to(v.dtype)
         rel_pos_h, rel_pos_w = self.rel_pos_tables(module)
-        always = self.interpolates_always
-        table_h = gathered_table(rel_pos_h, height, height, always)
-        table_w = gathered_table(rel_pos_w, width, width, always)
-        rel_h, rel_w = rel_pos_terms(q, table_h, table_w, (height, width))
+        rel_h, rel_w = rel_pos_table_terms(q, rel_pos_h, rel_pos_w, (height, width), self.interpolates_always)
         out = decomposed_attention(q, k, v, rel_h, rel_w, key_size=(height, width), scale=self.scale(module),
                                    dropout_p=dropout_p)
         return out.transpose(1, 2).reshape(batch, tokens, -1)
