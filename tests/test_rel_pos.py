@@ -14,6 +14,7 @@ from conftest import KERNEL_DEVICE
 from opcases import TOLERANCE, assert_matches_reference
 from timm_flashwin import decomposed_attention, rel_pos_terms
 from timm_flashwin.kernels.local import launch as local_launch
+from timm_flashwin.kernels.local.bias import DECOMPOSED
 from timm_flashwin.ops.local_operators import local_attention_bwd, local_attention_fwd
 from timm_flashwin.ops.local_reference import local_attention_reference, sliding_window_visible
 
@@ -113,6 +114,36 @@ def test_table_terms_are_the_gathered_tables_terms(size, rows, always):
         results.append([*terms, q.grad, table_h.grad, table_w.grad])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(80, torch.float32), (64, torch.bfloat16)], ids=["d80-float32", "d64-bf16"])
+def test_kernels_with_an_h200s_plans_touch_only_their_tensors(monkeypatch, head_dim, dtype):
+    """SAM's 14 x 14 windows with the tiles, warps and bias layout the kernels take on an
+    H200 (sm_90), forward and backward under the interpreter: every load and store within
+    its tensors (tests/bounds.py). On an H200 the float32 head_dim 80 case met an illegal
+    memory access in the pytest suite (benchmarks/RESULTS.md, GPU test runs): not in the
+    kernels' own addressing, this says."""
+    from bounds import views_checked
+    from timm_flashwin.kernels.arch import KNOWN
+    from timm_flashwin.kernels.local import plan as local_plan
+    call = local_plan.LocalCall(1, 2, 2, 196, 196, head_dim, dtype, KNOWN["sm_90"], (1, -1, -1, 0), False, True,
+                                DECOMPOSED, 14, 14)
+    with monkeypatch.context() as patch:  # the GPU's plans, as an H200 makes them
+        patch.setattr(local_plan, "INTERPRET", False)
+        local_plan._fitted_plan.cache_clear()
+        gpu_plan = local_plan._call_plan(call, False)
+    local_plan._fitted_plan.cache_clear()
+    local_plan.clear()
+    for kind in ("fwd", "dq", "dkdv"):
+        for rows in (local_plan.SHORT, local_plan.LONG, local_plan.TALL):
+            monkeypatch.setitem(local_plan.OVERRIDES, (kind, head_dim, dtype, rows), getattr(gpu_plan, kind).tiles)
+    q, k, v, rel_h, rel_w, do = make_inputs(1, 2, 2, 196, (14, 14), head_dim, dtype)
+    with views_checked() as outside:
+        ours = forward_backward(lambda *t: decomposed_attention(*t, key_size=(14, 14)), (q, k, v, rel_h, rel_w), do)
+    assert all(local_plan.plan(kind, head_dim, dtype) == getattr(gpu_plan, kind).tiles != (16, 16, 4, 1)
+               for kind in ("fwd", "dq", "dkdv"))  # the H200's tiles ran, not the interpreter's
+    assert gpu_plan.dkdv.kwargs["ROW_TILE"] is False and outside == {}
+    assert_matches_reference(ours, reference(q, k, v, rel_h, rel_w, do, (14, 14)), TOLERANCE[dtype], names=NAMES)
 
 
 def test_dropout_takes_the_kernels_mask():
