@@ -108,6 +108,19 @@ def test_transformers_attention_weights_asked_for_run_transformers():
                                              for a, b in zip(mine.attentions, theirs.attentions))
 
 
+def test_transformers_default_configs_through_the_cli_route():
+    """``--hf sam`` at another size than SAM's 1024 px (its vision and prompt encoders take
+    the size), and transformers' default ViTDet, which has no relative positions: its
+    modules are reported kept on their own forward, not a crash in the report."""
+    from timm_flashwin.tools.hf_models import build_hf_model
+    sam = build_hf_model("sam", img_size=32)
+    assert sam.pretrained_cfg["input_size"] == (3, 32, 32) and sam(images(1, (32, 32))).shape == (1, 3)
+    vitdet = patch_model(build_hf_model("vitdet", img_size=32))
+    report = patch_report(vitdet)
+    assert not report.patched and len(report.skipped) == 12 and "kept their own forward" in report.summary()
+    assert all("use_rel_pos=False" in m.reason for m in report.skipped)
+
+
 # ----------------------------------------------------------------------- GPU
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

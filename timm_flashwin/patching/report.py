@@ -40,7 +40,7 @@ class PatchReport:
         return [m for m in self.modules if not m.patched]
 
     def summary(self) -> str:
-        """One line: how many modules are patched, per family, and how many kept timm's forward."""
+        """One line: how many modules are patched, per family, and how many kept their own (unpatched) forward."""
         families: Dict[str, int] = {}
         for m in self.patched:
             families[m.family] = families.get(m.family, 0) + 1
@@ -48,7 +48,7 @@ class PatchReport:
         text = (f"patched {len(self.patched)} of {len(self.modules)} attention modules of {self.model} "
                 f"({by_family})")
         if self.skipped:
-            text += f"; {len(self.skipped)} kept timm's forward"
+            text += f"; {len(self.skipped)} kept their own forward"
         return text
 
     def road_line(self) -> str:

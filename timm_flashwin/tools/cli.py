@@ -79,8 +79,9 @@ def _device(text: str) -> str:
 
 
 #: --hf: a transformers model instead of a timm one (timm_flashwin/hf_models.py)
-HF_HELP = ("a transformers model: a model type (swin, swinv2, donut-swin, maskformer-swin, swin2sr), a config "
-           "class (SwinConfig), or a config.json / saved model directory; ':ModelClass' picks the head; random "
+HF_HELP = ("a transformers model: a model type (swin, swinv2, donut-swin, maskformer-swin, swin2sr, beit, "
+           "data2vec-vision, sam, sam_hq, vitdet), a config class (SwinConfig, SamVisionConfig), or a config.json / "
+           "saved model directory; ':ModelClass' picks the head; random "
            "weights unless --pretrained (verify) reads them from that directory")
 
 

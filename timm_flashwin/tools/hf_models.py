@@ -4,7 +4,8 @@ the model a config describes, called on images like a timm model.
 CONFIG is, in the order tried:
 
 - a model type, as transformers names it: ``swin``, ``swinv2``, ``donut-swin``,
-  ``maskformer-swin``, ``swin2sr`` (its default config: swin-tiny's for ``swin``);
+  ``maskformer-swin``, ``swin2sr``, ``beit``, ``data2vec-vision``, ``sam``, ``sam_hq``,
+  ``vitdet`` (its default config: swin-tiny's for ``swin``, SAM ViT-B's for ``sam``);
 - a config class name: ``SwinConfig``, ``Swinv2Config``, ... (its defaults);
 - a config.json, or a directory holding one (a saved model), or a Hub name already in the
   local cache (``AutoConfig.from_pretrained``: nothing is downloaded when offline).
@@ -37,7 +38,7 @@ class HfImageModel(nn.Module):
         super().__init__()
         self.model = model
         config = model.config
-        size = getattr(config, "image_size", 224)
+        size = getattr(config, "image_size", getattr(getattr(config, "vision_config", None), "image_size", 224))
         height, width = (size, size) if isinstance(size, int) else tuple(size)
         self.pretrained_cfg = {"input_size": (getattr(config, "num_channels", 3), height, width)}
 
@@ -78,6 +79,18 @@ def model_class(config, class_name: Optional[str]) -> type:
     raise UsageError(f"--hf: transformers has no model for {type(config).__name__}")
 
 
+def _set_image_size(config, size) -> None:
+    """The input size, on the config and on the sub-configs that keep one of their own (SAM's
+    and SAM-HQ's vision encoder and prompt encoder, whose image embedding follows it)."""
+    config.image_size = size
+    for name in ("vision_config", "prompt_encoder_config"):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "image_size"):
+            sub.image_size = size
+            if hasattr(sub, "image_embedding_size") and isinstance(size, int):
+                sub.image_embedding_size = size // sub.patch_size
+
+
 def build_hf_model(spec: str, *, img_size=None, pretrained: bool = False, train: bool = False, seed: int = 0,
                    overrides: Optional[Dict] = None) -> HfImageModel:
     """The model ``spec`` describes (the module's docstring), at ``img_size`` (N or (H, W))
@@ -91,7 +104,7 @@ def build_hf_model(spec: str, *, img_size=None, pretrained: bool = False, train:
             raise UsageError(f"--hf {spec}: {type(config).__name__} has no attribute {key!r}")
         setattr(config, key, value)
     if img_size is not None:
-        config.image_size = img_size if isinstance(img_size, int) else list(img_size)
+        _set_image_size(config, img_size if isinstance(img_size, int) else list(img_size))
     if train and hasattr(config, "drop_path_rate"):
         config.drop_path_rate = 0.0
     cls = model_class(config, class_name)

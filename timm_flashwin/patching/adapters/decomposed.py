@@ -62,6 +62,8 @@ class DecomposedRelPosAdapter(WindowAttentionAdapter):
     def describe(self, module: nn.Module, parent: Optional[nn.Module]) -> Optional[str]:
         """"window 14x14" or "global 64x64" (the table's grid): what the block around it does
         (its ``window_size``; 0 for a global block)."""
+        if not self.uses_rel_pos(module):  # no tables (transformers' default ViTDet): nothing to describe
+            return None
         window = getattr(parent, "window_size", None)
         height, width = self.table_size(module)
         if isinstance(window, int) and window > 0:
