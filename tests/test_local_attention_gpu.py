@@ -10,7 +10,7 @@ import torch
 from opcases import TOLERANCE, assert_matches_reference, relative_error
 from test_local_attention import NAMES, blocks, forward_backward, make_inputs, reference, sliding
 from timm_flashwin import block_sliding_window_attention, sliding_window_attention
-from timm_flashwin.kernels.local import launch as local_launch, plan as local_plan
+from timm_flashwin.kernels.local import launch as local_launch
 from timm_flashwin.ops.local_operators import local_attention_fwd
 from timm_flashwin.ops.local_reference import block_window_visible, sliding_window_visible
 

@@ -9,7 +9,6 @@ import triton.language as tl
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from opcases import assert_matches_reference, forward_backward, make_case, reference_forward_backward
 from timm_flashwin import window_attention
-from timm_flashwin.kernels.window import config
 from timm_flashwin.ops.window_checks import MAX_TOKENS
 from timm_flashwin.kernels.window.bias_mask import mask_structure
 from timm_flashwin.kernels.window.tiles import head_scale

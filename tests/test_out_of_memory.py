@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA
 from timm_flashwin.kernels import fast_launch, launch_errors
 
 OOM = "Triton Error [CUDA]: out of memory"

@@ -28,13 +28,12 @@ import torch
 from torch import nn
 
 from ...ops.local import sliding_window_attention
-from ...ops.window_checks import MAX_TOKENS
 from ...ops.window_grid import WindowGrid
 from .base import UnbiasedAdapter, WithoutDropout
 
 #: the most tokens of a window (a mask unit, or the whole map) the window operator takes
 #: here; more go to the local operator, unbiased and made for long rows (from 1024 to the
-#: window operator's limit, ``config.MAX_TOKENS``, either serves; which is faster there is
+#: window operator's limit, ``ops.window_checks.MAX_TOKENS``, either serves; which is faster there is
 #: not measured)
 WINDOW_OP_TOKENS = 1024
 
