@@ -1,7 +1,7 @@
 """decomposed_attention and rel_pos_terms (ops/rel_pos.py): the local kernels with a decomposed
 relative-position bias (kernels/local/bias.py) against the float64 reference, output and the
 gradients of q, k, v and both bias terms; both layouts of the bias (key tiles of one grid row,
-16 columns under the interpreter's 16-wide tiles; gathered, any other width), fewer or more
+16 columns under the interpreter's 16-wide tiles; one-hot, any other width), fewer or more
 queries than keys, grouped heads, head_dim 80, dropout with the kernels' own mask, the
 registered operators, bad input. The GPU-only cases (SAM's shapes, every dtype) are the
 ``cuda`` ones at the end."""
@@ -53,7 +53,7 @@ def reference(q, k, v, rel_h, rel_w, do, key_size, scale=None, dropout_factor=No
 
 CASES = [  # (B, H, H_kv, queries, key grid, D)
     pytest.param(1, 2, 2, 64, (4, 16), 16, id="row-tiles"),
-    pytest.param(2, 2, 1, 35, (5, 7), 16, id="gathered-gqa"),
+    pytest.param(2, 2, 1, 35, (5, 7), 16, id="one-hot-gqa"),
     pytest.param(1, 1, 1, 9, (6, 6), 24, id="fewer-queries"),
     pytest.param(1, 2, 2, 50, (3, 4), 80, id="more-queries-d80"),
 ]

@@ -224,9 +224,9 @@ def fold_scale(scale: float, head_dim: int) -> bool:
 #: (``local.bias``'s ROW_TILE: no gather, no one-hot products); the SAM / ViTDet global
 #: blocks at 1024 px (64 x 64) and 2048 px (128 x 128)
 ROW_TILE_WIDTHS = (64, 128)
-#: the largest key grid side the gathering layout takes (its dq accumulators are (BLOCK_M,
+#: the largest key grid side the one-hot layout takes (its dq accumulators are (BLOCK_M,
 #: padded side) tiles of registers); the row layout takes any number of grid rows
-MAX_GATHERED_SIDE = 128
+MAX_ONE_HOT_SIDE = 128
 
 
 class LocalCall(NamedTuple):
@@ -321,31 +321,32 @@ def row_tile(call: LocalCall, tiles: Plan) -> bool:
 def _bias_tiles(kind: str, tiles: Plan, call: LocalCall) -> Plan:
     """``tiles`` as a decomposed bias takes them: key tiles of one grid row where the grid's
     width is one of ``ROW_TILE_WIDTHS``, fitted again to the architecture (where that halves
-    the key tiles, the gathering layout serves); for the gathering layout's dq kernel, whose
+    the key tiles, the one-hot layout serves); for the one-hot layout's dq kernel, whose
     accumulators grow with the padded grid sides, query tiles of 32 rows beyond sides of 64;
-    the gathering dkdv kernel, and rows of 128 keys (2048 px; their (BLOCK_M, 128) rel_w tiles
-    spill 0.8 to 1.5 KB of stack per thread at 4 warps, sm_90 builds), at 8 warps. The plans'
-    own warps elsewhere: at 8 warps SAM
-    ViT-B's global block (64 x 64 keys, row layout) took 9.9 ms f+b with the forward's, 9.4
-    with the dq kernel's and 8.2 with the dkdv kernel's, against 8.1, 8.3 and 6.3 at 4 (H200,
-    bf16, ``bench_rel_pos.py --tune global64``, 13338db); 14 x 14 windows read 4.0 ms with the
-    gathering dkdv kernel at 8 warps, 4.5 at 4. Not float32 inputs at 8 warps (triton 3.6
-    builds their dkdv kernel of 16 query rows at 8 warps into an illegal memory access:
+    the one-hot layout's dkdv kernel, and rows of 128 keys (2048 px; their (BLOCK_M, 128)
+    rel_w tiles spill 0.8 to 1.5 KB of stack per thread at 4 warps, sm_90 builds), at 8 warps.
+    The plans' own warps elsewhere: at 8 warps SAM ViT-B's global block (64 x 64 keys, row
+    layout) took 9.9 ms f+b with the forward's, 9.4 with the dq kernel's and 8.2 with the
+    dkdv kernel's, against 8.1, 8.3 and 6.3 at 4 (H200, bf16, ``bench_rel_pos.py --tune
+    global64``, 13338db); 14 x 14 windows read 4.0 ms with the dkdv kernel at 8 warps, 4.5 at
+    4, when it gathered each logit's terms (13338db; its one-hot products since 2b5b21f are
+    not tuned again: ``--tune window14``). Not float32 inputs at 8 warps (triton 3.6 builds
+    their dkdv kernel of 16 query rows at 8 warps into an illegal memory access:
     ``_PLANS_32BIT``)."""
     if call.bias != DECOMPOSED or INTERPRET:
         return tiles
     if call.key_w in ROW_TILE_WIDTHS and tiles.block_n != call.key_w:
         tiles = Plan(tiles.block_m, call.key_w, tiles.num_warps, tiles.num_stages)
         tiles = budget.local_fit(kind, tiles, tile_side(call.head_dim), call.dtype.itemsize, call.arch) or tiles
-    gathers = tiles.block_n != call.key_w
-    if kind == "dq" and gathers and max(call.key_h, call.key_w) > 64 and tiles.block_m > 32:
+    one_hot = tiles.block_n != call.key_w
+    if kind == "dq" and one_hot and max(call.key_h, call.key_w) > 64 and tiles.block_m > 32:
         tiles = Plan(32, tiles.block_n, tiles.num_warps, tiles.num_stages)
-    if ((kind == "dkdv" and gathers) or tiles.block_n > 64) and call.dtype != torch.float32:
+    if ((kind == "dkdv" and one_hot) or tiles.block_n > 64) and call.dtype != torch.float32:
         tiles = Plan(tiles.block_m, tiles.block_n, max(tiles.num_warps, 8), tiles.num_stages)
     return tiles
 
 
 def bias_fits(key_h: int, key_w: int) -> bool:
     """Whether the kernels take a decomposed bias over a (key_h, key_w) key grid: any number
-    of rows of ``ROW_TILE_WIDTHS`` columns, else sides up to ``MAX_GATHERED_SIDE``."""
-    return key_w in ROW_TILE_WIDTHS or max(key_h, key_w) <= MAX_GATHERED_SIDE
+    of rows of ``ROW_TILE_WIDTHS`` columns, else sides up to ``MAX_ONE_HOT_SIDE``."""
+    return key_w in ROW_TILE_WIDTHS or max(key_h, key_w) <= MAX_ONE_HOT_SIDE
