@@ -59,6 +59,8 @@ def test_timm_state_dict_unpatch_and_reasons():
     plain = tiny_samvit(use_rel_pos=False)
     with pytest.raises(PatchError, match="use_rel_pos=False"):
         patch_model(plain, strict=True)
+    skipped = patch_report(patch_model(plain)).skipped  # reported (no tables to describe), not a crash
+    assert skipped and all("use_rel_pos=False" in m.reason and m.layout is None for m in skipped)
 
 
 transformers = pytest.importorskip("transformers")

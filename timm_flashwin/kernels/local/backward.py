@@ -59,7 +59,7 @@ def dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, m0, cols, id_
         rh_rows, rw_rows = bias_rows(rel_h_ptr, rel_w_ptr, b, h, rows, S_q, stride_hb, stride_hh, stride_hs,
                                      stride_wb, stride_wh, stride_ws, BIAS)
         tile, row_bias = score_bias(rh_rows, rw_rows, n0, tl.arange(0, BLOCK_N), S_k, key_w, stride_hk, stride_wk,
-                                    BIAS, ROW_TILE, KEY_H_PAD, KEY_W_PAD, PRECISION, True)
+                                    BIAS, ROW_TILE, KEY_H_PAD, KEY_W_PAD, PRECISION)
         offset = (lse - row_bias)[None, :] - tile
     p = probabilities(k, q, positions[None, :], cols[:, None], qk_scale, offset, S_k, period, before, after,
                       sink, MASKED, HAS_SINK, PRECISION)

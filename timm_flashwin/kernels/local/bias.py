@@ -1,10 +1,11 @@
 """The additive score terms of the local-attention kernels: one constexpr switch, ``BIAS``.
 
-Each kind is one helper pair: ``score_bias`` gives the terms added to a tile's logits (log2
-domain, fp32: one of the tile's shape, one per query row), ``bias_grad_step`` adds a tile's dS
-to the kind's gradient; ``bias_rows`` and ``store_bias_grad`` open and close a program's rows,
-``row_tile_terms`` and ``tile_bias`` carry what a program keeps across its key tiles.
-``NO_BIAS`` compiles them all away.
+Each kind gives the terms added to a tile's logits (log2 domain, fp32: one of the tile's
+shape, one per query row) in two orientations: (rows, keys) to the kernels over query rows,
+through ``row_tile_terms`` (what a program keeps before its loop over key tiles) and
+``tile_bias`` (each tile's), and (keys, rows) to the dkdv kernel, ``score_bias``;
+``bias_grad_step`` adds a tile's dS to the kind's gradient; ``bias_rows`` and
+``store_bias_grad`` open and close a program's rows. ``NO_BIAS`` compiles them all away.
 
 ``DECOMPOSED``: decomposed relative position (SAM's image encoder, ViTDet, MViTv2). The keys
 lie on a grid of ``key_w`` columns, key j at row j // key_w and column j % key_w; with
@@ -109,24 +110,21 @@ def one_hot_bias(rh, rw, n0, offs, S_k, key_w, KEY_H_PAD: tl.constexpr, KEY_W_PA
 @triton.jit
 def score_bias(rh_rows, rw_rows, n0, offs, S_k, key_w, stride_hk, stride_wk, BIAS: tl.constexpr,
                ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr,
-               PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """(the tile's term, the rows' term) of the bias of the keys n0 + offs against the query
-    rows at ``rh_rows`` / ``rw_rows`` (``bias_rows``), times log2(e); the tile's term (rows,
-    keys), or (keys, rows) with TRANSPOSED (the dkdv kernel's orientation), and the rows'
-    term a vector (BLOCK_M,) added to every key (the row layout's rel_h, which the kernels
-    fold into their row maxima and log-sum-exps: no add per logit), 0.0 in the one-hot
-    layout. (0.0, 0.0) without a bias."""
+               PRECISION: tl.constexpr):
+    """The dkdv kernel's terms, (keys, rows): (the tile's term, the rows' term) of the bias of
+    the keys n0 + offs against the query rows at ``rh_rows`` / ``rw_rows`` (``bias_rows``),
+    times log2(e); the rows' term a vector (BLOCK_M,) added to every key (the row layout's
+    rel_h, which the kernel folds into its log-sum-exps: no add per logit), 0.0 in the
+    one-hot layout. (0.0, 0.0) without a bias. The kernels over query rows take the same
+    terms in (rows, keys) from ``row_tile_terms`` and ``tile_bias``."""
     if BIAS == _DECOMPOSED:
         if ROW_TILE:  # the tile is grid row n0 // key_w, its keys the columns 0 ... key_w - 1
             rh = tl.load(rh_rows + (n0 // key_w) * stride_hk).to(tl.float32) * _LOG2E
-            if TRANSPOSED:
-                rw = tl.load(rw_rows[None, :] + offs[:, None] * stride_wk)
-            else:
-                rw = tl.load(rw_rows[:, None] + offs[None, :] * stride_wk)
+            rw = tl.load(rw_rows[None, :] + offs[:, None] * stride_wk)
             return rw.to(tl.float32) * _LOG2E, rh
         else:
-            rh, rw = grid_rows(rh_rows, rw_rows, S_k, key_w, stride_hk, stride_wk, KEY_H_PAD, KEY_W_PAD, TRANSPOSED)
-            return one_hot_bias(rh, rw, n0, offs, S_k, key_w, KEY_H_PAD, KEY_W_PAD, PRECISION, TRANSPOSED), 0.0
+            rh, rw = grid_rows(rh_rows, rw_rows, S_k, key_w, stride_hk, stride_wk, KEY_H_PAD, KEY_W_PAD, True)
+            return one_hot_bias(rh, rw, n0, offs, S_k, key_w, KEY_H_PAD, KEY_W_PAD, PRECISION, True), 0.0
     else:
         return 0.0, 0.0
 
@@ -153,8 +151,8 @@ def row_tile_terms(rh_rows, rw_rows, offs, S_k, key_w, stride_hk, stride_wk, BIA
 def tile_bias(rw_tile, rh_next, rh_rows, n0, offs, S_k, key_w, stride_hk, BIAS: tl.constexpr,
               ROW_TILE: tl.constexpr, KEY_H_PAD: tl.constexpr, KEY_W_PAD: tl.constexpr, PRECISION: tl.constexpr):
     """(the tile's term, the rows' term, what the next tile takes) of the key tile at n0
-    against the program's query rows (``score_bias``'s terms), from what ``row_tile_terms``
-    gave. In the row layout the tile's term is rel_w's tile, loaded once, the rows' term the
+    against the program's query rows (``score_bias``'s terms, (rows, keys)), from what
+    ``row_tile_terms`` gave. In the row layout the tile's term is rel_w's tile, loaded once, the rows' term the
     one loaded during the previous tile, and the next row's is loaded now: its latency is
     hidden behind this tile's products (a load that feeds no product is not pipelined). In
     the one-hot layout (rw_tile, rh_next) are the rows of rel_w and rel_h, kept."""
