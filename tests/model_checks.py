@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from model_cases import flashwin_ops, images, recording_backend
+from opcases import kernels_launched
 from timm_flashwin.ops import dispatch
 from timm_flashwin import is_patched, patch_model, patch_report, unpatch_model
 from timm_flashwin.tools.comparison import Comparison, compare, group_error, jitter_images, larger_error
@@ -36,15 +37,29 @@ def judge(ours: Run, timm_run: Run, reference: Run, again: Run) -> List[Comparis
     return [c for c in checks if not c.passed]
 
 
+#: the attention kernels' forward launches: one per patched module's call
+FORWARD_KERNELS = ("window_attention_fwd_kernel", "local_attention_fwd_kernel")
+
+
 def training_step_runs(model: nn.Module, ours: nn.Module, x: torch.Tensor) -> List[Run]:
     """One backward of a fixed random output gradient each, in ``judge``'s order: the patched
     model ``ours``, timm's ``model``, a float64 copy of it and ``model`` again on the images
-    moved by one ulp (``jitter_images``)."""
+    moved by one ulp (``jitter_images``). The patched run must have run the kernels: one
+    forward kernel launched per patched module, and a backward kernel for each (a module that
+    quietly computed in PyTorch fails here, whatever its output)."""
     runs = []
     for net, x_in in ((ours, x), (model, x), (copy.deepcopy(model).double(), x.double()), (model, jitter_images(x))):
         net.zero_grad(set_to_none=True)
-        out = net(x_in)
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
+        with kernels_launched() as launched:
+            out = net(x_in)
+            forward = len(launched)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
+        if net is ours:
+            patched = len(patch_report(ours).patched)
+            assert patched and sum(launched[:forward].count(k) for k in FORWARD_KERNELS) == patched, launched
+            assert sum("_bwd_" in k for k in launched[forward:]) >= patched, launched
+        else:
+            assert not launched, launched
         runs.append((out.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}))
     return runs
 
