@@ -61,6 +61,7 @@ BIAS_CASES = [
     (64, torch.bfloat16, False, (40, 40)),
     (64, torch.float32, False, (64, 64)),
     (64, torch.float32, False, (14, 14)),
+    (80, torch.float32, False, (14, 14)),
 ]
 #: the one case of the test suite (tests/test_local_plans.py): every constexpr branch, and
 #: at head_dim 64 the forward plans of short, long and tall rows differ (three builds)

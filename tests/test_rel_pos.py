@@ -120,9 +120,9 @@ def test_table_terms_are_the_gathered_tables_terms(size, rows, always):
 def test_kernels_with_an_h200s_plans_touch_only_their_tensors(monkeypatch, head_dim, dtype):
     """SAM's 14 x 14 windows with the tiles, warps and bias layout the kernels take on an
     H200 (sm_90), forward and backward under the interpreter: every load and store within
-    its tensors (tests/bounds.py). On an H200 the float32 head_dim 80 case met an illegal
-    memory access in the pytest suite (benchmarks/RESULTS.md, GPU test runs): not in the
-    kernels' own addressing, this says."""
+    its tensors (tests/bounds.py). (The float32 head_dim 80 case's illegal memory access on
+    an H200 was not in this addressing but in triton 3.6's build of the dq kernel's 64-row
+    plan, which read shared memory out of bounds: ``local.plan._PLANS_32BIT``.)"""
     from bounds import views_checked
     from timm_flashwin.kernels.arch import KNOWN
     from timm_flashwin.kernels.local import plan as local_plan
