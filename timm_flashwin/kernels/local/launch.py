@@ -62,10 +62,12 @@ def local_call(inputs: LocalInputs, pattern: Pattern, scale: float, dropout_p: f
     """The ``LocalCall`` of validated inputs: a decomposed bias where ``inputs.rel_h`` is
     given, over a key grid of ``key_w`` columns."""
     q, k = inputs.q, inputs.k
-    batch, heads, queries, head_dim = q.shape
-    keys = k.shape[2]
+    # concrete sizes: the call keys the plan cache, and the SymInts of torch.library's tracing
+    # (a triton_op's functional decomposition under dynamic shapes) cannot be hashed
+    batch, heads, queries, head_dim = (int(n) for n in q.shape)
+    keys, key_w = int(k.shape[2]), int(key_w)
     biased = inputs.rel_h is not None
-    return LocalCall(batch, heads, k.shape[1], queries, keys, head_dim, q.dtype, tensor_arch(q), pattern,
+    return LocalCall(batch, heads, int(k.shape[1]), queries, keys, head_dim, q.dtype, tensor_arch(q), tuple(int(n) for n in pattern),
                      bool(dropout_p > 0), bool(scale > 0), DECOMPOSED if biased else NO_BIAS,
                      keys // key_w if biased else 0, key_w if biased else 0)
 
