@@ -128,6 +128,17 @@ struct Program {
 // A failed launch, as kernels/launch_errors.py words Triton's: the kernel, its grid and its
 // tensors named; out of memory (after the retry) as torch.OutOfMemoryError, which
 // batch-size finders look for.
+// The text of a tensor's sizes and dtype, "[7, 16, 96] Half", without an ostream: messages
+// are built from std::string pieces and TORCH_CHECK is given one string (a number inserted into
+// c10::str's stream in this extension crashed in libstdc++'s num_put on an H200 image,
+// torch 2.11: a segmentation fault in place of the error).
+std::string tensor_text(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::string text = "[";
+  for (size_t i = 0; i < t.sizes().size(); ++i) text += (i ? ", " : "") + std::to_string(t.sizes()[i]);
+  return text + "] " + c10::toString(t.scalar_type());
+}
+
 [[noreturn]] void launch_failed(const Launch& launch, const std::vector<at::Tensor>& slots, CUresult_t code) {
   const char* message = "unknown error";
   driver().error_string(code, &message);
@@ -136,16 +147,16 @@ struct Program {
   for (const Param& p : launch.params) {
     if (p.kind != kSlot || std::find(seen.begin(), seen.end(), p.slot_or_int) != seen.end()) continue;
     seen.push_back(p.slot_or_int);
-    const at::Tensor& t = slots[p.slot_or_int];
     if (!tensors.empty()) tensors += ", ";
-    tensors += c10::str(t.sizes(), " ", t.scalar_type());
+    tensors += p.slot_or_int >= 0 && p.slot_or_int < static_cast<int64_t>(slots.size())
+                   ? tensor_text(slots[p.slot_or_int]) : std::string("?");
   }
-  const std::string call = c10::str("the Triton kernel ", launch.name, " (grid (", launch.grid[0], ", ", launch.grid[1],
-                                    ", ", launch.grid[2], "); tensors ", tensors.empty() ? "none" : tensors,
-                                    ") replayed by a host program");
-  TORCH_CHECK_WITH(OutOfMemoryError, code != kCudaOutOfMemory, "CUDA out of memory. timm_flashwin: launching ", call,
-                   " failed (", message, "), also after torch.cuda.empty_cache()");
-  TORCH_CHECK(false, "timm_flashwin: ", call, " failed: ", message);
+  const std::string call = "the Triton kernel " + launch.name + " (grid (" + std::to_string(launch.grid[0]) + ", " +
+                           std::to_string(launch.grid[1]) + ", " + std::to_string(launch.grid[2]) + "); tensors " +
+                           (tensors.empty() ? std::string("none") : tensors) + "; replayed by a host program)";
+  TORCH_CHECK_WITH(OutOfMemoryError, code != kCudaOutOfMemory, "CUDA out of memory. timm_flashwin: launching " +
+                   call + " failed (" + message + "), also after torch.cuda.empty_cache()");
+  TORCH_CHECK(false, "timm_flashwin: " + call + " failed: " + message);
 }
 
 void run_launch(const Launch& launch, const std::vector<at::Tensor>& slots, void* stream) {
@@ -219,8 +230,8 @@ void run_call(const Call& call, std::vector<at::Tensor>& slots) {
     }
   }
   call.op.callBoxed(&stack);
-  TORCH_CHECK(stack.size() >= call.output_slots.size(), "timm_flashwin host programs: ", call.op.schema().name(),
-              " returned ", stack.size(), " values");
+  TORCH_CHECK(stack.size() >= call.output_slots.size(), "timm_flashwin host programs: " + call.op.schema().name() +
+              " returned " + std::to_string(stack.size()) + " values");
   for (size_t i = 0; i < call.output_slots.size(); ++i) {
     slots[call.output_slots[i]] = stack[i].toTensor();
   }
@@ -281,8 +292,8 @@ Program build_program(int64_t num_slots, const py::list& steps) {
       const auto& arguments = op.schema().arguments();
       py::list values = step[3].cast<py::list>();
       py::list argument_slots = step[4].cast<py::list>();
-      TORCH_CHECK(values.size() == arguments.size(), "timm_flashwin host programs: ", name, " takes ",
-                  arguments.size(), " arguments, got ", values.size());
+      TORCH_CHECK(values.size() == arguments.size(), "timm_flashwin host programs: " + name + " takes " +
+                  std::to_string(arguments.size()) + " arguments, got " + std::to_string(values.size()));
       Call call{op, {}, {}, {}};
       for (size_t i = 0; i < arguments.size(); ++i) {
         const int64_t slot = argument_slots[i].cast<int64_t>();
@@ -360,7 +371,7 @@ int64_t add_signature(int64_t forward_slots, const py::list& forward_steps, int6
 const Signature& signature(int64_t index) {
   std::lock_guard<std::mutex> lock(signatures_mutex());
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(signatures().size()),
-              "timm_flashwin host programs: no signature ", index);
+              "timm_flashwin host programs: no signature " + std::to_string(index));
   return signatures()[index];
 }
 
