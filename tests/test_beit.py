@@ -251,5 +251,25 @@ def test_gpu_compiled_matches_unpatched(case):
         family, implementation, config, size, interpolate = HF_CASES[case]
         model = HfClassifier(hf_tiny(family, implementation, **config), interpolate)
         model.pretrained_cfg = {"input_size": (3, size, size)}
-        failed = compiled_against_timm(model)
+        failed = compiled_against_timm(model, ops_per_graph=0 if _traced_mask_per_image(family) else None)
     assert not failed, "\n".join(map(str, failed))
+
+
+def _traced_mask_per_image(family: str) -> bool:
+    """Whether transformers' ``{family}Model`` hands its layers a bias per image under
+    torch.compile: where ``create_bidirectional_mask`` builds its attend-everywhere mask while
+    tracing (transformers 5.17; 5.24 skips it as in eager), the shared bias plus that (B, 1,
+    N, N) mask is (B, H, N, N), which the op does not take, and the layers run transformers'
+    forward (eager calls get no mask and are served)."""
+    import importlib
+    create = getattr(importlib.import_module(getattr(transformers, f"{family}Model").__module__),
+                     "create_bidirectional_mask", None)
+    if create is None:
+        return False
+    config = getattr(transformers, f"{family}Config")(attn_implementation="sdpa")
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def probe(x):
+        return torch.ones(1) if create(config=config, inputs_embeds=x, attention_mask=None) is None else torch.zeros(1)
+    torch._dynamo.reset()
+    return probe(torch.zeros(2, 5, 8)).item() == 0

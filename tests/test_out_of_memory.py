@@ -263,10 +263,11 @@ def test_gpu_full_training_step_raises_torch_out_of_memory_error(variant):
 @fills_gpu
 def test_gpu_find_executable_batch_size_halves_and_finishes():
     """accelerate's find_executable_batch_size over a patched model's training step, from a
-    batch that does not fit beside a tensor holding most of the GPU: it halves until a batch
-    fits and finishes, as it does for timm's unpatched model."""
+    batch that does not fit beside a tensor holding most of the GPU: it lowers the batch
+    until one fits and finishes, as it does for timm's unpatched model (accelerate 1.15
+    takes 90% of the batch each time, earlier ones half: any decreasing sequence)."""
     pytest.importorskip("accelerate")
     for variant in ("timm", "flashwin"):
         result = _run_script("batch-finder", "--variant", variant)
         tried = result["tried"]
-        assert result["finished"] and len(tried) >= 2 and tried == [tried[0] // 2 ** i for i in range(len(tried))], result
+        assert result["finished"] and len(tried) >= 2 and all(a > b for a, b in zip(tried, tried[1:])), result
