@@ -261,7 +261,7 @@ def test_gpu_full_training_step_raises_torch_out_of_memory_error(variant):
 
 @cuda
 @fills_gpu
-def test_gpu_find_executable_batch_size_halves_and_finishes():
+def test_gpu_find_executable_batch_size_lowers_the_batch_and_finishes():
     """accelerate's find_executable_batch_size over a patched model's training step, from a
     batch that does not fit beside a tensor holding most of the GPU: it lowers the batch
     until one fits and finishes, as it does for timm's unpatched model (accelerate 1.15

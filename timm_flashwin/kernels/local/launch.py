@@ -67,9 +67,9 @@ def local_call(inputs: LocalInputs, pattern: Pattern, scale: float, dropout_p: f
     batch, heads, queries, head_dim = (int(n) for n in q.shape)
     keys, key_w = int(k.shape[2]), int(key_w)
     biased = inputs.rel_h is not None
-    return LocalCall(batch, heads, int(k.shape[1]), queries, keys, head_dim, q.dtype, tensor_arch(q), tuple(int(n) for n in pattern),
-                     bool(dropout_p > 0), bool(scale > 0), DECOMPOSED if biased else NO_BIAS,
-                     keys // key_w if biased else 0, key_w if biased else 0)
+    return LocalCall(batch, heads, int(k.shape[1]), queries, keys, head_dim, q.dtype, tensor_arch(q),
+                     tuple(int(n) for n in pattern), bool(dropout_p > 0), bool(scale > 0),
+                     DECOMPOSED if biased else NO_BIAS, keys // key_w if biased else 0, key_w if biased else 0)
 
 
 _NO_BIAS_STRIDES = (0,) * 8

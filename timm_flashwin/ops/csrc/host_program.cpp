@@ -125,9 +125,6 @@ struct Program {
   std::vector<Step> steps;
 };
 
-// A failed launch, as kernels/launch_errors.py words Triton's: the kernel, its grid and its
-// tensors named; out of memory (after the retry) as torch.OutOfMemoryError, which
-// batch-size finders look for.
 // The text of a tensor's sizes and dtype, "[7, 16, 96] Half", without an ostream: messages
 // are built from std::string pieces and TORCH_CHECK is given one string (a number inserted into
 // c10::str's stream in this extension crashed in libstdc++'s num_put on an H200 image,
@@ -139,6 +136,9 @@ std::string tensor_text(const at::Tensor& t) {
   return text + "] " + c10::toString(t.scalar_type());
 }
 
+// A failed launch, as kernels/launch_errors.py words Triton's: the kernel, its grid and its
+// tensors named; out of memory (after the retry) as torch.OutOfMemoryError, which
+// batch-size finders look for.
 [[noreturn]] void launch_failed(const Launch& launch, const std::vector<at::Tensor>& slots, CUresult_t code) {
   const char* message = "unknown error";
   driver().error_string(code, &message);
